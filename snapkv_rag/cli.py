@@ -1,0 +1,148 @@
+"""``snapkv-rag``: generate, chat, info (and eval) from the command line."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Any
+
+from .errors import SnapKVRagError
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="default", help="'default' (embedded SmolLM2), a model dir, a .gguf file or a hub id")
+    p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
+    p.add_argument("--dtype", default=None, help="float32, bfloat16, float16 (default: bf16 on GPU, fp32 on CPU)")
+    p.add_argument("--json", action="store_true", help="print machine-readable JSON")
+
+
+def _add_generation_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    p.add_argument(
+        "--compression",
+        default=None,
+        help="policy spec, e.g. snapkv:budget=1024,window=32,kernel=7,pooling=max | streamingllm:budget=1024 | h2o:budget=1024 | random:budget=1024 | full",
+    )
+
+
+def _engine(args):
+    from .engine import Engine
+
+    return Engine.from_pretrained(args.model, device=args.device, dtype=args.dtype)
+
+
+def _gen_kwargs(args) -> dict[str, Any]:
+    return dict(
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        seed=args.seed,
+        stop=args.stop,
+        compression=args.compression,
+    )
+
+
+def cmd_generate(args) -> int:
+    prompt = args.prompt if args.prompt not in (None, "-") else sys.stdin.read()
+    engine = _engine(args)
+    chat = False if args.raw else None
+    if args.json:
+        result = engine.generate(prompt, chat=chat, **_gen_kwargs(args))
+        print(json.dumps(result.to_dict(), indent=2))
+        return 0
+    stream = engine.stream(prompt, chat=chat, **_gen_kwargs(args))
+    for piece in stream:
+        sys.stdout.write(piece)
+        sys.stdout.flush()
+    sys.stdout.write("\n")
+    return 0
+
+
+def cmd_chat(args) -> int:
+    engine = _engine(args)
+    messages: list[dict[str, str]] = []
+    if args.system:
+        messages.append({"role": "system", "content": args.system})
+    interactive = sys.stdin.isatty()
+    while True:
+        if interactive:
+            sys.stdout.write("you> ")
+            sys.stdout.flush()
+        line = sys.stdin.readline()
+        if not line:
+            break
+        line = line.strip()
+        if not line:
+            continue
+        if line in ("/exit", "/quit"):
+            break
+        messages.append({"role": "user", "content": line})
+        stream = engine.stream(messages, **_gen_kwargs(args))
+        if not args.json:
+            sys.stdout.write("assistant> " if interactive else "")
+            for piece in stream:
+                sys.stdout.write(piece)
+                sys.stdout.flush()
+            sys.stdout.write("\n")
+        else:
+            for _ in stream:
+                pass
+            print(json.dumps(stream.result.to_dict()))
+        messages.append({"role": "assistant", "content": stream.result.text})
+    return 0
+
+
+def cmd_info(args) -> int:
+    info = _engine(args).info()
+    if args.json:
+        print(json.dumps(info.to_dict(), indent=2))
+    else:
+        for key, value in info.to_dict().items():
+            print(f"{key:>20}: {value}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="snapkv-rag", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="complete one prompt (argument or stdin)")
+    gen.add_argument("prompt", nargs="?", help="the prompt; '-' or absent reads stdin")
+    gen.add_argument("--raw", action="store_true", help="do not wrap the prompt in the chat template")
+    _add_model_args(gen)
+    _add_generation_args(gen)
+    gen.set_defaults(func=cmd_generate)
+
+    chat = sub.add_parser("chat", help="interactive chat (one user turn per line on stdin)")
+    chat.add_argument("--system", default=None, help="system message")
+    _add_model_args(chat)
+    _add_generation_args(chat)
+    chat.set_defaults(func=cmd_chat)
+
+    info = sub.add_parser("info", help="model configuration and KV bytes per token")
+    _add_model_args(info)
+    info.set_defaults(func=cmd_info)
+
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except SnapKVRagError as exc:
+        print(f"snapkv-rag: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,22 @@
+"""KV-cache compression policies and the machinery that applies them during prefill."""
+
+from .base import CompressionPolicy, keep_recent_and_top
+from .full import FullCache
+from .h2o import H2O
+from .parsing import POLICIES, as_policy, parse_compression
+from .random_keep import RandomKeep
+from .snapkv import SnapKV
+from .streaming_llm import StreamingLLM
+
+__all__ = [
+    "CompressionPolicy",
+    "FullCache",
+    "H2O",
+    "POLICIES",
+    "RandomKeep",
+    "SnapKV",
+    "StreamingLLM",
+    "as_policy",
+    "keep_recent_and_top",
+    "parse_compression",
+]

@@ -1,0 +1,147 @@
+"""The compression-policy contract and the selection step every policy shares.
+
+``policy.select(queries, keys, attention_mask=None, *, scaling=None) -> indices``
+
+- ``queries``: post-RoPE queries of the last ``policy.query_window`` prompt positions,
+  ``[batch, q_heads, window, head_dim]`` (all positions when ``query_window`` is None,
+  none when it is 0);
+- ``keys``: post-RoPE keys ``[batch, kv_heads, n, head_dim]``; ``q_heads`` is a multiple
+  of ``kv_heads`` (GQA groups are reduced to one score per KV head);
+- ``attention_mask``: ``[batch, n]``, 1 for real tokens, 0 for left padding;
+- returns ``LongTensor [batch, kv_heads, k]``, ``k = min(n, max_capacity_prompt)``,
+  sorted ascending. The last ``recent`` positions (the observation window) are always
+  kept. Padding is never chosen while real tokens remain; a row with fewer real tokens
+  than ``k`` keeps all of them and fills its remaining slots with its *earliest* padding
+  positions. Those filler slots therefore come first and are the same for every head, so
+  ``attention_mask.gather(1, indices[:, 0])`` is the row's mask over the kept entries.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from abc import ABC, abstractmethod
+from typing import Any, ClassVar
+
+import torch
+
+from ..errors import InvalidCompressionError
+
+
+def check_positive_int(owner: str, name: str, value: Any, minimum: int = 1) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise InvalidCompressionError(f"{owner}: {name} must be an integer >= {minimum}, got {value!r}")
+
+
+def check_choice(owner: str, name: str, value: Any, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise InvalidCompressionError(f"{owner}: unknown {name} {value!r}; choose one of {', '.join(choices)}")
+
+
+class CompressionPolicy(ABC):
+    """A prompt KV-cache selection rule. Subclasses are frozen dataclasses."""
+
+    name: ClassVar[str]
+    max_capacity_prompt: int
+
+    @property
+    def query_window(self) -> int | None:
+        """Trailing prompt queries that :meth:`select` needs (None: all of them)."""
+        return 0
+
+    @property
+    def question_aware(self) -> bool:
+        """True when the kept set depends on the end of the prompt (the question)."""
+        return False
+
+    @abstractmethod
+    def select(
+        self,
+        queries: torch.Tensor,
+        keys: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        *,
+        scaling: float | None = None,
+    ) -> torch.Tensor: ...
+
+    def settings(self) -> dict[str, Any]:
+        out = {"method": self.name, **dataclasses.asdict(self)}
+        out["question_aware"] = self.question_aware
+        return out
+
+    def spec(self) -> str:
+        """The CLI string that rebuilds this policy."""
+        fields = ",".join(f"{k}={v}" for k, v in dataclasses.asdict(self).items())
+        return f"{self.name}:{fields}" if fields else self.name
+
+
+def keep_all(batch: int, kv_heads: int, n: int, device: torch.device) -> torch.Tensor:
+    return torch.arange(n, device=device).expand(batch, kv_heads, n).contiguous()
+
+
+def keep_recent_and_top(
+    prefix_scores: torch.Tensor,
+    n: int,
+    capacity: int,
+    attention_mask: torch.Tensor | None,
+) -> torch.Tensor:
+    """Keep the last ``n - p`` positions and the ``capacity - (n - p)`` best-scored prefix ones.
+
+    ``prefix_scores``: ``[batch, kv_heads, p]``, non-negative, one per prefix position.
+    Returns ``[batch, kv_heads, min(n, capacity)]`` ascending (see the module contract).
+    """
+    batch, kv_heads, prefix = prefix_scores.shape
+    device = prefix_scores.device
+    if n <= capacity:
+        return keep_all(batch, kv_heads, n, device)
+    recent = n - prefix
+    if not 0 <= recent <= capacity:
+        raise InvalidCompressionError(f"recent window {recent} does not fit in budget {capacity}")
+    k = capacity - recent
+    scores = prefix_scores.float()
+    if attention_mask is not None:
+        # Real tokens score >= 0; padding ranks below every real token, earliest first.
+        real = attention_mask[:, :prefix].bool()[:, None, :]
+        filler = -(torch.arange(prefix, device=device, dtype=scores.dtype) + 1)
+        scores = torch.where(real, scores, filler.expand_as(scores))
+    top = scores.topk(k, dim=-1).indices.sort(dim=-1).values
+    window = torch.arange(prefix, n, device=device).expand(batch, kv_heads, recent)
+    return torch.cat([top, window], dim=-1)
+
+
+def group_queries(queries: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """``[b, q_heads, w, d] -> [b, kv_heads, group, w, d]`` (GQA groups are contiguous)."""
+    batch, q_heads, window, dim = queries.shape
+    if q_heads % kv_heads:
+        raise InvalidCompressionError(f"{q_heads} query heads are not a multiple of {kv_heads} KV heads")
+    return queries.reshape(batch, kv_heads, q_heads // kv_heads, window, dim)
+
+
+def window_attention(
+    queries: torch.Tensor,
+    keys: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None,
+    query_start: int,
+) -> torch.Tensor:
+    """Softmaxed attention (fp32) of ``w`` queries at positions ``query_start..`` over all keys.
+
+    Returns ``[b, kv_heads, group, w, n]``; never builds an ``n x n`` matrix.
+    """
+    kv_heads, n, dim = keys.shape[1], keys.shape[2], keys.shape[3]
+    q = group_queries(queries, kv_heads).float()
+    scale = dim**-0.5 if scaling is None else scaling
+    logits = torch.einsum("bhgwd,bhnd->bhgwn", q, keys.float()) * scale
+    w = q.shape[3]
+    q_pos = torch.arange(query_start, query_start + w, device=keys.device)
+    blocked = torch.arange(n, device=keys.device)[None, :] > q_pos[:, None]  # causal: [w, n]
+    blocked = blocked[None, None, None]
+    if attention_mask is not None:
+        blocked = blocked | ~attention_mask.bool()[:, None, None, None, :]
+    logits = logits.masked_fill(blocked, float("-inf"))
+    # A padded query row sees nothing; give it zeros instead of NaN.
+    return torch.nan_to_num(logits.softmax(dim=-1), nan=0.0)
+
+
+def reduce_groups(scores: torch.Tensor, how: str) -> torch.Tensor:
+    """``[b, kv_heads, group, p] -> [b, kv_heads, p]``."""
+    return scores.mean(dim=2) if how == "mean" else scores.amax(dim=2)

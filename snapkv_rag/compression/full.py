@@ -1,0 +1,22 @@
+"""The uncompressed baseline."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .base import CompressionPolicy, keep_all
+
+
+@dataclass(frozen=True)
+class FullCache(CompressionPolicy):
+    """Keep every entry; the engine treats it exactly like ``compression=None``."""
+
+    name = "full"
+
+    @property
+    def max_capacity_prompt(self) -> None:  # type: ignore[override]
+        return None
+
+    def select(self, queries, keys, attention_mask=None, *, scaling=None):
+        b, kv_heads, n, _ = keys.shape
+        return keep_all(b, kv_heads, n, keys.device)

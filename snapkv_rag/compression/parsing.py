@@ -1,0 +1,81 @@
+"""Build policies from CLI strings such as ``snapkv:budget=512,window=32,kernel=7,pooling=max``."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from ..errors import InvalidCompressionError
+from .base import CompressionPolicy
+from .full import FullCache
+from .h2o import H2O
+from .random_keep import RandomKeep
+from .snapkv import SnapKV
+from .streaming_llm import StreamingLLM
+
+POLICIES: dict[str, type[CompressionPolicy]] = {
+    "snapkv": SnapKV,
+    "streamingllm": StreamingLLM,
+    "streaming": StreamingLLM,
+    "h2o": H2O,
+    "random": RandomKeep,
+    "full": FullCache,
+    "none": FullCache,
+}
+
+ALIASES = {
+    "budget": "max_capacity_prompt",
+    "capacity": "max_capacity_prompt",
+    "window": "window_size",
+    "kernel": "kernel_size",
+    "sinks": "sink_tokens",
+    "gqa": "gqa_reduce",
+}
+
+
+def _coerce(text: str) -> Any:
+    low = text.lower()
+    if low in ("none", "null"):
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        return text
+
+
+def parse_compression(spec: str) -> CompressionPolicy:
+    """Parse ``name[:key=value,...]``; keys may use the short aliases in ``ALIASES``."""
+    if not isinstance(spec, str) or not spec.strip():
+        raise InvalidCompressionError("empty compression spec; try 'snapkv:budget=1024'")
+    name, _, rest = spec.strip().partition(":")
+    cls = POLICIES.get(name.strip().lower())
+    if cls is None:
+        raise InvalidCompressionError(
+            f"unknown compression method {name!r}; choose one of {', '.join(sorted(set(POLICIES)))}"
+        )
+    allowed = {f.name for f in dataclasses.fields(cls)}
+    kwargs: dict[str, Any] = {}
+    for item in filter(None, (part.strip() for part in rest.split(","))):
+        key, eq, value = item.partition("=")
+        key = ALIASES.get(key.strip(), key.strip())
+        if not eq or not value.strip():
+            raise InvalidCompressionError(f"expected key=value in compression spec, got {item!r}")
+        if key not in allowed:
+            raise InvalidCompressionError(
+                f"{cls.name} has no setting {key!r}; settings: {', '.join(sorted(allowed)) or 'none'}"
+            )
+        kwargs[key] = _coerce(value.strip())
+    return cls(**kwargs)
+
+
+def as_policy(compression: CompressionPolicy | str | None) -> CompressionPolicy | None:
+    """Normalize the engine's ``compression=`` argument; full-cache forms become None."""
+    if compression is None:
+        return None
+    if isinstance(compression, str):
+        compression = parse_compression(compression)
+    if not isinstance(compression, CompressionPolicy):
+        raise InvalidCompressionError(
+            f"compression must be a policy, a spec string or None, got {type(compression).__name__}"
+        )
+    return None if isinstance(compression, FullCache) else compression

@@ -1,0 +1,102 @@
+"""Apply a policy inside the model's prefill, one layer at a time, with no model-specific code.
+
+The engine registers an attention function (``snapkv_sdpa``, ``snapkv_flash_attention_2``) through
+transformers' public ``AttentionInterface``. It runs the stock implementation and, while a
+:class:`PrefillCompression` is active, hands the layer's post-RoPE queries and keys to the
+policy and shrinks that layer's cache entry right away. So at most one layer holds its
+full K/V at any moment, the cache keeps ``kv_heads`` heads, and every architecture whose
+attention goes through the interface (Llama, Mistral, Qwen2/3, Gemma, Phi3, ...) works.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from contextvars import ContextVar
+from typing import Iterator
+
+import torch
+
+from .base import CompressionPolicy
+
+_ACTIVE: ContextVar["PrefillCompression | None"] = ContextVar("snapkv_rag_prefill", default=None)
+
+# Implementations registered globally in transformers (eager is per-model code, so it cannot be wrapped).
+WRAPPED_IMPLEMENTATIONS = ("sdpa", "flash_attention_2")
+
+
+def wrapped_name(base: str) -> str:
+    return f"snapkv_{base}"
+
+
+def _make_attention(base_fn):
+    def attention(module, query, key, value, attention_mask, **kwargs):
+        output = base_fn(module, query, key, value, attention_mask, **kwargs)
+        session = _ACTIVE.get()
+        if session is not None:
+            session.compress_layer(module, query, key, kwargs.get("scaling"))
+        return output
+
+    return attention
+
+
+def register_attention_functions() -> None:
+    """Idempotently register the wrapped attention and mask functions with transformers."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    for base in WRAPPED_IMPLEMENTATIONS:
+        name = wrapped_name(base)
+        if name in ALL_ATTENTION_FUNCTIONS:
+            continue
+        AttentionInterface.register(name, _make_attention(ALL_ATTENTION_FUNCTIONS[base]))
+        AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS[base])
+
+
+def sliding_layers(config) -> list[bool]:
+    """Which decoder layers use sliding-window attention (those are left uncompressed)."""
+    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    layer_types = getattr(text, "layer_types", None)
+    if layer_types:
+        return [t != "full_attention" for t in layer_types]
+    return [False] * text.num_hidden_layers
+
+
+class PrefillCompression:
+    """State of one compressed prefill: the policy, the cache it shrinks, what was kept."""
+
+    def __init__(self, policy: CompressionPolicy, cache, attention_mask: torch.Tensor | None, sliding: list[bool]):
+        self.policy = policy
+        self.cache = cache
+        self.attention_mask = attention_mask
+        self.sliding = sliding
+        self.kept_tokens: dict[int, int] = {}
+        self.kept_attention_mask: torch.Tensor | None = None
+
+    def compress_layer(self, module, query: torch.Tensor, key: torch.Tensor, scaling: float | None) -> None:
+        layer_idx = module.layer_idx
+        n = key.shape[2]
+        if self.sliding[layer_idx]:
+            self.kept_tokens[layer_idx] = n
+            return
+        window = self.policy.query_window
+        queries = query if window is None else query[:, :, query.shape[2] - window :]
+        indices = self.policy.select(queries, key, self.attention_mask, scaling=scaling)
+        if indices.shape[-1] < n:
+            layer = self.cache.layers[layer_idx]
+            gather = indices.unsqueeze(-1).expand(-1, -1, -1, layer.keys.shape[-1])
+            layer.keys = layer.keys.gather(2, gather)
+            layer.values = layer.values.gather(2, gather)
+            if self.attention_mask is not None and self.kept_attention_mask is None:
+                self.kept_attention_mask = self.attention_mask.gather(1, indices[:, 0])
+        self.kept_tokens[layer_idx] = int(indices.shape[-1])
+
+
+@contextmanager
+def compressing(session: PrefillCompression | None) -> Iterator[PrefillCompression | None]:
+    """Activate ``session`` for the model calls inside the block (None: no compression)."""
+    token = _ACTIVE.set(session)
+    try:
+        yield session
+    finally:
+        _ACTIVE.reset(token)

@@ -1,0 +1,88 @@
+"""SnapKV: observation-window voting, pooling and per-head top-k.
+
+Li et al., "SnapKV: LLM Knows What You are Looking for Before Generation",
+NeurIPS 2024, arXiv:2404.14469.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from .base import (
+    CompressionPolicy,
+    check_choice,
+    check_positive_int,
+    keep_all,
+    keep_recent_and_top,
+    reduce_groups,
+    window_attention,
+)
+from ..errors import InvalidCompressionError
+
+
+@dataclass(frozen=True)
+class SnapKV(CompressionPolicy):
+    """Keep the ``window_size`` last prompt entries plus the ``max_capacity_prompt - window_size``
+    prefix entries that the window's queries attend to most (votes summed over the window,
+    reduced over each GQA group, then pooled over neighbouring positions).
+
+    Defaults are the paper's LongBench settings (w=32, k=7, max pooling).
+    """
+
+    name = "snapkv"
+    window_size: int = 32
+    max_capacity_prompt: int = 1024
+    kernel_size: int = 7
+    pooling: str = "max"
+    gqa_reduce: str = "mean"
+
+    def __post_init__(self) -> None:
+        check_positive_int("SnapKV", "window_size", self.window_size)
+        check_positive_int("SnapKV", "max_capacity_prompt", self.max_capacity_prompt)
+        check_positive_int("SnapKV", "kernel_size", self.kernel_size)
+        if self.window_size >= self.max_capacity_prompt:
+            raise InvalidCompressionError(
+                f"SnapKV: window_size ({self.window_size}) must be smaller than "
+                f"max_capacity_prompt ({self.max_capacity_prompt}); raise the budget or shrink the window"
+            )
+        if self.kernel_size % 2 == 0:
+            raise InvalidCompressionError(f"SnapKV: kernel_size must be odd (got {self.kernel_size}) so pooling stays centred")
+        check_choice("SnapKV", "pooling", self.pooling, ("max", "avg"))
+        check_choice("SnapKV", "gqa_reduce", self.gqa_reduce, ("mean", "max"))
+
+    @property
+    def query_window(self) -> int:
+        return self.window_size
+
+    @property
+    def question_aware(self) -> bool:
+        return True
+
+    def votes(self, queries: torch.Tensor, keys: torch.Tensor, attention_mask: torch.Tensor | None, scaling: float | None) -> torch.Tensor:
+        """Pooled per-KV-head votes for the prefix positions, ``[b, kv_heads, n - window]``."""
+        n = keys.shape[2]
+        window = queries.shape[2]
+        weights = window_attention(queries, keys, attention_mask, scaling, query_start=n - window)
+        votes = reduce_groups(weights[..., : n - window].sum(dim=3), self.gqa_reduce)
+        if attention_mask is not None:
+            votes = votes * attention_mask[:, None, : n - window].to(votes.dtype)
+        b, h, p = votes.shape
+        flat = votes.reshape(b * h, 1, p)
+        pad = self.kernel_size // 2
+        if self.pooling == "max":
+            pooled = F.max_pool1d(flat, self.kernel_size, stride=1, padding=pad)
+        else:
+            pooled = F.avg_pool1d(flat, self.kernel_size, stride=1, padding=pad)
+        return pooled.reshape(b, h, p)
+
+    def select(self, queries, keys, attention_mask=None, *, scaling=None):
+        b, kv_heads, n, _ = keys.shape
+        if n <= self.max_capacity_prompt:
+            return keep_all(b, kv_heads, n, keys.device)
+        if queries.shape[2] != self.window_size:
+            raise InvalidCompressionError(f"SnapKV expects {self.window_size} window queries, got {queries.shape[2]}")
+        votes = self.votes(queries, keys, attention_mask, scaling)
+        return keep_recent_and_top(votes, n, self.max_capacity_prompt, attention_mask)

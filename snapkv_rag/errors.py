@@ -1,0 +1,41 @@
+"""One exception type per kind of bad input, all under :class:`SnapKVRagError`.
+
+Each subclasses the matching builtin (``ValueError``, ``FileNotFoundError``) so callers
+that already catch those keep working.
+"""
+
+from __future__ import annotations
+
+
+class SnapKVRagError(Exception):
+    """Base class of every error this toolkit raises on purpose."""
+
+
+class ModelNotFoundError(SnapKVRagError, FileNotFoundError):
+    """The model path, GGUF file or hub id could not be resolved."""
+
+
+class EmptyPromptError(SnapKVRagError, ValueError):
+    """The prompt (or every message of it) is empty or whitespace."""
+
+
+class PromptTooLongError(SnapKVRagError, ValueError):
+    """Prompt plus requested new tokens do not fit in the model's context window."""
+
+    def __init__(self, prompt_tokens: int, max_new_tokens: int, context_length: int):
+        self.prompt_tokens = prompt_tokens
+        self.max_new_tokens = max_new_tokens
+        self.context_length = context_length
+        super().__init__(
+            f"prompt has {prompt_tokens} tokens and max_new_tokens={max_new_tokens}, "
+            f"together {prompt_tokens + max_new_tokens}, but the model's context is "
+            f"{context_length} tokens; shorten the prompt or lower max_new_tokens"
+        )
+
+
+class InvalidGenerationParameterError(SnapKVRagError, ValueError):
+    """A generation parameter (max_new_tokens, temperature, top_p, stop, seed) is invalid."""
+
+
+class InvalidCompressionError(SnapKVRagError, ValueError):
+    """A compression policy or its specification string is invalid."""

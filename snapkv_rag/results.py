@@ -1,0 +1,68 @@
+"""What every generation returns: text, finish reason, usage and measured stats."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+    def to_dict(self) -> dict[str, int]:
+        return {**asdict(self), "total_tokens": self.total_tokens}
+
+
+@dataclass(frozen=True)
+class GenerationStats:
+    """Measurements of one engine call (shared by every row of a batch)."""
+
+    prefill_seconds: float
+    decode_ms_per_token: float | None  # median over decode steps, first step excluded
+    decode_steps: int
+    total_seconds: float
+    prompt_tokens_padded: int  # n: the prompt length the full cache would hold per row
+    kept_tokens_per_layer: list[int]
+    prompt_kv_bytes_full: int
+    prompt_kv_bytes_kept: int
+    kv_bytes_final: int  # the cache at the end, generated tokens included
+    peak_memory_bytes: int
+    peak_memory_kind: str
+    compression: dict[str, Any] | None
+    batch_size: int
+    device: str
+    dtype: str
+    threads: int
+    model: str
+    version: str
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def compression_ratio(self) -> float:
+        return self.prompt_kv_bytes_full / self.prompt_kv_bytes_kept if self.prompt_kv_bytes_kept else 1.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "compression_ratio": self.compression_ratio}
+
+
+@dataclass(frozen=True)
+class GenerationResult:
+    text: str
+    finish_reason: str  # "stop" (EOS or stop string), "length" or "cancelled"
+    usage: Usage
+    stats: GenerationStats
+    token_ids: list[int] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "text": self.text,
+            "finish_reason": self.finish_reason,
+            "usage": self.usage.to_dict(),
+            "stats": self.stats.to_dict(),
+        }

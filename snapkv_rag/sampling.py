@@ -1,0 +1,82 @@
+"""Validated generation parameters and next-token selection (greedy, temperature, top-p)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from .errors import InvalidGenerationParameterError
+
+
+@dataclass(frozen=True)
+class GenerationParams:
+    max_new_tokens: int = 256
+    temperature: float = 0.0
+    top_p: float = 1.0
+    stop: tuple[str, ...] = field(default_factory=tuple)
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        bad = InvalidGenerationParameterError
+        if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+            raise bad(f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}")
+        if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)) or not math.isfinite(self.temperature) or self.temperature < 0:
+            raise bad(f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature!r}")
+        if isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float)) or not (0.0 < self.top_p <= 1.0):
+            raise bad(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0):
+            raise bad(f"seed must be a non-negative integer or None, got {self.seed!r}")
+        for s in self.stop:
+            if not isinstance(s, str) or not s:
+                raise bad(f"stop sequences must be non-empty strings, got {s!r}")
+
+    @classmethod
+    def build(
+        cls,
+        *,
+        max_new_tokens: int = 256,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        stop: str | Sequence[str] | None = None,
+        seed: int | None = None,
+    ) -> "GenerationParams":
+        if stop is None:
+            stops: tuple[str, ...] = ()
+        elif isinstance(stop, str):
+            stops = (stop,)
+        elif isinstance(stop, Sequence):
+            stops = tuple(stop)
+        else:
+            raise InvalidGenerationParameterError(f"stop must be a string or a list of strings, got {stop!r}")
+        return cls(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, stop=stops, seed=seed)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def make_generator(params: GenerationParams, device: torch.device) -> torch.Generator | None:
+    if params.greedy or params.seed is None:
+        return None
+    gen = torch.Generator(device=device)
+    gen.manual_seed(params.seed)
+    return gen
+
+
+def select_next_tokens(logits: torch.Tensor, params: GenerationParams, generator: torch.Generator | None) -> torch.Tensor:
+    """``logits [batch, vocab]`` -> token ids ``[batch]``."""
+    if params.greedy:
+        return logits.argmax(dim=-1)
+    scores = logits.float() / params.temperature
+    if params.top_p < 1.0:
+        sorted_scores, order = scores.sort(dim=-1, descending=True)
+        probs = sorted_scores.softmax(dim=-1)
+        # drop a token once the mass before it already reaches top_p (the top token always stays)
+        drop = probs.cumsum(dim=-1) - probs >= params.top_p
+        sorted_scores = sorted_scores.masked_fill(drop, float("-inf"))
+        scores = torch.full_like(scores, float("-inf")).scatter(-1, order, sorted_scores)
+    probs = scores.softmax(dim=-1)
+    return torch.multinomial(probs, num_samples=1, generator=generator).squeeze(-1)
