@@ -67,6 +67,8 @@ class DecodeRun:
         self.timings = DecodeTimings()
         self.kept_tokens_per_layer: list[int] = []
         self.prompt_kv_bytes_kept = 0
+        self.session: PrefillCompression | None = None
+        self.last_logits: torch.Tensor | None = None  # [batch, vocab] of the latest forward
 
     @property
     def batch_size(self) -> int:
@@ -77,7 +79,7 @@ class DecodeRun:
         return self.input_ids.shape[1]
 
     def _forward(self, input_ids, attention_mask, position_ids):
-        return self.model(
+        self.last_logits = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,
             position_ids=position_ids,
@@ -85,15 +87,16 @@ class DecodeRun:
             use_cache=True,
             logits_to_keep=1,
         ).logits[:, -1, :]
+        return self.last_logits
 
     @torch.inference_mode()
     def steps(self) -> Iterator[torch.Tensor]:
         mask = self.attention_mask
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         has_padding = bool((mask == 0).any())
-        session = None
+        session = self.session = None
         if self.policy is not None:
-            session = PrefillCompression(
+            session = self.session = PrefillCompression(
                 self.policy, self.cache, mask if has_padding else None, sliding_layers(self.model.config)
             )
         start = time.perf_counter()

@@ -103,7 +103,9 @@ def keep_recent_and_top(
         real = attention_mask[:, :prefix].bool()[:, None, :]
         filler = -(torch.arange(prefix, device=device, dtype=scores.dtype) + 1)
         scores = torch.where(real, scores, filler.expand_as(scores))
-    top = scores.topk(k, dim=-1).indices.sort(dim=-1).values
+    # A stable sort breaks ties (max pooling makes exact plateaus) towards the earlier
+    # position, so the choice does not depend on the row's padding offset or the batch.
+    top = scores.sort(dim=-1, descending=True, stable=True).indices[..., :k].sort(dim=-1).values
     window = torch.arange(prefix, n, device=device).expand(batch, kv_heads, recent)
     return torch.cat([top, window], dim=-1)
 

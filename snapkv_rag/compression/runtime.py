@@ -71,6 +71,7 @@ class PrefillCompression:
         self.attention_mask = attention_mask
         self.sliding = sliding
         self.kept_tokens: dict[int, int] = {}
+        self.kept_indices: dict[int, torch.Tensor] = {}  # layer -> [batch, kv_heads, k], for inspection
         self.kept_attention_mask: torch.Tensor | None = None
 
     def compress_layer(self, module, query: torch.Tensor, key: torch.Tensor, scaling: float | None) -> None:
@@ -82,6 +83,7 @@ class PrefillCompression:
         window = self.policy.query_window
         queries = query if window is None else query[:, :, query.shape[2] - window :]
         indices = self.policy.select(queries, key, self.attention_mask, scaling=scaling)
+        self.kept_indices[layer_idx] = indices
         if indices.shape[-1] < n:
             layer = self.cache.layers[layer_idx]
             gather = indices.unsqueeze(-1).expand(-1, -1, -1, layer.keys.shape[-1])
