@@ -32,31 +32,35 @@ def _add_generation_args(p: argparse.ArgumentParser) -> None:
 
 
 def _engine(args):
+    from transformers.utils import logging as hf_logging
+
     from .engine import Engine
 
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
     return Engine.from_pretrained(args.model, device=args.device, dtype=args.dtype)
 
 
 def _gen_kwargs(args) -> dict[str, Any]:
-    return dict(
-        max_new_tokens=args.max_new_tokens,
-        temperature=args.temperature,
-        top_p=args.top_p,
-        seed=args.seed,
-        stop=args.stop,
-        compression=args.compression,
-    )
+    """Generation keyword arguments, validated before any model is loaded."""
+    from .compression import as_policy
+    from .sampling import GenerationParams
+
+    sampling = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed, stop=args.stop)
+    GenerationParams.build(**sampling)
+    return {**sampling, "compression": as_policy(args.compression)}
 
 
 def cmd_generate(args) -> int:
     prompt = args.prompt if args.prompt not in (None, "-") else sys.stdin.read()
+    kwargs = _gen_kwargs(args)
     engine = _engine(args)
     chat = False if args.raw else None
     if args.json:
-        result = engine.generate(prompt, chat=chat, **_gen_kwargs(args))
+        result = engine.generate(prompt, chat=chat, **kwargs)
         print(json.dumps(result.to_dict(), indent=2))
         return 0
-    stream = engine.stream(prompt, chat=chat, **_gen_kwargs(args))
+    stream = engine.stream(prompt, chat=chat, **kwargs)
     for piece in stream:
         sys.stdout.write(piece)
         sys.stdout.flush()
@@ -65,6 +69,7 @@ def cmd_generate(args) -> int:
 
 
 def cmd_chat(args) -> int:
+    kwargs = _gen_kwargs(args)
     engine = _engine(args)
     messages: list[dict[str, str]] = []
     if args.system:
@@ -83,7 +88,7 @@ def cmd_chat(args) -> int:
         if line in ("/exit", "/quit"):
             break
         messages.append({"role": "user", "content": line})
-        stream = engine.stream(messages, **_gen_kwargs(args))
+        stream = engine.stream(messages, **kwargs)
         if not args.json:
             sys.stdout.write("assistant> " if interactive else "")
             for piece in stream:
