@@ -226,7 +226,8 @@ class Engine:
         for row in rows:
             if limit is not None and len(row) + params.max_new_tokens > limit:
                 raise PromptTooLongError(len(row), params.max_new_tokens, limit)
-        texts = [SequenceText(self.tokenizer, params.stop, self._eos_ids) for _ in rows]
+        eos = frozenset() if params.ignore_eos else self._eos_ids
+        texts = [SequenceText(self.tokenizer, params.stop, eos) for _ in rows]
 
         with self._lock, PeakMemory(self.device) as peak:
             run = DecodeRun(self.model, rows, params, policy, self._pad_id)
@@ -288,20 +289,21 @@ class Engine:
         self,
         prompt: PromptLike,
         *,
-        max_new_tokens: int = 256,
-        temperature: float = 0.0,
-        top_p: float = 1.0,
-        stop: str | Sequence[str] | None = None,
-        seed: int | None = None,
         compression: Compression = None,
         chat: bool | None = None,
         _cancel: threading.Event | None = None,
+        **sampling: Any,
     ) -> GenerationStream:
         """Stream text pieces of one completion; ``.result`` afterwards holds the full result.
 
-        Arguments are validated (and the prompt rendered) before this returns.
+        ``prompt``: a string (wrapped as a user message when the model has a chat template,
+        unless ``chat=False``) or a list of ``{"role", "content"}`` messages.
+        ``compression``: a policy, a spec string such as ``"snapkv:budget=1024"``, or None
+        for the full cache. ``sampling``: ``max_new_tokens`` (256), ``temperature`` (0 =
+        greedy), ``top_p`` (1.0), ``stop`` (string or list), ``seed``, ``ignore_eos``.
+        Arguments are validated, the prompt rendered and prefilled before this returns.
         """
-        params = GenerationParams.build(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, stop=stop, seed=seed)
+        params = GenerationParams.build(**sampling)
         events = self._run([prompt], params, compression, chat, _cancel)
         holder: list[GenerationResult] = []
         first = next(events)  # validates and starts generation now, not at first iteration
@@ -328,22 +330,39 @@ class Engine:
         self,
         prompts: Sequence[PromptLike],
         *,
-        max_new_tokens: int = 256,
-        temperature: float = 0.0,
-        top_p: float = 1.0,
-        stop: str | Sequence[str] | None = None,
-        seed: int | None = None,
         compression: Compression = None,
         chat: bool | None = None,
+        **sampling: Any,
     ) -> list[GenerationResult]:
         """Several prompts in one left-padded batch; results in input order."""
         if isinstance(prompts, str):
             raise TypeError("generate_batch takes a list of prompts; use generate for one")
-        params = GenerationParams.build(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, stop=stop, seed=seed)
+        params = GenerationParams.build(**sampling)
         for item in self._run(list(prompts), params, compression, chat):
             if isinstance(item, list):
                 return item
         raise AssertionError("generation ended without results")
+
+    def score(
+        self,
+        prompt: PromptLike,
+        continuation: Sequence[int],
+        *,
+        compression: Compression = None,
+        chat: bool | None = None,
+    ) -> torch.Tensor:
+        """Teacher-forced logits ``[len(continuation), vocab]`` of ``continuation`` after ``prompt``.
+
+        With ``compression``, the prompt's cache is compressed first, exactly as in generation.
+        """
+        policy = as_policy(compression)
+        row = render_prompt(self.tokenizer, prompt, chat=chat)
+        limit = self.context_length
+        if limit is not None and len(row) + len(continuation) > limit:
+            raise PromptTooLongError(len(row), len(continuation), limit)
+        with self._lock:
+            run = DecodeRun(self.model, [row], GenerationParams(max_new_tokens=max(1, len(continuation))), policy, self._pad_id)
+            return run.teacher_force(list(continuation)).float().cpu()
 
     async def agenerate(self, prompt: PromptLike, **kwargs: Any) -> GenerationResult:
         """:meth:`generate` in a worker thread, so the event loop keeps running."""
@@ -354,5 +373,6 @@ class Engine:
 
     def astream(self, prompt: PromptLike, **kwargs: Any) -> AsyncGenerationStream:
         """Async iterator of text pieces; ``.result`` once it is exhausted."""
-        GenerationParams.build(**{k: kwargs[k] for k in ("max_new_tokens", "temperature", "top_p", "stop", "seed") if k in kwargs})
+        sampling = {k: v for k, v in kwargs.items() if k not in ("compression", "chat")}
+        GenerationParams.build(**sampling)
         return AsyncGenerationStream(self, prompt, kwargs)

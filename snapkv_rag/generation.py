@@ -78,48 +78,78 @@ class DecodeRun:
     def padded_length(self) -> int:
         return self.input_ids.shape[1]
 
-    def _forward(self, input_ids, attention_mask, position_ids):
-        self.last_logits = self.model(
+    def _forward(self, input_ids, attention_mask, position_ids, *, last_only: bool = True) -> torch.Tensor:
+        logits = self.model(
             input_ids=input_ids,
-            attention_mask=attention_mask,
+            attention_mask=attention_mask if self.has_padding else None,
             position_ids=position_ids,
             cache=self.cache,
             use_cache=True,
-            logits_to_keep=1,
-        ).logits[:, -1, :]
+            logits_to_keep=1 if last_only else 0,
+        ).logits
+        self.last_logits = logits[:, -1, :]
+        return logits
+
+    @property
+    def has_padding(self) -> bool:
+        return bool((self.attention_mask == 0).any())
+
+    def _prefill(self) -> torch.Tensor:
+        """Run the (compressed) prefill; returns the last position's logits ``[batch, vocab]``."""
+        mask = self.attention_mask
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        self._last_position = positions[:, -1:]
+        padding_mask = mask if self.has_padding else None
+        self.session = None
+        if self.policy is not None:
+            self.session = PrefillCompression(self.policy, self.cache, padding_mask, sliding_layers(self.model.config))
+        start = time.perf_counter()
+        with compressing(self.session):
+            self._forward(self.input_ids, mask, positions)
+        self.timings.prefill_seconds = time.perf_counter() - start
+        self.kept_tokens_per_layer = [layer.get_seq_length() for layer in self.cache.layers]
+        self.prompt_kv_bytes_kept = cache_bytes(self.cache)
+        kept = self.session.kept_attention_mask if self.session is not None else None
+        if kept is None and self.has_padding:
+            kept = mask
+        if kept is None:
+            kept = torch.ones(self.batch_size, self.kept_tokens_per_layer[0], dtype=mask.dtype, device=mask.device)
+        self._kv_mask = kept
         return self.last_logits
+
+    def _extend(self, tokens: torch.Tensor, *, last_only: bool = True) -> torch.Tensor:
+        """Append ``tokens [batch, t]`` after the cached ones, at their true positions."""
+        t = tokens.shape[1]
+        positions = self._last_position + 1 + torch.arange(t, device=tokens.device)
+        self._last_position = positions[:, -1:]
+        self._kv_mask = torch.cat([self._kv_mask, self._kv_mask.new_ones(self.batch_size, t)], dim=-1)
+        return self._forward(tokens, self._kv_mask, positions, last_only=last_only)
 
     @torch.inference_mode()
     def steps(self) -> Iterator[torch.Tensor]:
-        mask = self.attention_mask
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)
-        has_padding = bool((mask == 0).any())
-        session = self.session = None
-        if self.policy is not None:
-            session = self.session = PrefillCompression(
-                self.policy, self.cache, mask if has_padding else None, sliding_layers(self.model.config)
-            )
-        start = time.perf_counter()
-        with compressing(session):
-            logits = self._forward(self.input_ids, mask if has_padding else None, positions)
-        self.timings.prefill_seconds = time.perf_counter() - start
-
-        self.kept_tokens_per_layer = [layer.get_seq_length() for layer in self.cache.layers]
-        self.prompt_kv_bytes_kept = cache_bytes(self.cache)
-        kv_mask = session.kept_attention_mask if session is not None else None
-        if kv_mask is None:
-            kv_mask = mask if has_padding else torch.ones(self.batch_size, self.kept_tokens_per_layer[0], dtype=mask.dtype, device=mask.device)
-        next_position = positions[:, -1:] + 1
+        logits = self._prefill()
         generator = make_generator(self.params, self.device)
-        ones = torch.ones(self.batch_size, 1, dtype=kv_mask.dtype, device=kv_mask.device)
-
         for step in range(self.params.max_new_tokens):
             tokens = select_next_tokens(logits, self.params, generator)
             yield tokens
             if step + 1 == self.params.max_new_tokens:
                 return
-            kv_mask = torch.cat([kv_mask, ones], dim=-1)
             start = time.perf_counter()
-            logits = self._forward(tokens[:, None], kv_mask if has_padding else None, next_position)
+            self._extend(tokens[:, None])
+            logits = self.last_logits
             self.timings.step_seconds.append(time.perf_counter() - start)
-            next_position = next_position + 1
+
+    @torch.inference_mode()
+    def teacher_force(self, continuation: list[int]) -> torch.Tensor:
+        """Logits ``[len(continuation), vocab]`` predicting each continuation token (batch of 1).
+
+        Row 0 comes from the prefill; the rest from one forward over ``continuation[:-1]``
+        through the (compressed) cache, so it measures exactly what decoding would see.
+        """
+        if self.batch_size != 1 or not continuation:
+            raise ValueError("teacher_force takes one prompt and a non-empty continuation")
+        first = self._prefill()
+        if len(continuation) == 1:
+            return first
+        rest = self._extend(torch.tensor([continuation[:-1]], device=self.device), last_only=False)[0]
+        return torch.cat([first, rest], dim=0)

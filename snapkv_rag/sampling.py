@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
+from typing import Any
 
 import torch
 
@@ -18,6 +19,7 @@ class GenerationParams:
     top_p: float = 1.0
     stop: tuple[str, ...] = field(default_factory=tuple)
     seed: int | None = None
+    ignore_eos: bool = False  # benchmarks: always produce max_new_tokens tokens
 
     def __post_init__(self) -> None:
         bad = InvalidGenerationParameterError
@@ -29,20 +31,22 @@ class GenerationParams:
             raise bad(f"top_p must be in (0, 1], got {self.top_p!r}")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0):
             raise bad(f"seed must be a non-negative integer or None, got {self.seed!r}")
+        if not isinstance(self.ignore_eos, bool):
+            raise bad(f"ignore_eos must be True or False, got {self.ignore_eos!r}")
         for s in self.stop:
             if not isinstance(s, str) or not s:
                 raise bad(f"stop sequences must be non-empty strings, got {s!r}")
 
     @classmethod
-    def build(
-        cls,
-        *,
-        max_new_tokens: int = 256,
-        temperature: float = 0.0,
-        top_p: float = 1.0,
-        stop: str | Sequence[str] | None = None,
-        seed: int | None = None,
-    ) -> "GenerationParams":
+    def build(cls, **options: Any) -> "GenerationParams":
+        """From keyword options: max_new_tokens, temperature, top_p, stop (str or list), seed, ignore_eos."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(options) - known)
+        if unknown:
+            raise InvalidGenerationParameterError(
+                f"unknown generation parameter(s) {', '.join(unknown)}; valid: {', '.join(sorted(known))}"
+            )
+        stop = options.pop("stop", None)
         if stop is None:
             stops: tuple[str, ...] = ()
         elif isinstance(stop, str):
@@ -51,7 +55,7 @@ class GenerationParams:
             stops = tuple(stop)
         else:
             raise InvalidGenerationParameterError(f"stop must be a string or a list of strings, got {stop!r}")
-        return cls(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, stop=stops, seed=seed)
+        return cls(stop=stops, **options)
 
     @property
     def greedy(self) -> bool:

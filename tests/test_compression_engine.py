@@ -160,3 +160,14 @@ def test_registration_is_idempotent():
     register_attention_functions()
     model = tiny_model("llama", 400)
     assert model.config._attn_implementation == "sdpa"
+
+
+@pytest.mark.parametrize("policy", [None, SnapKV(window_size=8, max_capacity_prompt=24, kernel_size=3)], ids=["full", "snapkv"])
+def test_teacher_forcing_matches_step_by_step_decoding(policy, tokenizer):
+    engine = tiny_engine("llama", tokenizer)
+    result = engine.generate(LONG, max_new_tokens=6, compression=policy, chat=False, ignore_eos=True)
+    logits = engine.score(LONG, result.token_ids, compression=policy, chat=False)
+    assert logits.shape == (6, len(tokenizer))
+    assert logits.argmax(-1).tolist() == result.token_ids
+    run, _ = prefill(engine, prompt_ids(engine), policy, steps=3)
+    torch.testing.assert_close(logits[3], run.last_logits[0], atol=1e-4, rtol=1e-4)

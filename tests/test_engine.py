@@ -129,6 +129,8 @@ def test_concurrent_callers_do_not_interfere(engine):
         {"stop": [""]},
         {"stop": 5},
         {"seed": -1},
+        {"max_tokens": 5},
+        {"ignore_eos": "yes"},
     ],
 )
 def test_invalid_generation_parameters(engine, kwargs):

@@ -10,7 +10,8 @@ import sys
 import pytest
 
 from snapkv_rag.compression import SnapKV
-from snapkv_rag.evaluation.needle import build_needle_case, needle_found
+from snapkv_rag.evaluation.needle import build_needle_case
+from snapkv_rag.metrics import needle_exact_match
 
 pytestmark = pytest.mark.integration
 
@@ -45,13 +46,13 @@ def test_passkey_survives_snapkv_budget_512(embedded_engine, depth):
     # this model loses digits at ~2K/512: see the eval results (known sensitivity).
     case = build_needle_case(embedded_engine.tokenizer, 2000, depth, seed=int(depth * 100))
     full = embedded_engine.generate(case.prompt, max_new_tokens=12)
-    if not needle_found(full.text, case.answer):
+    if not needle_exact_match(full.text, case.answer):
         pytest.skip(f"the uncompressed model itself misses the needle at depth {depth}")
     policy = SnapKV(window_size=16, max_capacity_prompt=512, kernel_size=5)
     compressed = embedded_engine.generate(case.prompt, max_new_tokens=12, compression=policy)
     assert compressed.stats.kept_tokens_per_layer == [512] * 30
     assert compressed.usage.prompt_tokens > 1900
-    assert needle_found(compressed.text, case.answer), compressed.text
+    assert needle_exact_match(compressed.text, case.answer), compressed.text
 
 
 def test_cli_generate_json_and_info():

@@ -45,10 +45,3 @@ def build_needle_case(tokenizer, target_tokens: int, depth: float, *, seed: int 
     at = round(units * depth)
     haystack = filler_unit * at + needle + filler_unit * (units - at)
     return NeedleCase(prompt=head + haystack + question, answer=answer, depth=depth, target_tokens=target_tokens, seed=seed)
-
-
-def needle_found(output: str, answer: str) -> bool:
-    """Exact match of the fact: the answer digits appear as one unbroken number in the output."""
-    import re
-
-    return answer in re.findall(r"\d+", output)
