@@ -134,6 +134,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(info)
     info.set_defaults(func=cmd_info)
 
+    from .evaluation.cli import add_eval_parser
+
+    add_eval_parser(sub, _add_model_args)
     return parser
 
 

@@ -1,0 +1,1 @@
+"""Evaluation harness: task generators (needle, citation), runners, reports and plots."""

@@ -1,0 +1,298 @@
+"""Turn evaluation records into JSON lines, Markdown tables and PNG plots."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections import defaultdict
+from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+from ..metrics import micro_prf, relative_difference
+from .runner import Record, median
+
+
+def write_jsonl(records: Iterable[Record], path: Path) -> None:
+    with path.open("w") as fh:
+        for record in records:
+            fh.write(json.dumps(record, default=str) + "\n")
+
+
+def read_jsonl(path: Path) -> list[Record]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _key(record: Record) -> tuple[str, int]:
+    return record["method"], record["budget"] if record["budget"] is not None else -1
+
+
+def _label(method: str, budget: int) -> str:
+    return method if budget < 0 else f"{method} @ {budget}"
+
+
+def _mean(values: Sequence[float]) -> float:
+    return sum(values) / len(values) if values else math.nan
+
+
+def _fmt(value: Any, digits: int = 3) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "n/a"
+    if isinstance(value, float):
+        return f"{value:.{digits}f}"
+    return str(value)
+
+
+def _table(header: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    lines += ["| " + " | ".join(_fmt(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def _grouped(records: Sequence[Record]) -> dict[tuple[str, int], list[Record]]:
+    groups: dict[tuple[str, int], list[Record]] = defaultdict(list)
+    for r in records:
+        groups[_key(r)].append(r)
+    return dict(sorted(groups.items(), key=lambda kv: (kv[0][0] != "full", kv[0][0], kv[0][1])))
+
+
+def settings_line(records: Sequence[Record]) -> str:
+    r = records[0]
+    return (
+        f"model `{r['model']}`, dtype {r['dtype']}, device {r['device']}, threads {r['threads']}, "
+        f"batch {r['batch_size']}, snapkv-rag {r['version']}; method settings are in each JSON record"
+    )
+
+
+# ------------------------------------------------------------------------------ summaries
+def summarize_needle(records: Sequence[Record]) -> str:
+    rows = []
+    for (method, budget), group in _grouped(records).items():
+        where_full = [r for r in group if r["full_found"]]
+        rows.append(
+            (
+                _label(method, budget),
+                len(group),
+                _mean([float(r["found"]) for r in group]),
+                _mean([float(r["found"]) for r in where_full]) if method != "full" else 1.0,
+                round(median(r["prompt_tokens"] for r in group)),
+            )
+        )
+    return _table(["method", "cases", "exact match", "kept where full finds it", "median prompt tokens"], rows)
+
+
+def summarize_citation(records: Sequence[Record]) -> str:
+    groups = _grouped(records)
+    full_gold = _mean([r["gold_f1"] for r in groups.get(("full", -1), [])])
+    rows = []
+    for (method, budget), group in groups.items():
+        pairs = [(r["cited"], r["full_cited"]) for r in group]
+        gold = _mean([r["gold_f1"] for r in group])
+        rows.append(
+            (
+                _label(method, budget),
+                len(group),
+                _mean([r["agreement_f1"] for r in group]),
+                micro_prf(pairs)[2],
+                _mean([float(r["identical_text"]) for r in group]),
+                gold,
+                relative_difference(gold, full_gold) if method != "full" else 0.0,
+                _mean([float(r["answer_correct"]) for r in group]),
+                sum(len(r["invalid_citations"]) for r in group),
+            )
+        )
+    header = [
+        "method", "questions", "agreement F1 (macro)", "agreement F1 (micro)", "identical answers",
+        "gold F1", "gold F1 rel. diff vs full", "answer correct", "invalid citations",
+    ]
+    return _table(header, rows)
+
+
+def summarize_fidelity(records: Sequence[Record]) -> str:
+    rows = []
+    for (method, budget), group in _grouped(records).items():
+        rows.append(
+            (
+                _label(method, budget),
+                len(group),
+                _mean([r["agreement_prefix"] for r in group]),
+                _mean([r["agreement_overall"] for r in group]),
+                _mean([r["kl_mean"] for r in group]),
+                _mean([r["top1_agreement"] for r in group]),
+            )
+        )
+    return _table(["method", "prompts", "greedy agreement (prefix)", "greedy agreement (overall)", "mean KL(full||method)", "top-1 agreement"], rows)
+
+
+def summarize_speed(records: Sequence[Record]) -> str:
+    by_length: dict[int, dict[tuple[str, int], list[Record]]] = defaultdict(lambda: defaultdict(list))
+    for r in records:
+        by_length[r["target_tokens"]][_key(r)].append(r)
+    rows = []
+    for length in sorted(by_length):
+        groups = by_length[length]
+        full = groups.get(("full", -1), [])
+        full_prefill = median(r["prefill_seconds"] for r in full)
+        full_decode = median(r["decode_ms_per_token"] for r in full)
+        for (method, budget), group in sorted(groups.items(), key=lambda kv: (kv[0][0] != "full", kv[0])):
+            prefill = median(r["prefill_seconds"] for r in group)
+            decode = median(r["decode_ms_per_token"] for r in group)
+            rows.append(
+                (
+                    round(median(r["prompt_tokens"] for r in group)),
+                    _label(method, budget),
+                    prefill,
+                    prefill / full_prefill if full else math.nan,
+                    decode,
+                    full_decode / decode if full else math.nan,
+                    median(r["decode_floor_ms"] for r in group),
+                    median(r["prompt_kv_bytes_kept"] for r in group) / 2**20,
+                    median(r["prompt_kv_bytes_full"] for r in group) / 2**20,
+                    median(r["peak_memory_bytes"] for r in group) / 2**20,
+                )
+            )
+    header = [
+        "prompt tokens", "method", "prefill s", "prefill vs full", "decode ms/token", "decode speed-up vs full",
+        "decode floor ms", "KV kept MiB", "KV full MiB", "peak RSS MiB",
+    ]
+    bw = records[0]["bandwidth_bytes_per_second"] / 1e9 if records else math.nan
+    return _table(header, rows) + f"\n\nMeasured copy bandwidth: {bw:.1f} GB/s; weights {records[0]['weight_bytes'] / 2**20:.0f} MiB."
+
+
+SUMMARIES: dict[str, Callable[[Sequence[Record]], str]] = {
+    "needle": summarize_needle,
+    "citation": summarize_citation,
+    "fidelity": summarize_fidelity,
+    "speed": summarize_speed,
+}
+
+
+# ---------------------------------------------------------------------------------- plots
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_needle(records: Sequence[Record], out: Path) -> list[Path]:
+    plt = _pyplot()
+    groups = _grouped(records)
+    depths = sorted({r["depth"] for r in records})
+    lengths = sorted({r["target_tokens"] for r in records})
+    cols = min(4, len(groups))
+    rows_n = math.ceil(len(groups) / cols)
+    fig, axes = plt.subplots(rows_n, cols, figsize=(3.2 * cols, 2.8 * rows_n), squeeze=False)
+    for ax, ((method, budget), group) in zip(axes.flat, groups.items()):
+        grid = [[math.nan] * len(lengths) for _ in depths]
+        for di, d in enumerate(depths):
+            for li, length in enumerate(lengths):
+                hits = [float(r["found"]) for r in group if r["depth"] == d and r["target_tokens"] == length]
+                grid[di][li] = _mean(hits)
+        ax.imshow(grid, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto")
+        ax.set_title(_label(method, budget), fontsize=9)
+        ax.set_xticks(range(len(lengths)), [str(x) for x in lengths], fontsize=7)
+        ax.set_yticks(range(len(depths)), [f"{d:.2f}" for d in depths], fontsize=7)
+        ax.set_xlabel("prompt tokens", fontsize=8)
+        ax.set_ylabel("depth", fontsize=8)
+    for ax in list(axes.flat)[len(groups):]:
+        ax.axis("off")
+    fig.suptitle("Needle exact match (green = found)", fontsize=10)
+    fig.tight_layout()
+    path = out / "needle_heatmap.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return [path]
+
+
+def _by_budget_plot(records, out: Path, metrics: Sequence[tuple[str, str]], filename: str, title: str) -> Path:
+    plt = _pyplot()
+    groups = _grouped(records)
+    fig, axes = plt.subplots(1, len(metrics), figsize=(5 * len(metrics), 3.6), squeeze=False)
+    for ax, (field, ylabel) in zip(axes.flat, metrics):
+        methods = sorted({m for m, b in groups if b >= 0})
+        for method in methods:
+            budgets = sorted(b for m, b in groups if m == method)
+            ax.plot(budgets, [_mean([r[field] for r in groups[(method, b)]]) for b in budgets], marker="o", label=method)
+        for (m, b), group in groups.items():
+            if b < 0:
+                ax.axhline(_mean([r[field] for r in group]), linestyle="--", linewidth=1, color="gray" if m == "full" else "black", label=m)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("budget (kept prompt tokens per head)")
+        ax.set_ylabel(ylabel)
+        ax.grid(alpha=0.3)
+    axes.flat[0].legend(fontsize=7)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    path = out / filename
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def plot_citation(records: Sequence[Record], out: Path) -> list[Path]:
+    metrics = [("agreement_f1", "agreement F1 vs full"), ("gold_f1", "gold F1")]
+    return [_by_budget_plot(records, out, metrics, "citation_f1_vs_budget.png", "Citation F1 vs budget")]
+
+
+def plot_fidelity(records: Sequence[Record], out: Path) -> list[Path]:
+    metrics = [("kl_mean", "mean KL(full || method)"), ("top1_agreement", "top-1 agreement"), ("agreement_prefix", "greedy agreement (prefix)")]
+    return [_by_budget_plot(records, out, metrics, "fidelity_vs_budget.png", "Fidelity vs budget")]
+
+
+def plot_speed(records: Sequence[Record], out: Path) -> list[Path]:
+    plt = _pyplot()
+    groups = _grouped(records)
+    panels = [
+        ("decode_ms_per_token", "decode ms / token"),
+        ("prefill_seconds", "prefill s"),
+        ("prompt_kv_bytes_kept", "KV bytes kept (MiB)"),
+        ("peak_memory_bytes", "peak memory (MiB)"),
+    ]
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.4 * len(panels), 3.6))
+    for ax, (field, ylabel) in zip(axes, panels):
+        scale = 2**20 if "bytes" in field else 1
+        for (method, budget), group in groups.items():
+            lengths = sorted({r["prompt_tokens"] for r in group})
+            ys = [median(r[field] for r in group if r["prompt_tokens"] == n) / scale for n in lengths]
+            ax.plot(lengths, ys, marker="o", label=_label(method, budget))
+        if field == "decode_ms_per_token":
+            floor = groups.get(("full", -1), [])
+            lengths = sorted({r["prompt_tokens"] for r in floor})
+            ax.plot(lengths, [median(r["decode_floor_ms"] for r in floor if r["prompt_tokens"] == n) for n in lengths], "k:", label="floor (full)")
+        ax.set_xlabel("prompt tokens")
+        ax.set_ylabel(ylabel)
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=7)
+    fig.tight_layout()
+    path = out / "speed_memory_vs_length.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return [path]
+
+
+PLOTS: dict[str, Callable[[Sequence[Record], Path], list[Path]]] = {
+    "needle": plot_needle,
+    "citation": plot_citation,
+    "fidelity": plot_fidelity,
+    "speed": plot_speed,
+}
+
+
+def write_report(task: str, records: Sequence[Record], out: Path, command: str | None = None) -> dict[str, Path]:
+    """Write ``<task>.jsonl``, ``<task>.md`` and the task's PNG plots into ``out``."""
+    out.mkdir(parents=True, exist_ok=True)
+    jsonl = out / f"{task}.jsonl"
+    write_jsonl(records, jsonl)
+    plots = PLOTS[task](records, out) if records else []
+    lines = [f"## {task}", ""]
+    if command:
+        lines += [f"Produced by `{command}`", ""]
+    if records:
+        lines += [settings_line(records), "", SUMMARIES[task](records), ""]
+        lines += [f"![{p.stem}]({p.name})" for p in plots]
+    markdown = out / f"{task}.md"
+    markdown.write_text("\n".join(lines) + "\n")
+    return {"jsonl": jsonl, "markdown": markdown, **{p.stem: p for p in plots}}
