@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections.abc import AsyncIterator, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
@@ -44,8 +44,6 @@ class ModelInfo:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * torch.empty((), dtype=getattr(torch, self.dtype)).element_size()
 
     def to_dict(self) -> dict[str, Any]:
-        from dataclasses import asdict
-
         return {**asdict(self), "kv_bytes_per_token": self.kv_bytes_per_token}
 
 
@@ -135,6 +133,7 @@ class Engine:
         self.name = name
         self._lock = threading.Lock()
         self._eos_ids = self._collect_eos_ids()
+        self._parameter_count = sum(p.numel() for p in model.parameters())
         self._pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else next(iter(self._eos_ids), 0)
 
     # ----------------------------------------------------------------- construction
@@ -192,7 +191,7 @@ class Engine:
             context_length=self.context_length,
             dtype=str(self.model.dtype).removeprefix("torch."),
             device=str(self.device),
-            parameters=sum(p.numel() for p in self.model.parameters()),
+            parameters=self._parameter_count,
         )
 
     def count_tokens(self, prompt: PromptLike, *, chat: bool | None = None) -> int:

@@ -15,7 +15,11 @@ class ModelNotFoundError(SnapKVRagError, FileNotFoundError):
     """The model path, GGUF file or hub id could not be resolved."""
 
 
-class EmptyPromptError(SnapKVRagError, ValueError):
+class InvalidPromptError(SnapKVRagError, ValueError):
+    """The prompt is not a string or a well-formed list of chat messages."""
+
+
+class EmptyPromptError(InvalidPromptError):
     """The prompt (or every message of it) is empty or whitespace."""
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any, Union
 
-from .errors import EmptyPromptError
+from .errors import EmptyPromptError, InvalidPromptError
 
 Message = Mapping[str, Any]
 PromptLike = Union[str, Sequence[Message]]
@@ -25,7 +25,7 @@ _ROLES = {"system", "user", "assistant", "tool"}
 def normalize_messages(messages: Sequence[Any]) -> list[dict[str, Any]]:
     """Validate chat messages (dicts or objects with ``role``/``content``) into plain dicts."""
     if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
-        raise TypeError("messages must be a list of {'role': ..., 'content': ...} mappings")
+        raise InvalidPromptError("messages must be a list of {'role': ..., 'content': ...} mappings")
     out: list[dict[str, Any]] = []
     for i, msg in enumerate(messages):
         if isinstance(msg, Mapping):
@@ -35,11 +35,11 @@ def normalize_messages(messages: Sequence[Any]) -> list[dict[str, Any]]:
             role, content = getattr(msg, "role", None), getattr(msg, "content", None)
             extra = {}
         if role not in _ROLES:
-            raise ValueError(f"message {i} has role {role!r}; expected one of {sorted(_ROLES)}")
+            raise InvalidPromptError(f"message {i} has role {role!r}; expected one of {sorted(_ROLES)}")
         if content is None:
             content = ""
         if not isinstance(content, str):
-            raise TypeError(f"message {i} content must be a string, got {type(content).__name__}")
+            raise InvalidPromptError(f"message {i} content must be a string, got {type(content).__name__}")
         out.append({"role": role, "content": content, **extra})
     if not any(m["content"].strip() or m.get("tool_calls") for m in out if m["role"] != "system"):
         raise EmptyPromptError("the conversation has no non-empty user or assistant message")
@@ -68,23 +68,23 @@ def _single_bos(ids: list[int], tokenizer, wants_bos: bool) -> list[int]:
 def render_prompt(tokenizer, prompt: PromptLike, *, chat: bool | None = None) -> list[int]:
     """Token ids for ``prompt``; see the module docstring for the rules."""
     if isinstance(prompt, bytes):
-        raise TypeError("prompt must be str or a list of messages, not bytes; decode it first")
+        raise InvalidPromptError("prompt must be str or a list of messages, not bytes; decode it first")
     has_template = getattr(tokenizer, "chat_template", None) is not None
     if isinstance(prompt, str):
         if not prompt.strip():
             raise EmptyPromptError("the prompt is empty")
         use_chat = has_template if chat is None else chat
         if use_chat and not has_template:
-            raise ValueError("chat=True but this tokenizer has no chat template")
+            raise InvalidPromptError("chat=True but this tokenizer has no chat template")
         if not use_chat:
             ids = tokenizer(prompt, add_special_tokens=True)["input_ids"]
             return _single_bos(list(ids), tokenizer, tokenizer_adds_bos(tokenizer))
         messages = [{"role": "user", "content": prompt}]
     else:
         if chat is False:
-            raise ValueError("chat=False needs a string prompt, not messages")
+            raise InvalidPromptError("chat=False needs a string prompt, not messages")
         if not has_template:
-            raise ValueError("this tokenizer has no chat template; pass a plain string prompt")
+            raise InvalidPromptError("this tokenizer has no chat template; pass a plain string prompt")
         messages = normalize_messages(prompt)
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]

@@ -12,6 +12,7 @@ from snapkv_rag import (
     EmptyPromptError,
     InvalidCompressionError,
     InvalidGenerationParameterError,
+    InvalidPromptError,
     ModelNotFoundError,
     PromptTooLongError,
 )
@@ -141,6 +142,15 @@ def test_invalid_generation_parameters(engine, kwargs):
 @pytest.mark.parametrize("prompt", ["", "   \n", [], [{"role": "user", "content": "  "}]])
 def test_empty_prompt(engine, prompt):
     with pytest.raises(EmptyPromptError):
+        engine.generate(prompt)
+
+
+@pytest.mark.parametrize(
+    "prompt",
+    [b"bytes prompt", [{"role": "wizard", "content": "hi"}], [{"role": "user", "content": 5}], "not-a-list".encode(), 42],
+)
+def test_malformed_prompt(engine, prompt):
+    with pytest.raises(InvalidPromptError):
         engine.generate(prompt)
 
 
