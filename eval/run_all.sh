@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Reproduce eval/results/ on the embedded model (about 40 minutes on 2 CPU cores).
+# Reproduce eval/results/ on the embedded model (about 75 minutes on 2 CPU cores).
 # Usage: bash eval/run_all.sh [task ...]   (default: speed needle sensitivity citation fidelity)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -10,11 +10,11 @@ tasks=("$@")
 [ ${#tasks[@]} -gt 0 ] || tasks=(speed needle sensitivity citation fidelity)
 for task in "${tasks[@]}"; do
   case "$task" in
-    speed) $CLI speed --lengths 1000,2000,4000,8000 --budgets 1024 --methods snapkv streamingllm h2o random --out $OUT/speed ;;
+    speed) $CLI speed --lengths 1000,2000,4000,8000 --budgets 1024 --methods snapkv streamingllm h2o random --repeats 2 --out $OUT/speed ;;
     needle) $CLI needle --lengths 1000,2000 --budgets 256,512,1024 --methods snapkv 'snapkv:window=16,kernel=5' streamingllm h2o random --out $OUT/needle ;;
     sensitivity) $CLI needle --lengths 1500,2000 --budgets 256,512 --methods snapkv 'snapkv:window=16' 'snapkv:kernel=13' 'snapkv:kernel=5,pooling=avg' 'snapkv:window=16,kernel=5' --out $OUT/sensitivity ;;
     citation) $CLI citation --docs 60 --questions 10 --budgets 256,512,1024 --methods snapkv streamingllm h2o random --out $OUT/citation ;;
-    fidelity) $CLI fidelity --lengths 1000,2000 --budgets 256,512,1024 --methods snapkv streamingllm h2o random --out $OUT/fidelity ;;
+    fidelity) $CLI fidelity --lengths 2000,4000 --seeds 0,1 --budgets 256,512,1024 --methods snapkv streamingllm h2o random --out $OUT/fidelity ;;
     *) echo "unknown task $task" >&2; exit 2 ;;
   esac
 done
