@@ -121,7 +121,7 @@ def summarize_fidelity(records: Sequence[Record]) -> str:
                 _mean([r["top1_agreement"] for r in group]),
             )
         )
-    return _table(["method", "prompts", "greedy agreement (prefix)", "greedy agreement (overall)", "mean KL(full||method)", "top-1 agreement"], rows)
+    return _table(["method", "prompts", "greedy agreement (prefix)", "greedy agreement (overall)", "mean KL(full ‖ method)", "top-1 agreement"], rows)
 
 
 def summarize_speed(records: Sequence[Record]) -> str:
