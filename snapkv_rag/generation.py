@@ -63,6 +63,9 @@ class DecodeRun:
         self.policy = policy
         self.device = next(model.parameters()).device
         self.input_ids, self.attention_mask = left_pad(rows, pad_id, self.device)
+        # Without padding no mask is passed at all, so SDPA takes its causal fast path.
+        self.has_padding = bool((self.attention_mask == 0).any())
+        self._kv_mask: torch.Tensor | None = None  # 2-D mask over cached entries, padded batches only
         self.cache = DynamicCache(config=model.config)
         self.timings = DecodeTimings()
         self.kept_tokens_per_layer: list[int] = []
@@ -81,7 +84,7 @@ class DecodeRun:
     def _forward(self, input_ids, attention_mask, position_ids, *, last_only: bool = True) -> torch.Tensor:
         logits = self.model(
             input_ids=input_ids,
-            attention_mask=attention_mask if self.has_padding else None,
+            attention_mask=attention_mask,
             position_ids=position_ids,
             cache=self.cache,
             use_cache=True,
@@ -89,10 +92,6 @@ class DecodeRun:
         ).logits
         self.last_logits = logits[:, -1, :]
         return logits
-
-    @property
-    def has_padding(self) -> bool:
-        return bool((self.attention_mask == 0).any())
 
     def _prefill(self) -> torch.Tensor:
         """Run the (compressed) prefill; returns the last position's logits ``[batch, vocab]``."""
@@ -105,16 +104,13 @@ class DecodeRun:
             self.session = PrefillCompression(self.policy, self.cache, padding_mask, sliding_layers(self.model.config))
         start = time.perf_counter()
         with compressing(self.session):
-            self._forward(self.input_ids, mask, positions)
+            self._forward(self.input_ids, padding_mask, positions)
         self.timings.prefill_seconds = time.perf_counter() - start
         self.kept_tokens_per_layer = [layer.get_seq_length() for layer in self.cache.layers]
         self.prompt_kv_bytes_kept = cache_bytes(self.cache)
-        kept = self.session.kept_attention_mask if self.session is not None else None
-        if kept is None and self.has_padding:
-            kept = mask
-        if kept is None:
-            kept = torch.ones(self.batch_size, self.kept_tokens_per_layer[0], dtype=mask.dtype, device=mask.device)
-        self._kv_mask = kept
+        if self.has_padding:
+            compressed = self.session.kept_attention_mask if self.session is not None else None
+            self._kv_mask = compressed if compressed is not None else mask
         return self.last_logits
 
     def _extend(self, tokens: torch.Tensor, *, last_only: bool = True) -> torch.Tensor:
@@ -122,7 +118,8 @@ class DecodeRun:
         t = tokens.shape[1]
         positions = self._last_position + 1 + torch.arange(t, device=tokens.device)
         self._last_position = positions[:, -1:]
-        self._kv_mask = torch.cat([self._kv_mask, self._kv_mask.new_ones(self.batch_size, t)], dim=-1)
+        if self._kv_mask is not None:
+            self._kv_mask = torch.cat([self._kv_mask, self._kv_mask.new_ones(self.batch_size, t)], dim=-1)
         return self._forward(tokens, self._kv_mask, positions, last_only=last_only)
 
     @torch.inference_mode()
