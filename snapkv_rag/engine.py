@@ -208,6 +208,17 @@ class Engine:
         return frozenset(ids)
 
     # ----------------------------------------------------------------- the generation path
+    def _render_within_context(self, prompts: Sequence[PromptLike], chat: bool | None, new_tokens: int) -> list[list[int]]:
+        """Token ids of each prompt; raises when one plus ``new_tokens`` exceeds the context."""
+        rows = [render_prompt(self.tokenizer, p, chat=chat) for p in prompts]
+        if not rows:
+            raise EmptyPromptError("no prompts given")
+        limit = self.context_length
+        for row in rows:
+            if limit is not None and len(row) + new_tokens > limit:
+                raise PromptTooLongError(len(row), new_tokens, limit)
+        return rows
+
     def _run(
         self,
         prompts: Sequence[PromptLike],
@@ -218,13 +229,7 @@ class Engine:
     ) -> Iterator[tuple[int, str] | list[GenerationResult]]:
         """Yield ``(row, text piece)`` as text is released, then the list of results last."""
         policy = as_policy(compression)
-        rows = [render_prompt(self.tokenizer, p, chat=chat) for p in prompts]
-        if not rows:
-            raise EmptyPromptError("no prompts given")
-        limit = self.context_length
-        for row in rows:
-            if limit is not None and len(row) + params.max_new_tokens > limit:
-                raise PromptTooLongError(len(row), params.max_new_tokens, limit)
+        rows = self._render_within_context(prompts, chat, params.max_new_tokens)
         eos = frozenset() if params.ignore_eos else self._eos_ids
         texts = [SequenceText(self.tokenizer, params.stop, eos) for _ in rows]
 
@@ -355,10 +360,7 @@ class Engine:
         With ``compression``, the prompt's cache is compressed first, exactly as in generation.
         """
         policy = as_policy(compression)
-        row = render_prompt(self.tokenizer, prompt, chat=chat)
-        limit = self.context_length
-        if limit is not None and len(row) + len(continuation) > limit:
-            raise PromptTooLongError(len(row), len(continuation), limit)
+        (row,) = self._render_within_context([prompt], chat, len(continuation))
         with self._lock:
             run = DecodeRun(self.model, [row], GenerationParams(max_new_tokens=max(1, len(continuation))), policy, self._pad_id)
             return run.teacher_force(list(continuation)).float().cpu()

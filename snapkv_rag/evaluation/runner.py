@@ -196,7 +196,7 @@ def _citation_record(engine, method, qi, question, result, full, full_cited) -> 
 
 
 # -------------------------------------------------------------------------------- fidelity
-def fidelity_prompt(engine, length: int, seed: int):
+def fidelity_prompt(length: int, seed: int):
     """A long-context prompt of about ``length`` tokens: a document collection and a question."""
     tokens_per_doc = 28
     n_docs = max(3, round((length - 120) / tokens_per_doc))
@@ -217,7 +217,7 @@ def run_fidelity(
     bar = _progress(len(lengths) * len(seeds) * (len(methods) + 1), "fidelity", progress)
     for length in lengths:
         for seed in seeds:
-            prompt = fidelity_prompt(engine, length, seed)
+            prompt = fidelity_prompt(length, seed)
             reference = engine.generate(prompt, max_new_tokens=continuation_tokens, ignore_eos=True)
             full_logits = engine.score(prompt, reference.token_ids)
             bar.update()
