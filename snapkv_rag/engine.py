@@ -14,11 +14,11 @@ from . import __version__
 from .compression import CompressionPolicy, as_policy
 from .compression.runtime import WRAPPED_IMPLEMENTATIONS, register_attention_functions, wrapped_name
 from .detokenize import SequenceText
-from .errors import EmptyPromptError, PromptTooLongError
+from .errors import EmptyPromptError, InvalidPromptError, PromptTooLongError
 from .generation import DecodeRun, cache_bytes
 from .loading import DEFAULT_MODEL, load_model_and_tokenizer
 from .memory import PeakMemory
-from .prompts import PromptLike, render_prompt
+from .prompts import PromptLike, question_tail_tokens, render_prompt
 from .results import GenerationResult, GenerationStats, Usage
 from .sampling import GenerationParams
 
@@ -226,15 +226,17 @@ class Engine:
         compression: Compression,
         chat: bool | None,
         cancel: threading.Event | None = None,
+        questions: Sequence[str | None] | None = None,
     ) -> Iterator[tuple[int, str] | list[GenerationResult]]:
         """Yield ``(row, text piece)`` as text is released, then the list of results last."""
         policy = as_policy(compression)
         rows = self._render_within_context(prompts, chat, params.max_new_tokens)
+        row_policies = self._resolve_policy(policy, prompts, chat, questions)
         eos = frozenset() if params.ignore_eos else self._eos_ids
         texts = [SequenceText(self.tokenizer, params.stop, eos) for _ in rows]
 
         with self._lock, PeakMemory(self.device) as peak:
-            run = DecodeRun(self.model, rows, params, policy, self._pad_id)
+            run = DecodeRun(self.model, rows, params, row_policies, self._pad_id)
             cancelled = False
             for tokens in run.steps():
                 for i, token in enumerate(tokens.tolist()):
@@ -252,7 +254,7 @@ class Engine:
                     yield i, piece
             kv_final = cache_bytes(run.cache)
         total = run.timings.prefill_seconds + sum(run.timings.step_seconds)
-        stats = self._stats(run, policy, peak, kv_final, total)
+        stats = self._stats(run, policy, row_policies, peak, kv_final, total)
         yield [
             GenerationResult(
                 text=t.text,
@@ -264,8 +266,37 @@ class Engine:
             for row, t in zip(rows, texts)
         ]
 
-    def _stats(self, run: DecodeRun, policy: CompressionPolicy | None, peak: PeakMemory, kv_final: int, total: float) -> GenerationStats:
+    def _resolve_policy(
+        self,
+        policy: CompressionPolicy | None,
+        prompts: Sequence[PromptLike],
+        chat: bool | None,
+        questions: Sequence[str | None] | None,
+    ) -> CompressionPolicy | list[CompressionPolicy] | None:
+        """The policy, or one per row when it depends on where each row's question sits."""
+        if policy is None or not policy.needs_question_span:
+            return policy
+        questions = list(questions) if questions is not None else [None] * len(prompts)
+        if len(questions) != len(prompts):
+            raise InvalidPromptError(f"got {len(questions)} questions for {len(prompts)} prompts")
+        return [
+            policy.for_prompt(question_tail_tokens(self.tokenizer, p, chat=chat, question=q))
+            for p, q in zip(prompts, questions)
+        ]
+
+    def _stats(
+        self,
+        run: DecodeRun,
+        policy: CompressionPolicy | None,
+        row_policies: CompressionPolicy | list[CompressionPolicy] | None,
+        peak: PeakMemory,
+        kv_final: int,
+        total: float,
+    ) -> GenerationStats:
         info = self.info()
+        settings = policy.settings() if policy is not None else None
+        if isinstance(row_policies, list):
+            settings["resolved_window_sizes"] = [p.query_window for p in row_policies]
         full = run.batch_size * run.padded_length * info.kv_bytes_per_token
         return GenerationStats(
             prefill_seconds=run.timings.prefill_seconds,
@@ -279,7 +310,7 @@ class Engine:
             kv_bytes_final=kv_final,
             peak_memory_bytes=peak.peak_bytes,
             peak_memory_kind=peak.kind,
-            compression=policy.settings() if policy is not None else None,
+            compression=settings,
             batch_size=run.batch_size,
             device=info.device,
             dtype=info.dtype,
@@ -295,6 +326,7 @@ class Engine:
         *,
         compression: Compression = None,
         chat: bool | None = None,
+        question: str | None = None,
         _cancel: threading.Event | None = None,
         **sampling: Any,
     ) -> GenerationStream:
@@ -303,12 +335,14 @@ class Engine:
         ``prompt``: a string (wrapped as a user message when the model has a chat template,
         unless ``chat=False``) or a list of ``{"role", "content"}`` messages.
         ``compression``: a policy, a spec string such as ``"snapkv:budget=1024"``, or None
-        for the full cache. ``sampling``: ``max_new_tokens`` (256), ``temperature`` (0 =
+        for the full cache. ``question``: where the question sits in the prompt, for a
+        question-aligned window (``snapkv:window=question``); by default the last paragraph
+        of the last user message. ``sampling``: ``max_new_tokens`` (256), ``temperature`` (0 =
         greedy), ``top_p`` (1.0), ``stop`` (string or list), ``seed``, ``ignore_eos``.
         Arguments are validated, the prompt rendered and prefilled before this returns.
         """
         params = GenerationParams.build(**sampling)
-        events = self._run([prompt], params, compression, chat, _cancel)
+        events = self._run([prompt], params, compression, chat, _cancel, [question])
         holder: list[GenerationResult] = []
         first = next(events)  # validates and starts generation now, not at first iteration
 
@@ -336,13 +370,14 @@ class Engine:
         *,
         compression: Compression = None,
         chat: bool | None = None,
+        questions: Sequence[str | None] | None = None,
         **sampling: Any,
     ) -> list[GenerationResult]:
         """Several prompts in one left-padded batch; results in input order."""
         if isinstance(prompts, str):
             raise TypeError("generate_batch takes a list of prompts; use generate for one")
         params = GenerationParams.build(**sampling)
-        for item in self._run(list(prompts), params, compression, chat):
+        for item in self._run(list(prompts), params, compression, chat, questions=questions):
             if isinstance(item, list):
                 return item
         raise AssertionError("generation ended without results")
@@ -354,6 +389,7 @@ class Engine:
         *,
         compression: Compression = None,
         chat: bool | None = None,
+        question: str | None = None,
     ) -> torch.Tensor:
         """Teacher-forced logits ``[len(continuation), vocab]`` of ``continuation`` after ``prompt``.
 
@@ -361,6 +397,7 @@ class Engine:
         """
         policy = as_policy(compression)
         (row,) = self._render_within_context([prompt], chat, len(continuation))
+        policy = self._resolve_policy(policy, [prompt], chat, [question])
         with self._lock:
             run = DecodeRun(self.model, [row], GenerationParams(max_new_tokens=max(1, len(continuation))), policy, self._pad_id)
             return run.teacher_force(list(continuation)).float().cpu()

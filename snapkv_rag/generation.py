@@ -55,7 +55,14 @@ class DecodeRun:
     The caller stops iterating when it is done; at most ``params.max_new_tokens`` steps.
     """
 
-    def __init__(self, model, rows: list[list[int]], params: GenerationParams, policy: CompressionPolicy | None, pad_id: int):
+    def __init__(
+        self,
+        model,
+        rows: list[list[int]],
+        params: GenerationParams,
+        policy: CompressionPolicy | list[CompressionPolicy] | None,
+        pad_id: int,
+    ):
         from transformers import DynamicCache
 
         self.model = model

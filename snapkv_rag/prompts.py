@@ -11,6 +11,7 @@ Rules:
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping, Sequence
 from typing import Any, Union
 
@@ -65,8 +66,8 @@ def _single_bos(ids: list[int], tokenizer, wants_bos: bool) -> list[int]:
     return ids
 
 
-def render_prompt(tokenizer, prompt: PromptLike, *, chat: bool | None = None) -> list[int]:
-    """Token ids for ``prompt``; see the module docstring for the rules."""
+def _rendered_text(tokenizer, prompt: PromptLike, chat: bool | None) -> tuple[str, bool]:
+    """The prompt as text before tokenization, and whether the tokenizer should add special tokens."""
     if isinstance(prompt, bytes):
         raise InvalidPromptError("prompt must be str or a list of messages, not bytes; decode it first")
     has_template = getattr(tokenizer, "chat_template", None) is not None
@@ -77,8 +78,7 @@ def render_prompt(tokenizer, prompt: PromptLike, *, chat: bool | None = None) ->
         if use_chat and not has_template:
             raise InvalidPromptError("chat=True but this tokenizer has no chat template")
         if not use_chat:
-            ids = tokenizer(prompt, add_special_tokens=True)["input_ids"]
-            return _single_bos(list(ids), tokenizer, tokenizer_adds_bos(tokenizer))
+            return prompt, True
         messages = [{"role": "user", "content": prompt}]
     else:
         if chat is False:
@@ -86,6 +86,47 @@ def render_prompt(tokenizer, prompt: PromptLike, *, chat: bool | None = None) ->
         if not has_template:
             raise InvalidPromptError("this tokenizer has no chat template; pass a plain string prompt")
         messages = normalize_messages(prompt)
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True), False
+
+
+def render_prompt(tokenizer, prompt: PromptLike, *, chat: bool | None = None) -> list[int]:
+    """Token ids for ``prompt``; see the module docstring for the rules."""
+    text, add_special = _rendered_text(tokenizer, prompt, chat)
+    ids = tokenizer(text, add_special_tokens=add_special)["input_ids"]
     return _single_bos(list(ids), tokenizer, tokenizer_adds_bos(tokenizer))
+
+
+def last_paragraph(text: str) -> str:
+    """The text after the last blank line (the whole text when it has none), stripped."""
+    paragraphs = [p for p in re.split(r"\n[ \t]*\n", text) if p.strip()]
+    return paragraphs[-1].strip() if paragraphs else ""
+
+
+def default_question(prompt: PromptLike) -> str:
+    """Where the question sits by convention: the last paragraph of the last user message."""
+    if isinstance(prompt, str):
+        return last_paragraph(prompt)
+    users = [m for m in normalize_messages(prompt) if m["role"] == "user" and m["content"].strip()]
+    return last_paragraph(users[-1]["content"]) if users else ""
+
+
+def question_tail_tokens(tokenizer, prompt: PromptLike, *, chat: bool | None = None, question: str | None = None) -> int | None:
+    """How many trailing prompt tokens the question and everything after it take.
+
+    ``question``: the question's text as it appears in the prompt (its last occurrence is
+    used); by default :func:`default_question`. Counts the chat template's tail too (end of
+    turn, assistant header). None when the question text is not found in the rendered prompt.
+    """
+    text, add_special = _rendered_text(tokenizer, prompt, chat)
+    needle = (question if question is not None else default_question(prompt)).strip()
+    start = text.rfind(needle) if needle else -1
+    if start < 0:
+        return None
+    encoded = tokenizer(text, add_special_tokens=add_special, return_offsets_mapping=True)
+    offsets = encoded["offset_mapping"]
+    # The first token that reaches into the question; counted from the end, so a BOS
+    # adjusted at the front by render_prompt does not shift it.
+    for index, (_, end) in enumerate(offsets):
+        if end > start:
+            return len(offsets) - index
+    return None

@@ -49,6 +49,15 @@ class CompressionPolicy(ABC):
         return 0
 
     @property
+    def needs_question_span(self) -> bool:
+        """True when the policy must be resolved per prompt with :meth:`for_prompt` first."""
+        return False
+
+    def for_prompt(self, question_tokens: int | None) -> "CompressionPolicy":
+        """This policy for one prompt whose question spans ``question_tokens`` trailing tokens."""
+        return self
+
+    @property
     def question_aware(self) -> bool:
         """True when the kept set depends on the end of the prompt (the question)."""
         return False

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from contextvars import ContextVar
-from typing import Iterator
+from typing import Iterator, Sequence
 
 import torch
 
@@ -63,10 +63,23 @@ def sliding_layers(config) -> list[bool]:
 
 
 class PrefillCompression:
-    """State of one compressed prefill: the policy, the cache it shrinks, what was kept."""
+    """State of one compressed prefill: the policy, the cache it shrinks, what was kept.
 
-    def __init__(self, policy: CompressionPolicy, cache, attention_mask: torch.Tensor | None, sliding: list[bool]):
-        self.policy = policy
+    ``policy`` is one policy for the whole batch, or one per row (a question-aligned
+    window resolves to a different window per row); rows with different policies are
+    selected one at a time, and all return the same number of entries.
+    """
+
+    def __init__(
+        self,
+        policy: CompressionPolicy | Sequence[CompressionPolicy],
+        cache,
+        attention_mask: torch.Tensor | None,
+        sliding: list[bool],
+    ):
+        rows = [policy] if isinstance(policy, CompressionPolicy) else list(policy)
+        self.row_policies = rows if len(set(rows)) > 1 else None
+        self.policy = rows[0]
         self.cache = cache
         self.attention_mask = attention_mask
         self.sliding = sliding
@@ -74,15 +87,27 @@ class PrefillCompression:
         self.kept_indices: dict[int, torch.Tensor] = {}  # layer -> [batch, kv_heads, k], for inspection
         self.kept_attention_mask: torch.Tensor | None = None
 
+    def _select(self, policy: CompressionPolicy, query, key, mask, scaling) -> torch.Tensor:
+        window = policy.query_window
+        queries = query if window is None else query[:, :, query.shape[2] - window :]
+        return policy.select(queries, key, mask, scaling=scaling)
+
     def compress_layer(self, module, query: torch.Tensor, key: torch.Tensor, scaling: float | None) -> None:
         layer_idx = module.layer_idx
         n = key.shape[2]
         if self.sliding[layer_idx]:
             self.kept_tokens[layer_idx] = n
             return
-        window = self.policy.query_window
-        queries = query if window is None else query[:, :, query.shape[2] - window :]
-        indices = self.policy.select(queries, key, self.attention_mask, scaling=scaling)
+        if self.row_policies is None:
+            indices = self._select(self.policy, query, key, self.attention_mask, scaling)
+        else:
+            mask = self.attention_mask
+            indices = torch.cat(
+                [
+                    self._select(p, query[i : i + 1], key[i : i + 1], None if mask is None else mask[i : i + 1], scaling)
+                    for i, p in enumerate(self.row_policies)
+                ]
+            )
         self.kept_indices[layer_idx] = indices
         if indices.shape[-1] < n:
             layer = self.cache.layers[layer_idx]

@@ -6,6 +6,7 @@ NeurIPS 2024, arXiv:2404.14469.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -22,6 +23,9 @@ from .base import (
 )
 from ..errors import InvalidCompressionError
 
+QUESTION_WINDOW = "question"
+FALLBACK_WINDOW = 32
+
 
 @dataclass(frozen=True)
 class SnapKV(CompressionPolicy):
@@ -30,22 +34,37 @@ class SnapKV(CompressionPolicy):
     reduced over each GQA group, then pooled over neighbouring positions).
 
     Defaults are the paper's LongBench settings (w=32, k=7, max pooling).
+
+    ``window_size="question"`` aligns the observation window with the question: the engine
+    resolves it per prompt (per row in a batch) to the question's tokens plus the chat
+    template's tail, clipped to ``[min_window, max_window]``, before prefill. The question
+    is the text the caller names (``question=``), else the last paragraph of the last user
+    message. A fixed window of 32 takes in filler in front of a short question, whose
+    queries then outvote what the question asks for (eval/RESULTS.md, needle sensitivity).
     """
 
     name = "snapkv"
-    window_size: int = 32
+    window_size: int | str = 32
     max_capacity_prompt: int = 1024
     kernel_size: int = 7
     pooling: str = "max"
     gqa_reduce: str = "mean"
+    min_window: int = 8
+    max_window: int = 64
 
     def __post_init__(self) -> None:
-        check_positive_int("SnapKV", "window_size", self.window_size)
         check_positive_int("SnapKV", "max_capacity_prompt", self.max_capacity_prompt)
         check_positive_int("SnapKV", "kernel_size", self.kernel_size)
-        if self.window_size >= self.max_capacity_prompt:
+        check_positive_int("SnapKV", "min_window", self.min_window)
+        check_positive_int("SnapKV", "max_window", self.max_window, minimum=self.min_window)
+        if self.window_size == QUESTION_WINDOW:
+            largest, what = self.max_window, "max_window"
+        else:
+            check_positive_int("SnapKV", "window_size (or 'question')", self.window_size)
+            largest, what = self.window_size, "window_size"
+        if largest >= self.max_capacity_prompt:
             raise InvalidCompressionError(
-                f"SnapKV: window_size ({self.window_size}) must be smaller than "
+                f"SnapKV: {what} ({largest}) must be smaller than "
                 f"max_capacity_prompt ({self.max_capacity_prompt}); raise the budget or shrink the window"
             )
         if self.kernel_size % 2 == 0:
@@ -55,7 +74,21 @@ class SnapKV(CompressionPolicy):
 
     @property
     def query_window(self) -> int:
+        if self.window_size == QUESTION_WINDOW:
+            raise InvalidCompressionError("SnapKV(window_size='question') must be resolved per prompt (the engine does this)")
         return self.window_size
+
+    @property
+    def needs_question_span(self) -> bool:
+        return self.window_size == QUESTION_WINDOW
+
+    def for_prompt(self, question_tokens: int | None) -> "SnapKV":
+        """The fixed-window policy for one prompt whose question (plus template tail) spans
+        ``question_tokens`` trailing tokens (None: not found, the paper's 32 is used)."""
+        if not self.needs_question_span:
+            return self
+        wanted = FALLBACK_WINDOW if question_tokens is None else question_tokens
+        return dataclasses.replace(self, window_size=min(max(wanted, self.min_window), self.max_window))
 
     @property
     def question_aware(self) -> bool:
