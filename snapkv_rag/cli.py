@@ -135,6 +135,9 @@ def build_parser() -> argparse.ArgumentParser:
     info.set_defaults(func=cmd_info)
 
     from .evaluation.cli import add_eval_parser
+    from .rag.cli import add_rag_parsers
+
+    add_rag_parsers(sub, _add_model_args, _add_generation_args)
 
     add_eval_parser(sub, _add_model_args)
     return parser

@@ -411,6 +411,6 @@ class Engine:
 
     def astream(self, prompt: PromptLike, **kwargs: Any) -> AsyncGenerationStream:
         """Async iterator of text pieces; ``.result`` once it is exhausted."""
-        sampling = {k: v for k, v in kwargs.items() if k not in ("compression", "chat")}
+        sampling = {k: v for k, v in kwargs.items() if k not in ("compression", "chat", "question")}
         GenerationParams.build(**sampling)
         return AsyncGenerationStream(self, prompt, kwargs)

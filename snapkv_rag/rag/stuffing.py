@@ -1,0 +1,223 @@
+"""Pack as many retrieved chunks as fit a token budget of the *LLM's* tokenizer into one prompt.
+
+The prompt numbers the chunks ``[1]..[N]`` with their titles, asks for bracketed citations,
+and puts the question last, where SnapKV's observation window sees it. In whole-collection
+mode every chunk goes in, in a stable order, so every question shares the same prefix.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..errors import SnapKVRagError
+from .store import DocumentStore, StoredChunk
+
+SYSTEM_PROMPT = (
+    "Answer the question using only the numbered documents. After each sentence, cite the "
+    "documents that support it by number in brackets, like [2]. If the documents do not "
+    "contain the answer, say so."
+)
+ORDERS = ("score", "source")
+
+
+class EmptyCollectionError(SnapKVRagError, LookupError):
+    """The collection holds no documents to answer from."""
+
+
+class ContextBudgetError(SnapKVRagError, ValueError):
+    """The requested context budget cannot hold the prompt (or the whole collection)."""
+
+
+@dataclass(frozen=True)
+class StuffedContext:
+    """What went into one prompt, and what did not."""
+
+    question: str
+    question_text: str  # the question exactly as it appears in the prompt (the aligned window starts here)
+    chunks: list[StoredChunk]  # chunk i is document [i + 1]
+    messages: list[dict[str, str]]
+    budget_tokens: int  # for the numbered documents
+    document_tokens: int  # used by them (LLM tokens)
+    prompt_tokens: int  # the whole rendered prompt
+    candidates: int
+    left_out: int
+    left_out_tokens: int  # LLM tokens the left-out candidates would have taken
+    mode: str
+    settings: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def fill(self) -> float:
+        return self.document_tokens / self.budget_tokens if self.budget_tokens else 0.0
+
+    def chunk_for(self, number: int) -> StoredChunk | None:
+        return self.chunks[number - 1] if 1 <= number <= len(self.chunks) else None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "question": self.question,
+            "chunks": len(self.chunks),
+            "budget_tokens": self.budget_tokens,
+            "document_tokens": self.document_tokens,
+            "prompt_tokens": self.prompt_tokens,
+            "fill": round(self.fill, 4),
+            "candidates": self.candidates,
+            "left_out": self.left_out,
+            "left_out_tokens": self.left_out_tokens,
+            "mode": self.mode,
+            **self.settings,
+        }
+
+
+def format_document(number: int, chunk: StoredChunk) -> str:
+    title = f" {chunk.title}" if chunk.title else ""
+    return f"[{number}]{title}\n{chunk.text.strip()}"
+
+
+def build_messages(question: str, chunks: Sequence[StoredChunk], system_prompt: str = SYSTEM_PROMPT) -> tuple[list[dict[str, str]], str]:
+    """The chat messages for ``question`` over numbered ``chunks``, and the question's text."""
+    question_text = f"Question: {question.strip()}"
+    documents = "\n\n".join(format_document(i + 1, c) for i, c in enumerate(chunks))
+    body = f"Documents:\n\n{documents}\n\n{question_text}" if chunks else f"Documents: none.\n\n{question_text}"
+    return [{"role": "system", "content": system_prompt}, {"role": "user", "content": body}], question_text
+
+
+class StuffingRetriever:
+    """Rank chunks by similarity, then fill the LLM's token budget with them.
+
+    ``engine``: the :class:`~snapkv_rag.Engine` whose tokenizer and context count.
+    ``context_tokens``: tokens for the numbered documents; default: the model's context minus
+    ``max_new_tokens`` and the rest of the prompt (template, instructions, question).
+    ``top_k``: at most this many chunks; ``min_score``: drop chunks less similar (cosine);
+    ``where``: a Chroma metadata filter (e.g. ``{"file": "/path/a.md"}``); ``order``:
+    ``"score"`` (best first) or ``"source"`` (file, then position); ``whole_collection``:
+    every chunk, in source order, or :class:`ContextBudgetError` when they do not fit.
+    """
+
+    def __init__(
+        self,
+        store: DocumentStore,
+        engine,
+        *,
+        context_tokens: int | None = None,
+        max_new_tokens: int = 256,
+        top_k: int | None = None,
+        min_score: float | None = None,
+        where: dict[str, Any] | None = None,
+        order: str = "score",
+        whole_collection: bool = False,
+        system_prompt: str = SYSTEM_PROMPT,
+    ):
+        if order not in ORDERS:
+            raise ContextBudgetError(f"order must be one of {ORDERS}, got {order!r}")
+        for name, value in (("context_tokens", context_tokens), ("top_k", top_k)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ContextBudgetError(f"{name} must be a positive integer, got {value!r}")
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+            raise ContextBudgetError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+        self.store = store
+        self.engine = engine
+        self.context_tokens = context_tokens
+        self.max_new_tokens = max_new_tokens
+        self.top_k = top_k
+        self.min_score = min_score
+        self.where = where
+        self.order = order
+        self.whole_collection = whole_collection
+        self.system_prompt = system_prompt
+
+    def _count(self, text: str) -> int:
+        return len(self.engine.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def _budget(self, question: str) -> tuple[int, int]:
+        """(tokens for the documents, the hard cap on the whole prompt)."""
+        context = self.engine.context_length
+        empty, _ = build_messages(question, [], self.system_prompt)
+        # The empty prompt says "Documents: none."; with documents it says "Documents:\n\n" + blocks.
+        overhead = self.engine.count_tokens(empty)
+        cap = context - self.max_new_tokens if context else None
+        if cap is not None and overhead >= cap:
+            raise ContextBudgetError(
+                f"the question and instructions take {overhead} tokens; with max_new_tokens={self.max_new_tokens} "
+                f"no room is left in the {context}-token context for documents"
+            )
+        room = cap - overhead if cap is not None else None
+        if self.context_tokens is None:
+            if room is None:
+                raise ContextBudgetError("the model reports no context length; pass context_tokens")
+            return room, cap
+        if room is not None and self.context_tokens > room:
+            raise ContextBudgetError(
+                f"context_tokens={self.context_tokens} does not fit: the model's context is {context} tokens, "
+                f"max_new_tokens={self.max_new_tokens} and the rest of the prompt takes {overhead}; use at most {room}"
+            )
+        return self.context_tokens, cap if cap is not None else overhead + self.context_tokens
+
+    def _candidates(self, question: str, budget: int) -> list[StoredChunk]:
+        if self.whole_collection:
+            return self.store.all_chunks(self.where)
+        # Enough candidates to fill the budget with short chunks, without fetching a whole large collection.
+        limit = self.top_k or max(64, budget // 25)
+        chunks = self.store.search(question, limit, self.where)
+        if self.min_score is not None:
+            chunks = [c for c in chunks if (c.score or 0.0) >= self.min_score]
+        return chunks
+
+    def retrieve(self, question: str) -> StuffedContext:
+        if not isinstance(question, str) or not question.strip():
+            from ..errors import EmptyPromptError
+
+            raise EmptyPromptError("the question is empty")
+        budget, cap = self._budget(question)
+        candidates = self._candidates(question, budget)
+        if not candidates and self.store.count() == 0:
+            raise EmptyCollectionError(
+                f"collection {self.store.name!r} has no documents; add some first (snapkv-rag ingest PATH --collection {self.store.name})"
+            )
+        packed: list[StoredChunk] = []
+        costs: dict[str, int] = {}
+        used = 0
+        # A separator of two newlines joins blocks; count it with the block.
+        for chunk in candidates:
+            if not self.whole_collection and budget - used < 8:
+                break  # full: no chunk is that short
+            cost = self._count("\n\n" + format_document(len(packed) + 1, chunk))
+            costs[chunk.id] = cost
+            if used + cost <= budget:
+                packed.append(chunk)
+                used += cost
+            elif self.whole_collection:
+                total = sum(self._count("\n\n" + format_document(i + 1, c)) for i, c in enumerate(candidates))
+                raise ContextBudgetError(
+                    f"the whole collection ({len(candidates)} chunks, about {total} tokens) does not fit the "
+                    f"{budget}-token budget; use retrieval (whole_collection=False) or a model with a longer context"
+                )
+        if self.order == "source" and not self.whole_collection:
+            packed.sort(key=lambda c: (c.file, c.source, c.position))
+        messages, question_text = build_messages(question, packed, self.system_prompt)
+        total = self.engine.count_tokens(messages)
+        overhead = self.engine.count_tokens(build_messages(question, [], self.system_prompt)[0])
+        # Token merges across block edges can differ from the per-block counts; re-check the real prompt.
+        while packed and (total > cap or total - overhead > budget):
+            if self.whole_collection:
+                raise ContextBudgetError(f"the whole collection takes {total} prompt tokens, over the cap of {cap}")
+            packed.pop()
+            messages, question_text = build_messages(question, packed, self.system_prompt)
+            total = self.engine.count_tokens(messages)
+        kept_ids = {c.id for c in packed}
+        left = [c for c in candidates if c.id not in kept_ids]
+        return StuffedContext(
+            question=question,
+            question_text=question_text,
+            chunks=packed,
+            messages=messages,
+            budget_tokens=budget,
+            document_tokens=max(0, total - overhead),
+            prompt_tokens=total,
+            candidates=len(candidates),
+            left_out=len(left),
+            left_out_tokens=sum(costs.get(c.id) or self._count("\n\n" + format_document(1, c)) for c in left),
+            mode="whole_collection" if self.whole_collection else "retrieval",
+            settings={"order": self.order, "top_k": self.top_k, "min_score": self.min_score, "where": self.where},
+        )
