@@ -127,7 +127,11 @@ def test_concurrent_writers_threads_and_processes(tmp_path):
     _check_writers(memory, "shared", shared_writers + own_writers, 20)
 
     ctx = multiprocessing.get_context("fork")
-    procs = [ctx.Process(target=_writer, args=(path, f"procs/p{i}", 15)) for i in range(3)]
+    procs = [ctx.Process(target=_writer, args=(path, f"procs/p{i}", 15)) for i in range(2)]
+    # a child that keeps using the parent's object opens its own connection after the fork
+    procs.append(ctx.Process(target=lambda: [memory.append("procs", [
+        {"role": "user", "content": f"procs/p2 {i}"}, {"role": "assistant", "content": f"procs/p2 reply {i}"}])
+        for i in range(15)]))
     for p in procs:
         p.start()
     for i in range(15):

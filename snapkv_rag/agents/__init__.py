@@ -14,12 +14,15 @@ Framework-free core that the LangChain and LlamaIndex connectors wrap::
     memory.add_assistant("t1", result.text)
 """
 
+from ..errors import AgentMemoryError, HistoryTooLongError
 from .memory import AgentMemory, StoredMessage, ThreadInfo, context_budget
 from .messages import ROLES, validate_message
 from .window import SUMMARY_PREFIX, RenderedHistory, fit_history, split_turns
 
 __all__ = [
     "AgentMemory",
+    "AgentMemoryError",
+    "HistoryTooLongError",
     "ROLES",
     "RenderedHistory",
     "SUMMARY_PREFIX",

@@ -159,7 +159,7 @@ class AgentMemory:
         self.timeout_s = timeout_s
         self._costs = CostCache()
         self._local = threading.local()
-        self._all: list[sqlite3.Connection] = []
+        self._all: list[tuple[int, sqlite3.Connection]] = []
         self._guard = threading.Lock()
         self._closed = False
         self.path = str(path)
@@ -188,7 +188,7 @@ class AgentMemory:
             db.execute("PRAGMA synchronous=NORMAL")
         db.execute("PRAGMA foreign_keys=ON")
         with self._guard:
-            self._all.append(db)
+            self._all.append((os.getpid(), db))
         return db
 
     @contextmanager
@@ -200,8 +200,9 @@ class AgentMemory:
                 yield self._shared
             return
         db = getattr(self._local, "db", None)
-        if db is None:
+        if db is None or self._local.pid != os.getpid():  # never reuse a connection across fork
             db = self._local.db = self._connect()
+            self._local.pid = os.getpid()
         yield db
 
     @contextmanager
@@ -225,11 +226,12 @@ class AgentMemory:
                 db.execute("COMMIT")
 
     def close(self) -> None:
-        """Close every connection this object opened (from any thread)."""
+        """Close every connection this object opened in this process (from any thread)."""
         with self._guard:
             self._closed = True
-            for db in self._all:
-                db.close()
+            for pid, db in self._all:
+                if pid == os.getpid():  # a forked child leaves its parent's connections alone
+                    db.close()
             self._all.clear()
 
     def __enter__(self) -> "AgentMemory":

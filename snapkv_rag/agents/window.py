@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -79,7 +80,8 @@ class SummaryCache(Protocol):
 
     def latest_before(self, upto: int) -> tuple[int, str] | None: ...
 
-    def put(self, upto: int, text: str) -> None: ...
+    def put(self, upto: int, text: str) -> None:
+        """Store ``text`` unless a summary for ``upto`` exists (the first one stays)."""
 
 
 @dataclass
@@ -96,7 +98,7 @@ class DictSummaryCache:
         return (max(keys), self.items[max(keys)]) if keys else None
 
     def put(self, upto: int, text: str) -> None:
-        self.items[upto] = text
+        self.items.setdefault(upto, text)
 
 
 class CostCache:
@@ -105,6 +107,7 @@ class CostCache:
     def __init__(self, size: int = 4096):
         self.size = size
         self._items: OrderedDict[tuple[Any, str], int] = OrderedDict()
+        self._lock = threading.Lock()
 
     def cost(self, count_tokens: CountTokens, turn: list[dict[str, Any]]) -> int:
         digest = hashlib.sha1(json.dumps(turn, sort_keys=True, ensure_ascii=False).encode()).hexdigest()
@@ -113,18 +116,21 @@ class CostCache:
             hash(key)
         except TypeError:
             key = None
-        if key is not None and key in self._items:
-            self._items.move_to_end(key)
-            return self._items[key]
+        if key is not None:
+            with self._lock:
+                if key in self._items:
+                    self._items.move_to_end(key)
+                    return self._items[key]
         try:
             value = int(count_tokens(turn))
         except Exception:  # noqa: BLE001 - a lone turn may not render (empty, template rules);
             # the cost only places block boundaries, every fit is checked on the full rendering
             value = 1 + sum(len(m.get("content") or "") + len(json.dumps(m.get("tool_calls", ""))) for m in turn) // 4
         if key is not None:
-            self._items[key] = value
-            if len(self._items) > self.size:
-                self._items.popitem(last=False)
+            with self._lock:
+                self._items[key] = value
+                if len(self._items) > self.size:
+                    self._items.popitem(last=False)
         return value
 
 
@@ -280,7 +286,8 @@ def _summary_for(messages, turns, pinned, cut, summarizer: Summarizer, summaries
     if not isinstance(text, str):
         raise AgentMemoryError(f"the summariser must return a string, got {type(text).__name__}")
     summaries.put(upto, text)
-    return text
+    stored = summaries.get(upto)  # another writer may have stored its summary for this cut first
+    return text if stored is None else stored
 
 
 def check_settings(mode: str, summarizer: Summarizer | None, block_fraction: float) -> None:
