@@ -225,7 +225,7 @@ def fit_history(
         return report(messages, tokens, 0)
 
     # Block boundaries from the start of the thread: turn indices where a new block begins.
-    costs = costs or CostCache()
+    costs = costs if costs is not None else CostCache()
     block = max(0, int(budget * block_fraction))
     candidates: list[int] = []
     acc = 0
