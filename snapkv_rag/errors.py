@@ -43,3 +43,27 @@ class InvalidGenerationParameterError(SnapKVRagError, ValueError):
 
 class InvalidCompressionError(SnapKVRagError, ValueError):
     """A compression policy or its specification string is invalid."""
+
+
+class AgentMemoryError(SnapKVRagError, ValueError):
+    """Agent memory misuse: a bad thread id, an invalid setting, a summariser that returned no text."""
+
+
+class HistoryTooLongError(PromptTooLongError):
+    """The parts of a thread the memory must keep (system messages, the latest turn) exceed the budget.
+
+    The memory never truncates a single message, so the caller must raise the budget (a longer
+    context, fewer ``max_new_tokens``, a smaller reserve) or send a shorter latest turn.
+    """
+
+    def __init__(self, tokens: int, budget: int, detail: str = ""):
+        self.prompt_tokens = tokens
+        self.budget = budget
+        self.max_new_tokens = None
+        self.context_length = None
+        Exception.__init__(
+            self,
+            f"the thread's system messages and latest turn alone render to {tokens} tokens, over the "
+            f"budget of {budget}{detail}; the memory never cuts a message: use a model with a longer "
+            "context, lower max_new_tokens or the reserve, or send a shorter latest turn",
+        )
