@@ -66,6 +66,7 @@ class SnapKV(CompressionPolicy):
             raise InvalidCompressionError(
                 f"SnapKV: {what} ({largest}) must be smaller than "
                 f"max_capacity_prompt ({self.max_capacity_prompt}); raise the budget or shrink the window"
+                + (" (max_window=...)" if what == "max_window" else "")
             )
         if self.kernel_size % 2 == 0:
             raise InvalidCompressionError(f"SnapKV: kernel_size must be odd (got {self.kernel_size}) so pooling stays centred")

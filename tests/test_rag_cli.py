@@ -1,0 +1,82 @@
+"""``snapkv-rag ingest`` and ``snapkv-rag ask`` on a tiny model saved to disk."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from conftest import build_tokenizer, tiny_model
+from snapkv_rag.cli import main
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny-llama-rag")
+    tokenizer = build_tokenizer()
+    tiny_model("llama", len(tokenizer), context=2048).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture()
+def docs(tmp_path):
+    folder = tmp_path / "docs"
+    folder.mkdir()
+    (folder / "ferry.md").write_text("# Ferry\n\nThe first ferry leaves the harbour at 6:40 on weekdays.")
+    (folder / "library.txt").write_text("Library\nThe library opens at 9:00 and holds 40,000 books.")
+    (folder / "empty.md").write_text("")
+    (folder / "blob.txt").write_bytes(b"\x00\xff\x00")
+    return folder
+
+
+def test_ingest_reports_and_is_idempotent(docs, tmp_path, capsys):
+    store = str(tmp_path / "store")
+    assert main(["ingest", str(docs), "--collection", "notes", "--store", store, "--no-progress"]) == 0
+    out = capsys.readouterr()
+    assert "2 files" in out.out and "2 skipped" in out.out
+    assert "empty.md: empty file" in out.err and "blob.txt: binary file" in out.err
+    assert main(["ingest", str(docs), "--collection", "notes", "--store", store, "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["chunks_added"] == 0 and report["files_unchanged"] == 2 and report["total_chunks"] == 2
+    assert {s["reason"] for s in report["skipped"]} == {"empty file", "binary file (contains NUL bytes)"}
+
+
+def test_ask_json_has_answer_sources_and_stats(docs, tmp_path, model_dir, capsys):
+    store = str(tmp_path / "store")
+    main(["ingest", str(docs), "--collection", "notes", "--store", store, "--json"])
+    capsys.readouterr()
+    args = ["ask", "When does the first ferry leave?", "--collection", "notes", "--store", store, "--model", model_dir]
+    assert main([*args, "--json", "--max-new-tokens", "4", "--compression", "snapkv:budget=96,window=question"]) == 0
+    payload = json.loads(capsys.readouterr().out)
+    assert payload["context"]["chunks"] == 2 and payload["context"]["prompt_tokens"] == payload["usage"]["prompt_tokens"]
+    assert payload["stats"]["compression"]["window_size"] == "question"
+    assert payload["stats"]["kept_tokens_per_layer"] == [96, 96]
+    assert set(payload["cited"]) == {"generated", "attributed"}
+    assert main([*args, "--max-new-tokens", "3"]) == 0
+    text = capsys.readouterr().out
+    assert "Sources:" in text and "Stuffed 2 chunks" in text
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--collection", "missing"], "no collection 'missing'"),
+        (["--collection", "x"], "not valid"),
+        (["--collection", "notes", "--context-tokens", "999999"], "does not fit"),
+        (["--collection", "notes", "--compression", "snapkv:window=questions"], "window_size"),
+    ],
+)
+def test_ask_errors_exit_2_with_one_line(docs, tmp_path, model_dir, capsys, extra, message):
+    store = str(tmp_path / "store")
+    main(["ingest", str(docs), "--collection", "notes", "--store", store, "--json"])
+    capsys.readouterr()
+    assert main(["ask", "q?", "--store", store, "--model", model_dir, *extra]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("snapkv-rag: error:") and message in err and err.count("\n") == 1
+
+
+def test_ingest_of_nothing_usable_fails(tmp_path, capsys):
+    (tmp_path / "only.bin").write_bytes(b"\x00")
+    assert main(["ingest", str(tmp_path / "only.bin"), "--collection", "empty", "--store", str(tmp_path / "s"), "--no-progress"]) == 1
+    assert "unsupported file type" in capsys.readouterr().err
