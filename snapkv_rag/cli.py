@@ -125,7 +125,7 @@ def build_parser() -> argparse.ArgumentParser:
     from .evaluation.cli import add_eval_parser
     from .rag.cli import add_rag_parsers
 
-    add_rag_parsers(sub, _add_model_args, _add_generation_args)
+    add_rag_parsers(sub, add_model_args, _add_generation_args)
 
     add_eval_parser(sub)
     return parser
