@@ -1,16 +1,17 @@
 #!/usr/bin/env bash
 # Reproduce eval/results/ on the embedded model (about 75 minutes on 2 CPU cores).
-# Usage: bash eval/run_all.sh [task ...]   (default: speed needle sensitivity citation fidelity)
+# Usage: bash eval/run_all.sh [task ...]   (default: speed batch needle sensitivity citation fidelity)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 OUT=eval/results
 CLI=".venv/bin/snapkv-rag eval"
 tasks=("$@")
-[ ${#tasks[@]} -gt 0 ] || tasks=(speed needle sensitivity citation fidelity)
+[ ${#tasks[@]} -gt 0 ] || tasks=(speed batch needle sensitivity citation fidelity)
 for task in "${tasks[@]}"; do
   case "$task" in
     speed) $CLI speed --lengths 1000,2000,4000,8000 --budgets 1024 --methods snapkv streamingllm h2o random --repeats 2 --out $OUT/speed ;;
+    batch) $CLI speed --lengths 1000 --budgets 1024 --methods snapkv --batch-sizes 4 --out $OUT/batch ;;
     needle) $CLI needle --lengths 1000,2000 --budgets 256,512,1024 --methods snapkv 'snapkv:window=16,kernel=5' streamingllm h2o random --out $OUT/needle ;;
     sensitivity) $CLI needle --lengths 1500,2000 --budgets 256,512 --methods snapkv 'snapkv:window=16' 'snapkv:kernel=13' 'snapkv:kernel=5,pooling=avg' 'snapkv:window=16,kernel=5' --out $OUT/sensitivity ;;
     citation) $CLI citation --docs 60 --questions 10 --budgets 256,512,1024 --methods snapkv streamingllm h2o random --out $OUT/citation ;;

@@ -1,26 +1,61 @@
-"""snapkv-rag: long-context LLM applications on a local model with a compressed KV cache."""
+"""snapkv-rag: long-context LLM applications on a local model with a compressed KV cache.
+
+The heavy parts (torch, transformers) load on first use of :class:`Engine` and friends, so
+``snapkv-rag --help`` and ``from snapkv_rag.errors import ...`` stay fast.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
-from .engine import Engine, GenerationStream, ModelInfo  # noqa: E402
 from .errors import (  # noqa: E402
     EmptyPromptError,
     InvalidCompressionError,
+    InvalidDeviceError,
     InvalidGenerationParameterError,
     InvalidPromptError,
     ModelNotFoundError,
     PromptTooLongError,
     SnapKVRagError,
 )
-from .results import GenerationResult, GenerationStats, Usage  # noqa: E402
+
+_LAZY = {
+    "Engine": "engine",
+    "GenerationStream": "engine",
+    "AsyncGenerationStream": "engine",
+    "ModelInfo": "engine",
+    "GenerationResult": "results",
+    "GenerationStats": "results",
+    "Usage": "results",
+}
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .engine import AsyncGenerationStream, Engine, GenerationStream, ModelInfo
+    from .results import GenerationResult, GenerationStats, Usage
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'snapkv_rag' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value
+    return value
+
 
 __all__ = [
+    "AsyncGenerationStream",
     "Engine",
     "EmptyPromptError",
     "GenerationResult",
     "GenerationStats",
     "GenerationStream",
     "InvalidCompressionError",
+    "InvalidDeviceError",
     "InvalidGenerationParameterError",
     "InvalidPromptError",
     "ModelInfo",

@@ -8,14 +8,8 @@ import os
 import sys
 from typing import Any
 
+from .cli_common import add_model_args, load_engine
 from .errors import SnapKVRagError
-
-
-def _add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="default", help="'default' (embedded SmolLM2), a model dir, a .gguf file or a hub id")
-    p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
-    p.add_argument("--dtype", default=None, help="float32, bfloat16, float16 (default: bf16 on GPU, fp32 on CPU)")
-    p.add_argument("--json", action="store_true", help="print machine-readable JSON")
 
 
 def _add_generation_args(p: argparse.ArgumentParser) -> None:
@@ -24,6 +18,7 @@ def _add_generation_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    p.add_argument("--ignore-eos", action="store_true", help="always produce --max-new-tokens tokens (benchmarks)")
     p.add_argument(
         "--compression",
         default=None,
@@ -31,30 +26,23 @@ def _add_generation_args(p: argparse.ArgumentParser) -> None:
     )
 
 
-def _engine(args):
-    from transformers.utils import logging as hf_logging
-
-    from .engine import Engine
-
-    hf_logging.disable_progress_bar()
-    hf_logging.set_verbosity_error()
-    return Engine.from_pretrained(args.model, device=args.device, dtype=args.dtype)
-
-
 def _gen_kwargs(args) -> dict[str, Any]:
     """Generation keyword arguments, validated before any model is loaded."""
     from .compression import as_policy
     from .sampling import GenerationParams
 
-    sampling = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed, stop=args.stop)
+    sampling = dict(
+        max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed, stop=args.stop, ignore_eos=args.ignore_eos
+    )
     GenerationParams.build(**sampling)
     return {**sampling, "compression": as_policy(args.compression)}
 
 
 def cmd_generate(args) -> int:
-    prompt = args.prompt if args.prompt not in (None, "-") else sys.stdin.read()
+    # A trailing newline from `echo ... |` or a file is not part of the prompt.
+    prompt = args.prompt if args.prompt not in (None, "-") else sys.stdin.read().rstrip("\r\n")
     kwargs = _gen_kwargs(args)
-    engine = _engine(args)
+    engine = load_engine(args)
     chat = False if args.raw else None
     if args.json:
         result = engine.generate(prompt, chat=chat, **kwargs)
@@ -70,7 +58,7 @@ def cmd_generate(args) -> int:
 
 def cmd_chat(args) -> int:
     kwargs = _gen_kwargs(args)
-    engine = _engine(args)
+    engine = load_engine(args)
     messages: list[dict[str, str]] = []
     if args.system:
         messages.append({"role": "system", "content": args.system})
@@ -104,7 +92,7 @@ def cmd_chat(args) -> int:
 
 
 def cmd_info(args) -> int:
-    info = _engine(args).info()
+    info = load_engine(args).info()
     if args.json:
         print(json.dumps(info.to_dict(), indent=2))
     else:
@@ -120,26 +108,26 @@ def build_parser() -> argparse.ArgumentParser:
     gen = sub.add_parser("generate", help="complete one prompt (argument or stdin)")
     gen.add_argument("prompt", nargs="?", help="the prompt; '-' or absent reads stdin")
     gen.add_argument("--raw", action="store_true", help="do not wrap the prompt in the chat template")
-    _add_model_args(gen)
+    add_model_args(gen)
     _add_generation_args(gen)
     gen.set_defaults(func=cmd_generate)
 
     chat = sub.add_parser("chat", help="interactive chat (one user turn per line on stdin)")
     chat.add_argument("--system", default=None, help="system message")
-    _add_model_args(chat)
+    add_model_args(chat)
     _add_generation_args(chat)
     chat.set_defaults(func=cmd_chat)
 
     info = sub.add_parser("info", help="model configuration and KV bytes per token")
-    _add_model_args(info)
+    add_model_args(info)
     info.set_defaults(func=cmd_info)
 
     from .evaluation.cli import add_eval_parser
     from .rag.cli import add_rag_parsers
 
-    add_rag_parsers(sub, _add_model_args, _add_generation_args)
+    add_rag_parsers(sub, add_model_args, _add_generation_args)
 
-    add_eval_parser(sub, _add_model_args)
+    add_eval_parser(sub)
     return parser
 
 
@@ -153,6 +141,15 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:
+        # The reader went away (`| head`): stop quietly. Point stdout at /dev/null so the
+        # interpreter's final flush does not raise again.
+        try:
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+        except (OSError, ValueError):
+            pass
+        return 141  # 128 + SIGPIPE, what a shell reports for a killed writer
 
 
 if __name__ == "__main__":

@@ -29,24 +29,32 @@ class SequenceText:
         self.generated += 1
         if token_id in self._eos:
             self.finish_reason = "stop"
-            return self._release(self._decode(), final=True)
+            return self._release(self._complete(self._decode()), final=True)
         self.token_ids.append(token_id)
         full = self._decode()
-        cut = self._first_stop(full)
+        cut = self._first_stop(self._complete(full))
         if cut is not None:
             self.finish_reason = "stop"
             return self._release(full[:cut], final=True)
         return self._release(full, final=False)
 
     def finish_for_length(self) -> str:
-        """Mark the sequence as cut by ``max_new_tokens``; release what was held back."""
+        """Mark the sequence as cut by ``max_new_tokens``; release what was held back.
+
+        A character whose bytes were cut off by the limit (decoded as U+FFFD) is dropped.
+        """
         if self.finished:
             return ""
         self.finish_reason = "length"
-        return self._release(self._decode(), final=True)
+        return self._release(self._complete(self._decode()), final=True)
 
     def _decode(self) -> str:
         return self._tokenizer.decode(self.token_ids, skip_special_tokens=True)
+
+    @staticmethod
+    def _complete(full: str) -> str:
+        """``full`` without a trailing incomplete UTF-8 character (U+FFFD from the decoder)."""
+        return full.rstrip("\ufffd")
 
     def _first_stop(self, full: str) -> int | None:
         longest = max((len(s) for s in self._stop), default=0)
@@ -55,16 +63,19 @@ class SequenceText:
         return min(hits) if hits else None
 
     def _held_back(self, full: str) -> int:
-        """Characters at the end of ``full`` that are not final yet."""
-        if full.endswith("\ufffd"):
-            return len(full) - len(full.rstrip("\ufffd"))
+        """Characters at the end of ``full`` that are not final yet.
+
+        An incomplete trailing character is held back, and so is whatever before it could
+        still grow into a stop string (the stop string may continue with that character).
+        """
+        complete = self._complete(full)
         held = 0
         for s in self._stop:
-            for k in range(min(len(s) - 1, len(full)), 0, -1):
-                if full.endswith(s[:k]):
+            for k in range(min(len(s) - 1, len(complete)), 0, -1):
+                if complete.endswith(s[:k]):
                     held = max(held, k)
                     break
-        return held
+        return held + len(full) - len(complete)
 
     def _release(self, full: str, *, final: bool) -> str:
         end = len(full) if final else len(full) - self._held_back(full)

@@ -14,7 +14,7 @@ from . import __version__
 from .compression import CompressionPolicy, as_policy
 from .compression.runtime import WRAPPED_IMPLEMENTATIONS, register_attention_functions, wrapped_name
 from .detokenize import SequenceText
-from .errors import EmptyPromptError, InvalidPromptError, PromptTooLongError
+from .errors import EmptyPromptError, InvalidGenerationParameterError, InvalidPromptError, PromptTooLongError
 from .generation import DecodeRun, cache_bytes
 from .loading import DEFAULT_MODEL, load_model_and_tokenizer
 from .memory import PeakMemory
@@ -48,48 +48,96 @@ class ModelInfo:
 
 
 class GenerationStream:
-    """Iterate for text pieces; after exhaustion ``result`` holds the full :class:`GenerationResult`."""
+    """Iterate for text pieces; ``result`` holds the full :class:`GenerationResult` once done.
 
-    def __init__(self, pieces: Iterator[str], holder: list[GenerationResult]):
-        self._pieces = pieces
-        self._holder = holder
+    The stream takes the engine's lock only while it computes a step, so a paused, unread or
+    abandoned stream never blocks other calls. ``close()`` (also on leaving a ``with`` block)
+    ends generation with ``finish_reason="cancelled"`` and a usable ``result``.
+    """
 
-    def __iter__(self) -> Iterator[str]:
-        return self._pieces
+    def __init__(self, events: Iterator[Any], first: Any, cancel: threading.Event):
+        self._events = events
+        self._pending: Any = first
+        self._cancel = cancel
+        self._result: GenerationResult | None = None
+
+    def __iter__(self) -> "GenerationStream":
+        return self
+
+    def _next_event(self) -> Any:
+        if self._pending is not None:
+            item, self._pending = self._pending, None
+            return item
+        return next(self._events)
 
     def __next__(self) -> str:
-        return next(self._pieces)
+        if self._result is not None:
+            raise StopIteration
+        item = self._next_event()
+        if isinstance(item, list):
+            self._result = item[0]
+            raise StopIteration
+        return item[1]
+
+    @property
+    def finished(self) -> bool:
+        return self._result is not None
 
     @property
     def result(self) -> GenerationResult:
-        if not self._holder:
-            raise RuntimeError("the stream has not finished yet; iterate it to the end first")
-        return self._holder[0]
+        if self._result is None:
+            raise RuntimeError("the stream has not finished yet; iterate it to the end or close() it first")
+        return self._result
 
     def close(self) -> None:
-        self._pieces.close()  # type: ignore[attr-defined]
+        """Stop generating (no further model step runs); ``result`` then says ``cancelled``."""
+        if self._result is not None:
+            return
+        self._cancel.set()
+        while self._result is None:
+            item = self._next_event()
+            if isinstance(item, list):
+                self._result = item[0]
+
+    def __enter__(self) -> "GenerationStream":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
 
 
 class AsyncGenerationStream:
-    """Async iteration over text pieces, produced in a worker thread; ``result`` when done."""
+    """Async iteration over text pieces, produced in a worker thread; ``result`` when done.
 
-    def __init__(self, engine: "Engine", prompt: PromptLike, kwargs: dict[str, Any]):
+    Leaving ``async with`` (or ``aclose()``) cancels the generation, like
+    :meth:`GenerationStream.close`.
+    """
+
+    def __init__(self, engine: "Engine", request: "_Request"):
         self._engine = engine
-        self._prompt = prompt
-        self._kwargs = kwargs
+        self._request = request
         self._cancel = threading.Event()
         self._result: GenerationResult | None = None
+        self._iterator: AsyncIterator[str] | None = None
 
-    async def __aiter__(self) -> AsyncIterator[str]:
+    def __aiter__(self) -> AsyncIterator[str]:
+        if self._iterator is None:
+            self._iterator = self._produce()
+        return self._iterator
+
+    async def _produce(self) -> AsyncIterator[str]:
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
         done = object()
 
         def produce() -> None:
             try:
-                stream = self._engine.stream(self._prompt, _cancel=self._cancel, **self._kwargs)
+                stream = self._engine._stream_request(self._request, self._cancel)
                 for piece in stream:
                     loop.call_soon_threadsafe(queue.put_nowait, piece)
+                    if self._cancel.is_set():
+                        break
+                stream.close()
                 self._result = stream.result
                 loop.call_soon_threadsafe(queue.put_nowait, done)
             except BaseException as exc:  # re-raised in the consumer
@@ -106,13 +154,61 @@ class AsyncGenerationStream:
                 yield item
         finally:
             self._cancel.set()
-            await worker
+            await asyncio.shield(worker)
+
+    async def aclose(self) -> None:
+        self._cancel.set()
+        if self._iterator is not None:
+            await self._iterator.aclose()  # type: ignore[attr-defined]
+
+    async def __aenter__(self) -> "AsyncGenerationStream":
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.aclose()
 
     @property
     def result(self) -> GenerationResult:
         if self._result is None:
             raise RuntimeError("the stream has not finished yet")
         return self._result
+
+
+@dataclass(frozen=True)
+class _Request:
+    """A validated call: token ids per prompt, sampling parameters and the policy.
+
+    ``row_policies`` is the policy resolved for the rows: the policy itself, or one per row
+    when it depends on where each row's question sits (``snapkv:window=question``).
+    """
+
+    rows: list[list[int]]
+    params: GenerationParams
+    policy: CompressionPolicy | None
+    row_policies: CompressionPolicy | list[CompressionPolicy] | None
+
+    def subset(self, indices: Sequence[int]) -> "_Request":
+        rows = [self.rows[i] for i in indices]
+        if isinstance(self.row_policies, list):
+            return _Request(rows, self.params, self.policy, [self.row_policies[i] for i in indices])
+        return _Request(rows, self.params, self.policy, self.row_policies)
+
+
+def length_buckets(lengths: Sequence[int], max_batch_size: int | None = None, *, slack: float = 0.25, min_slack: int = 16) -> list[list[int]]:
+    """Group row indices by length so padding stays small: rows sorted longest first join
+    the current bucket while ``longest - length <= max(min_slack, slack * longest)``."""
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    buckets: list[list[int]] = []
+    for i in order:
+        if buckets:
+            current = buckets[-1]
+            longest = lengths[current[0]]
+            fits = longest - lengths[i] <= max(min_slack, slack * longest)
+            if fits and (max_batch_size is None or len(current) < max_batch_size):
+                current.append(i)
+                continue
+        buckets.append([i])
+    return buckets
 
 
 class Engine:
@@ -219,52 +315,19 @@ class Engine:
                 raise PromptTooLongError(len(row), new_tokens, limit)
         return rows
 
-    def _run(
+    def _prepare(
         self,
         prompts: Sequence[PromptLike],
-        params: GenerationParams,
         compression: Compression,
         chat: bool | None,
-        cancel: threading.Event | None = None,
+        sampling: dict[str, Any],
         questions: Sequence[str | None] | None = None,
-    ) -> Iterator[tuple[int, str] | list[GenerationResult]]:
-        """Yield ``(row, text piece)`` as text is released, then the list of results last."""
+    ) -> _Request:
+        """Validate everything about a call before any model work: typed errors only."""
+        params = GenerationParams.build(**sampling)
         policy = as_policy(compression)
         rows = self._render_within_context(prompts, chat, params.max_new_tokens)
-        row_policies = self._resolve_policy(policy, prompts, chat, questions)
-        eos = frozenset() if params.ignore_eos else self._eos_ids
-        texts = [SequenceText(self.tokenizer, params.stop, eos) for _ in rows]
-
-        with self._lock, PeakMemory(self.device) as peak:
-            run = DecodeRun(self.model, rows, params, row_policies, self._pad_id)
-            cancelled = False
-            for tokens in run.steps():
-                for i, token in enumerate(tokens.tolist()):
-                    piece = texts[i].add(token)
-                    if piece:
-                        yield i, piece
-                if all(t.finished for t in texts):
-                    break
-                if cancel is not None and cancel.is_set():
-                    cancelled = True
-                    break
-            for i, t in enumerate(texts):
-                piece = t.finish_for_length() if not cancelled else ""
-                if piece:
-                    yield i, piece
-            kv_final = cache_bytes(run.cache)
-        total = run.timings.prefill_seconds + sum(run.timings.step_seconds)
-        stats = self._stats(run, policy, row_policies, peak, kv_final, total)
-        yield [
-            GenerationResult(
-                text=t.text,
-                finish_reason="cancelled" if cancelled and not t.finished else (t.finish_reason or "length"),
-                usage=Usage(prompt_tokens=len(row), completion_tokens=t.generated),
-                stats=stats,
-                token_ids=list(t.token_ids),
-            )
-            for row, t in zip(rows, texts)
-        ]
+        return _Request(rows, params, policy, self._resolve_policy(policy, prompts, chat, questions))
 
     def _resolve_policy(
         self,
@@ -284,29 +347,70 @@ class Engine:
             for p, q in zip(prompts, questions)
         ]
 
-    def _stats(
-        self,
-        run: DecodeRun,
-        policy: CompressionPolicy | None,
-        row_policies: CompressionPolicy | list[CompressionPolicy] | None,
-        peak: PeakMemory,
-        kv_final: int,
-        total: float,
-    ) -> GenerationStats:
+    def _run(self, request: _Request, cancel: threading.Event | None = None) -> Iterator[tuple[int, str] | list[GenerationResult]]:
+        """Yield ``(row, text piece)`` as text is released, then the list of results last.
+
+        The engine's lock is held only while a model step runs (prefill, or one decode
+        step), never across a ``yield``: a paused or abandoned consumer blocks nobody.
+        """
+        rows, params, policy = request.rows, request.params, request.policy
+        eos = frozenset() if params.ignore_eos else self._eos_ids
+        texts = [SequenceText(self.tokenizer, params.stop, eos) for _ in rows]
+        cancelled = False
+        with PeakMemory(self.device) as peak:
+            run = DecodeRun(self.model, rows, params, request.row_policies, self._pad_id)
+            steps = run.steps()
+            try:
+                while True:
+                    if cancel is not None and cancel.is_set():
+                        cancelled = True
+                        break
+                    with self._lock:
+                        tokens = next(steps, None)
+                    if tokens is None:
+                        break
+                    for i, token in enumerate(tokens.tolist()):
+                        piece = texts[i].add(token)
+                        if piece:
+                            yield i, piece
+                    if all(t.finished for t in texts):
+                        break
+            finally:
+                steps.close()
+            for i, t in enumerate(texts):
+                piece = t.finish_for_length() if not cancelled else ""
+                if piece:
+                    yield i, piece
+            kv_final = cache_bytes(run.cache)
+        total = run.timings.prefill_seconds + sum(run.timings.step_seconds)
+        yield [
+            GenerationResult(
+                text=t.text,
+                finish_reason="cancelled" if cancelled and not t.finished else (t.finish_reason or "length"),
+                usage=Usage(prompt_tokens=len(row), completion_tokens=t.generated),
+                stats=self._stats(run, i, request, peak, kv_final, total),
+                token_ids=list(t.token_ids),
+            )
+            for i, (row, t) in enumerate(zip(rows, texts))
+        ]
+
+    def _stats(self, run: DecodeRun, row: int, request: _Request, peak: PeakMemory, kv_final: int, total: float) -> GenerationStats:
         info = self.info()
-        settings = policy.settings() if policy is not None else None
-        if isinstance(row_policies, list):
-            settings["resolved_window_sizes"] = [p.query_window for p in row_policies]
-        full = run.batch_size * run.padded_length * info.kv_bytes_per_token
+        kept, full = run.row_kv_bytes(row)
+        settings = request.policy.settings() if request.policy is not None else None
+        if isinstance(request.row_policies, list):
+            settings["resolved_window_size"] = request.row_policies[row].query_window
+            settings["resolved_window_sizes"] = [p.query_window for p in request.row_policies]  # rows of this batch
         return GenerationStats(
             prefill_seconds=run.timings.prefill_seconds,
             decode_ms_per_token=run.timings.decode_ms_per_token,
             decode_steps=len(run.timings.step_seconds),
             total_seconds=total,
             prompt_tokens_padded=run.padded_length,
-            kept_tokens_per_layer=run.kept_tokens_per_layer,
+            kept_tokens_per_layer=run.row_kept_tokens(row),
             prompt_kv_bytes_full=full,
-            prompt_kv_bytes_kept=run.prompt_kv_bytes_kept,
+            prompt_kv_bytes_kept=kept,
+            batch_prompt_kv_bytes=run.prompt_kv_bytes_kept,
             kv_bytes_final=kv_final,
             peak_memory_bytes=peak.peak_bytes,
             peak_memory_kind=peak.kind,
@@ -318,6 +422,12 @@ class Engine:
             model=self.name,
             version=__version__,
         )
+
+    def _stream_request(self, request: _Request, cancel: threading.Event | None = None) -> GenerationStream:
+        cancel = cancel or threading.Event()
+        events = self._run(request, cancel)
+        first = next(events)  # prefill now, not at first iteration
+        return GenerationStream(events, first, cancel)
 
     # ----------------------------------------------------------------- public API
     def stream(
@@ -340,28 +450,17 @@ class Engine:
         of the last user message. ``sampling``: ``max_new_tokens`` (256), ``temperature`` (0 =
         greedy), ``top_p`` (1.0), ``stop`` (string or list), ``seed``, ``ignore_eos``.
         Arguments are validated, the prompt rendered and prefilled before this returns.
+        ``close()`` or leaving ``with engine.stream(...) as s:`` cancels the rest.
         """
-        params = GenerationParams.build(**sampling)
-        events = self._run([prompt], params, compression, chat, _cancel, [question])
-        holder: list[GenerationResult] = []
-        first = next(events)  # validates and starts generation now, not at first iteration
-
-        def pieces() -> Iterator[str]:
-            item = first
-            while True:
-                if isinstance(item, list):
-                    holder.append(item[0])
-                    return
-                yield item[1]
-                item = next(events)
-
-        return GenerationStream(pieces(), holder)
+        request = self._prepare([prompt], compression, chat, sampling, [question])
+        return self._stream_request(request, _cancel)
 
     def generate(self, prompt: PromptLike, **kwargs: Any) -> GenerationResult:
         """One completion. Keyword arguments as in :meth:`stream`."""
         stream = self.stream(prompt, **kwargs)
         for _ in stream:
             pass
+        stream.close()  # a no-op unless _cancel stopped it
         return stream.result
 
     def generate_batch(
@@ -371,21 +470,59 @@ class Engine:
         compression: Compression = None,
         chat: bool | None = None,
         questions: Sequence[str | None] | None = None,
+        bucket: bool = True,
+        max_batch_size: int | None = None,
+        _cancel: threading.Event | None = None,
         **sampling: Any,
     ) -> list[GenerationResult]:
-        """Several prompts in one left-padded batch; results in input order."""
+        """Several prompts, results in input order, each with its own stats.
+
+        Rows are sorted by length and run in left-padded buckets of similar length
+        (``bucket=True``: a row joins a bucket while it is at most 25% or 16 tokens shorter
+        than the bucket's longest), at most ``max_batch_size`` rows each, so padding costs
+        little. ``bucket=False`` runs all rows as one padded batch.
+        """
         if isinstance(prompts, str):
             raise TypeError("generate_batch takes a list of prompts; use generate for one")
-        params = GenerationParams.build(**sampling)
-        for item in self._run(list(prompts), params, compression, chat, questions=questions):
-            if isinstance(item, list):
-                return item
-        raise AssertionError("generation ended without results")
+        if max_batch_size is not None and (isinstance(max_batch_size, bool) or not isinstance(max_batch_size, int) or max_batch_size < 1):
+            raise InvalidGenerationParameterError(f"max_batch_size must be an integer >= 1 or None, got {max_batch_size!r}")
+        request = self._prepare(list(prompts), compression, chat, sampling, questions)
+        lengths = [len(r) for r in request.rows]
+        if bucket:
+            groups = length_buckets(lengths, max_batch_size)
+        else:
+            size = max_batch_size or len(lengths)
+            groups = [list(range(i, min(i + size, len(lengths)))) for i in range(0, len(lengths), size)]
+        results: list[GenerationResult | None] = [None] * len(lengths)
+        for group in groups:
+            group = sorted(group)  # input order inside a bucket
+            sub = request.subset(group)
+            for item in self._run(sub, _cancel):
+                if isinstance(item, list):
+                    for i, result in zip(group, item):
+                        results[i] = result
+        return results  # type: ignore[return-value]
+
+    def _check_continuation(self, continuation: Any) -> list[int]:
+        if isinstance(continuation, torch.Tensor):
+            if continuation.dim() != 1 or continuation.dtype.is_floating_point or continuation.dtype == torch.bool:
+                raise InvalidPromptError("continuation tensor must be 1-D integer token ids")
+            continuation = continuation.tolist()
+        if isinstance(continuation, (str, bytes)) or not isinstance(continuation, Sequence):
+            raise InvalidPromptError(f"continuation must be a list of token ids, got {type(continuation).__name__}")
+        ids = list(continuation)
+        if not ids:
+            raise InvalidPromptError("continuation is empty; score needs at least one token id")
+        vocab = self.model.get_input_embeddings().num_embeddings
+        for i, t in enumerate(ids):
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
+                raise InvalidPromptError(f"continuation[{i}] = {t!r} is not a token id in [0, {vocab})")
+        return ids
 
     def score(
         self,
         prompt: PromptLike,
-        continuation: Sequence[int],
+        continuation: Sequence[int] | torch.Tensor,
         *,
         compression: Compression = None,
         chat: bool | None = None,
@@ -394,23 +531,58 @@ class Engine:
         """Teacher-forced logits ``[len(continuation), vocab]`` of ``continuation`` after ``prompt``.
 
         With ``compression``, the prompt's cache is compressed first, exactly as in generation.
+        ``continuation``: a non-empty list (or 1-D tensor) of token ids in the vocabulary.
         """
+        ids = self._check_continuation(continuation)
         policy = as_policy(compression)
-        (row,) = self._render_within_context([prompt], chat, len(continuation))
+        (row,) = self._render_within_context([prompt], chat, len(ids))
         policy = self._resolve_policy(policy, [prompt], chat, [question])
         with self._lock:
-            run = DecodeRun(self.model, [row], GenerationParams(max_new_tokens=max(1, len(continuation))), policy, self._pad_id)
-            return run.teacher_force(list(continuation)).float().cpu()
+            run = DecodeRun(self.model, [row], GenerationParams(max_new_tokens=len(ids)), policy, self._pad_id)
+            return run.teacher_force(ids).float().cpu()
 
     async def agenerate(self, prompt: PromptLike, **kwargs: Any) -> GenerationResult:
-        """:meth:`generate` in a worker thread, so the event loop keeps running."""
-        return await asyncio.to_thread(self.generate, prompt, **kwargs)
+        """:meth:`generate` in a worker thread, so the event loop keeps running.
+
+        Validation errors are raised at once; cancelling the task stops the generation.
+        """
+        compression, chat, question = kwargs.pop("compression", None), kwargs.pop("chat", None), kwargs.pop("question", None)
+        request = self._prepare([prompt], compression, chat, kwargs, [question])
+
+        def work(cancel: threading.Event) -> GenerationResult:
+            stream = self._stream_request(request, cancel)
+            for _ in stream:
+                pass
+            stream.close()
+            return stream.result
+
+        return await _cancellable(work)
 
     async def agenerate_batch(self, prompts: Sequence[PromptLike], **kwargs: Any) -> list[GenerationResult]:
-        return await asyncio.to_thread(self.generate_batch, prompts, **kwargs)
+        """:meth:`generate_batch` in a worker thread; cancelling the task stops it."""
+        return await _cancellable(lambda cancel: self.generate_batch(prompts, _cancel=cancel, **kwargs))
 
     def astream(self, prompt: PromptLike, **kwargs: Any) -> AsyncGenerationStream:
-        """Async iterator of text pieces; ``.result`` once it is exhausted."""
-        sampling = {k: v for k, v in kwargs.items() if k not in ("compression", "chat", "question")}
-        GenerationParams.build(**sampling)
-        return AsyncGenerationStream(self, prompt, kwargs)
+        """Async iterator of text pieces; ``.result`` once it is exhausted or closed.
+
+        Arguments are validated here, at once (as :meth:`stream` does).
+        """
+        compression, chat, question = kwargs.pop("compression", None), kwargs.pop("chat", None), kwargs.pop("question", None)
+        request = self._prepare([prompt], compression, chat, kwargs, [question])
+        return AsyncGenerationStream(self, request)
+
+
+async def _cancellable(work) -> Any:
+    """Run ``work(cancel_event)`` in a thread; if the awaiting task is cancelled, set the event
+    (the generation stops before its next step) and wait for the thread to finish."""
+    cancel = threading.Event()
+    future = asyncio.get_running_loop().run_in_executor(None, work, cancel)
+    try:
+        return await asyncio.shield(future)
+    except asyncio.CancelledError:
+        cancel.set()
+        try:
+            await future
+        except BaseException:
+            pass
+        raise

@@ -15,8 +15,13 @@ class ModelNotFoundError(SnapKVRagError, FileNotFoundError):
     """The model path, GGUF file or hub id could not be resolved."""
 
 
+class InvalidDeviceError(SnapKVRagError, ValueError):
+    """The device or dtype is unknown, or not available on this machine or torch build."""
+
+
 class InvalidPromptError(SnapKVRagError, ValueError):
-    """The prompt is not a string or a well-formed list of chat messages."""
+    """The prompt is not a string or a well-formed list of chat messages (or, for ``score``,
+    the continuation is not a non-empty list of token ids in the vocabulary)."""
 
 
 class EmptyPromptError(InvalidPromptError):

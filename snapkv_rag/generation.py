@@ -38,6 +38,18 @@ def cache_bytes(cache) -> int:
     )
 
 
+def layer_entries(layer) -> int:
+    """Entries a cache layer holds now (a sliding-window layer may hold fewer than it has seen)."""
+    keys = getattr(layer, "keys", None)
+    return int(keys.shape[-2]) if keys is not None and keys.numel() else 0
+
+
+def layer_token_bytes(layer) -> int:
+    """K and V bytes of one cached token in ``layer`` (all its KV heads)."""
+    keys = layer.keys
+    return 2 * keys.shape[1] * keys.shape[3] * keys.element_size()
+
+
 @dataclass
 class DecodeTimings:
     prefill_seconds: float = 0.0
@@ -72,7 +84,12 @@ class DecodeRun:
         self.input_ids, self.attention_mask = left_pad(rows, pad_id, self.device)
         # Without padding no mask is passed at all, so SDPA takes its causal fast path.
         self.has_padding = bool((self.attention_mask == 0).any())
-        self._kv_mask: torch.Tensor | None = None  # 2-D mask over cached entries, padded batches only
+        self.row_lengths = [len(r) for r in rows]
+        self.sliding = sliding_layers(model.config)
+        # 2-D masks over cached entries, padded batches only: one for the (compressed) full
+        # layers, one for the uncompressed sliding layers when the model mixes both kinds.
+        self._kv_mask: torch.Tensor | None = None
+        self._sliding_mask: torch.Tensor | None = None
         self.cache = DynamicCache(config=model.config)
         self.timings = DecodeTimings()
         self.kept_tokens_per_layer: list[int] = []
@@ -108,17 +125,50 @@ class DecodeRun:
         padding_mask = mask if self.has_padding else None
         self.session = None
         if self.policy is not None:
-            self.session = PrefillCompression(self.policy, self.cache, padding_mask, sliding_layers(self.model.config))
+            self.session = PrefillCompression(self.policy, self.cache, padding_mask, self.sliding)
         start = time.perf_counter()
         with compressing(self.session):
             self._forward(self.input_ids, padding_mask, positions)
         self.timings.prefill_seconds = time.perf_counter() - start
-        self.kept_tokens_per_layer = [layer.get_seq_length() for layer in self.cache.layers]
+        self.kept_tokens_per_layer = [layer_entries(layer) for layer in self.cache.layers]
         self.prompt_kv_bytes_kept = cache_bytes(self.cache)
         if self.has_padding:
             compressed = self.session.kept_attention_mask if self.session is not None else None
             self._kv_mask = compressed if compressed is not None else mask
+            if compressed is not None and any(self.sliding) and not all(self.sliding):
+                self._sliding_mask = mask
         return self.last_logits
+
+    def row_kept_tokens(self, row: int) -> list[int]:
+        """Real (non-padding) prompt tokens kept per layer for ``row``.
+
+        Padding sits on the left and is kept only when a row has fewer real tokens than a
+        layer keeps (see the selection contract), so this is ``min(real, entries)``.
+        """
+        return [min(self.row_lengths[row], k) for k in self.kept_tokens_per_layer]
+
+    def row_kv_bytes(self, row: int) -> tuple[int, int]:
+        """``(kept, full)`` prompt K/V bytes of ``row``'s real tokens."""
+        kept = full = 0
+        for layer, k in zip(self.cache.layers, self.kept_tokens_per_layer):
+            per_token = layer_token_bytes(layer)
+            kept += min(self.row_lengths[row], k) * per_token
+            full += self.row_lengths[row] * per_token
+        return kept, full
+
+    def _masks(self, tokens: torch.Tensor, positions: torch.Tensor):
+        """The attention-mask argument for a decode forward: 2-D, or one 4-D mask per layer kind."""
+        if self._sliding_mask is None:
+            return self._kv_mask
+        from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+
+        config = self.model.config.get_text_config(decoder=True)
+        stub = torch.empty(tokens.shape[0], tokens.shape[1], 1, dtype=self.model.dtype, device=tokens.device)
+        common = dict(config=config, inputs_embeds=stub, cache=self.cache, position_ids=positions)
+        return {
+            "full_attention": create_causal_mask(attention_mask=self._kv_mask, **common),
+            "sliding_attention": create_sliding_window_causal_mask(attention_mask=self._sliding_mask, **common),
+        }
 
     def _extend(self, tokens: torch.Tensor, *, last_only: bool = True) -> torch.Tensor:
         """Append ``tokens [batch, t]`` after the cached ones, at their true positions."""
@@ -127,7 +177,9 @@ class DecodeRun:
         self._last_position = positions[:, -1:]
         if self._kv_mask is not None:
             self._kv_mask = torch.cat([self._kv_mask, self._kv_mask.new_ones(self.batch_size, t)], dim=-1)
-        return self._forward(tokens, self._kv_mask, positions, last_only=last_only)
+        if self._sliding_mask is not None:
+            self._sliding_mask = torch.cat([self._sliding_mask, self._sliding_mask.new_ones(self.batch_size, t)], dim=-1)
+        return self._forward(tokens, self._masks(tokens, positions), positions, last_only=last_only)
 
     @torch.inference_mode()
     def steps(self) -> Iterator[torch.Tensor]:

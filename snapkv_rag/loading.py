@@ -14,12 +14,14 @@ import logging
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from .errors import ModelNotFoundError
+from .errors import InvalidDeviceError, ModelNotFoundError
 
 log = logging.getLogger(__name__)
 
@@ -71,18 +73,51 @@ _DTYPES = {
 }
 
 
+def _check_device(dev: torch.device) -> None:
+    """Raise :class:`InvalidDeviceError` when ``dev`` cannot be used here."""
+    if dev.type == "cpu":
+        return
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise InvalidDeviceError(f"device {str(dev)!r} requested but CUDA is not available in this torch build or machine; use --device cpu")
+        count = torch.cuda.device_count()
+        if dev.index is not None and dev.index >= count:
+            raise InvalidDeviceError(f"device {str(dev)!r} requested but only {count} CUDA device(s) exist")
+        return
+    if dev.type == "mps":
+        if not torch.backends.mps.is_available():
+            raise InvalidDeviceError("device 'mps' requested but MPS is not available here; use --device cpu")
+        return
+    backend = getattr(torch, dev.type, None)
+    available = getattr(backend, "is_available", None)
+    if not callable(available) or not available():
+        raise InvalidDeviceError(f"device {str(dev)!r} is not available here; use cpu or cuda")
+
+
 def choose_device(device: str | torch.device | None = None, dtype: str | torch.dtype | None = None) -> DeviceChoice:
-    """cuda when present, else cpu; bf16 on GPU, fp32 on CPU (this CPU has no native bf16)."""
-    dev = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    """cuda when present, else cpu; bf16 on GPU, fp32 on CPU (this CPU has no native bf16).
+
+    Unknown or unavailable devices and unknown dtypes raise :class:`InvalidDeviceError`.
+    """
+    if device is None:
+        dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    else:
+        try:
+            dev = torch.device(device)
+        except (RuntimeError, TypeError, ValueError):
+            raise InvalidDeviceError(f"unknown device {device!r}; use cpu, cuda or cuda:N") from None
+        _check_device(dev)
     if dtype is None:
         dt = torch.bfloat16 if dev.type == "cuda" else torch.float32
     elif isinstance(dtype, torch.dtype):
+        if dtype not in _DTYPES.values():
+            raise InvalidDeviceError(f"unsupported dtype {dtype}; choose one of {sorted(_DTYPES)}")
         dt = dtype
     else:
         try:
             dt = _DTYPES[str(dtype).lower()]
         except KeyError:
-            raise ValueError(f"unknown dtype {dtype!r}; choose one of {sorted(_DTYPES)}") from None
+            raise InvalidDeviceError(f"unknown dtype {dtype!r}; choose one of {sorted(_DTYPES)}") from None
     return DeviceChoice(dev, dt)
 
 
@@ -105,7 +140,8 @@ def converted_gguf_dir(gguf_path: Path) -> Path:
 
     log.info("converting %s to safetensors under %s (one-time)", gguf_path, target)
     tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
-    model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32)
+    with _quiet_loading():
+        model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32)
     # The weights are already de-quantized to fp32; dropping the GGUF marker makes them serializable.
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):
@@ -151,6 +187,20 @@ def resolve_model_source(name_or_path: str) -> tuple[str, bool]:
     return name_or_path, False
 
 
+@contextmanager
+def _quiet_loading() -> Iterator[None]:
+    """No weight-loading progress bar in library use (restored afterwards)."""
+    from transformers.utils import logging as hf_logging
+
+    was_enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            hf_logging.enable_progress_bar()
+
+
 def load_model_and_tokenizer(
     name_or_path: str,
     *,
@@ -162,16 +212,17 @@ def load_model_and_tokenizer(
     """Load ``(model, tokenizer, DeviceChoice)``; the model is in eval mode on its device."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    choice = choose_device(device, dtype)  # before any conversion or download
     source, is_local = resolve_model_source(name_or_path)
-    choice = choose_device(device, dtype)
     kwargs = {"trust_remote_code": trust_remote_code}
     if is_local:
         kwargs["local_files_only"] = True
     try:
         tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)
-        model = AutoModelForCausalLM.from_pretrained(
-            source, dtype=choice.dtype, attn_implementation=attn_implementation, **kwargs
-        )
+        with _quiet_loading():
+            model = AutoModelForCausalLM.from_pretrained(
+                source, dtype=choice.dtype, attn_implementation=attn_implementation, **kwargs
+            )
     except OSError as exc:
         raise ModelNotFoundError(f"could not load model {name_or_path!r}: {exc}") from exc
     model.to(choice.device)

@@ -1,4 +1,4 @@
-"""Metric definitions of ``shared/design/evaluation.md``: citations, agreement, KL, needle match."""
+"""Metric definitions of ``docs/design/evaluation.md``: citations, agreement, KL, needle match."""
 
 from __future__ import annotations
 

@@ -21,17 +21,23 @@ class Usage:
 
 @dataclass(frozen=True)
 class GenerationStats:
-    """Measurements of one engine call (shared by every row of a batch)."""
+    """Measurements of one engine call, for one row (one prompt).
+
+    Token and byte counts are the row's own: its real prompt tokens, never the padding of
+    a batch. Timings, ``prompt_tokens_padded``, ``batch_prompt_kv_bytes``, ``kv_bytes_final``
+    and peak memory describe the whole (bucketed) batch the row ran in.
+    """
 
     prefill_seconds: float
     decode_ms_per_token: float | None  # median over decode steps, first step excluded
     decode_steps: int
     total_seconds: float
-    prompt_tokens_padded: int  # n: the prompt length the full cache would hold per row
-    kept_tokens_per_layer: list[int]
-    prompt_kv_bytes_full: int
-    prompt_kv_bytes_kept: int
-    kv_bytes_final: int  # the cache at the end, generated tokens included
+    prompt_tokens_padded: int  # width of the batch the row ran in (= prompt tokens alone)
+    kept_tokens_per_layer: list[int]  # real prompt tokens of this row kept, per layer
+    prompt_kv_bytes_full: int  # this row's prompt K/V without compression
+    prompt_kv_bytes_kept: int  # this row's prompt K/V kept (real tokens only)
+    batch_prompt_kv_bytes: int  # the batch's prompt cache after compression, padding slots included
+    kv_bytes_final: int  # the batch's cache at the end, generated tokens included
     peak_memory_bytes: int
     peak_memory_kind: str
     compression: dict[str, Any] | None
@@ -41,7 +47,6 @@ class GenerationStats:
     threads: int
     model: str
     version: str
-    extra: dict[str, Any] = field(default_factory=dict)
 
     @property
     def compression_ratio(self) -> float:

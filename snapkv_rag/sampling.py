@@ -74,7 +74,11 @@ def select_next_tokens(logits: torch.Tensor, params: GenerationParams, generator
     """``logits [batch, vocab]`` -> token ids ``[batch]``."""
     if params.greedy:
         return logits.argmax(dim=-1)
-    scores = logits.float() / params.temperature
+    # Shift so the best logit is 0 before dividing (in float64, where even the smallest
+    # positive temperature is not 0): a tiny temperature then sends the others to -inf
+    # (greedy) instead of inf - inf = NaN inside the softmax.
+    scores = logits.double()
+    scores = (scores - scores.amax(dim=-1, keepdim=True)) / params.temperature
     if params.top_p < 1.0:
         sorted_scores, order = scores.sort(dim=-1, descending=True)
         probs = sorted_scores.softmax(dim=-1)

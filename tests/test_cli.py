@@ -66,3 +66,34 @@ def test_errors_exit_2_with_one_message(args, model_dir, capsys):
     assert main(args) == 2
     err = capsys.readouterr().err
     assert err.startswith("snapkv-rag: error:") and err.count("\n") == 1
+
+
+@pytest.mark.parametrize("flags", [["--dtype", "foo"], ["--device", "foo"], ["--device", "cuda:99"]])
+def test_bad_device_or_dtype_exit_2(flags, model_dir, capsys):
+    assert main(["generate", "--model", model_dir, *flags, "hi"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("snapkv-rag: error:") and err.count("\n") == 1
+
+
+def test_stdin_trailing_newline_is_dropped(model_dir, capsys, monkeypatch):
+    monkeypatch.setattr("sys.stdin", io.StringIO("Hello world\n"))
+    assert main(["generate", "--model", model_dir, "--json", "--raw", "--max-new-tokens", "2"]) == 0
+    with_newline = json.loads(capsys.readouterr().out)["usage"]["prompt_tokens"]
+    assert main(["generate", "--model", model_dir, "--json", "--raw", "--max-new-tokens", "2", "Hello world"]) == 0
+    assert json.loads(capsys.readouterr().out)["usage"]["prompt_tokens"] == with_newline
+
+
+def test_broken_pipe_exits_quietly(model_dir):
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; from snapkv_rag.cli import main; "
+        f"sys.exit(main(['generate', '--model', {model_dir!r}, '--max-new-tokens', '60', 'Hello world']))"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdout.read(1)
+    proc.stdout.close()  # like `| head -c 1`
+    err = proc.stderr.read().decode()
+    proc.wait(timeout=120)
+    assert "Traceback" not in err and "BrokenPipe" not in err

@@ -106,3 +106,12 @@ def test_speed_run(engine, methods, tmp_path):
     assert "decode speed-up vs full" in text
     for r in records:
         assert r["decode_floor_ms"] > 0 and r["bandwidth_bytes_per_second"] > 0 and r["new_tokens"] == 4
+
+
+def test_speed_batch_vs_single(engine, methods, tmp_path):
+    records = run_speed(engine, methods[:1], [150], new_tokens=3, batch_sizes=[3], progress=False)
+    batch = [r for r in records if r.get("kind") == "batch"]
+    assert len(batch) == 2 and all(r["batch_size"] == 3 and r["same_tokens"] for r in batch)
+    assert all(r["batch_tokens_per_second"] > 0 and r["single_tokens_per_second"] > 0 for r in batch)
+    text = write_report("speed", records, tmp_path)["markdown"].read_text()
+    assert "throughput batch / single" in text and "decode speed-up vs full" in text

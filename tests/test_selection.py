@@ -57,20 +57,23 @@ def test_snapkv_window_is_causal():
 
 
 def test_snapkv_gqa_mean_vs_max():
-    # 2 query heads share 1 KV head: head 0 loves position 1, head 1 mildly prefers 2 and 3.
+    # 2 query heads share 1 KV head. Head 0 attends position 1 a bit more than position 2;
+    # head 1 attends position 2 only. The best single head (max) picks 1, the group's
+    # average (mean) picks 2: the two reductions must differ here.
     keys = torch.zeros(1, 1, 8, 2)
-    keys[0, 0, 1] = torch.tensor([6.0, 0.0])
-    keys[0, 0, 2] = torch.tensor([0.0, 3.0])
-    keys[0, 0, 3] = torch.tensor([0.0, 2.9])
+    keys[0, 0, 1] = torch.tensor([4.0, 0.0])
+    keys[0, 0, 2] = torch.tensor([3.7, 2.0])
     q = torch.zeros(1, 2, 2, 2)
     q[0, 0, :, 0] = 1.0
     q[0, 1, :, 1] = 1.0
-    by_max = SnapKV(window_size=2, max_capacity_prompt=4, kernel_size=1, gqa_reduce="max").select(q, keys, scaling=1.0)
-    by_mean = SnapKV(window_size=2, max_capacity_prompt=4, kernel_size=1, gqa_reduce="mean").select(q, keys, scaling=1.0)
-    assert by_max.tolist() == [[[1, 2, 6, 7]]]
-    assert by_mean.tolist() == [[[1, 2, 6, 7]]]
+    by_max = SnapKV(window_size=2, max_capacity_prompt=3, kernel_size=1, gqa_reduce="max").select(q, keys, scaling=1.0)
+    by_mean = SnapKV(window_size=2, max_capacity_prompt=3, kernel_size=1, gqa_reduce="mean").select(q, keys, scaling=1.0)
+    assert by_max.tolist() == [[[1, 6, 7]]]
+    assert by_mean.tolist() == [[[2, 6, 7]]]
+    # the default is mean
+    assert SnapKV(window_size=2, max_capacity_prompt=3, kernel_size=1).select(q, keys, scaling=1.0).tolist() == [[[2, 6, 7]]]
     # the cache keeps one score per KV head: output has 1 head, not 2
-    assert by_mean.shape == (1, 1, 4)
+    assert by_mean.shape == (1, 1, 3)
 
 
 def test_streamingllm_indices():

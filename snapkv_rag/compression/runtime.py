@@ -83,7 +83,6 @@ class PrefillCompression:
         self.cache = cache
         self.attention_mask = attention_mask
         self.sliding = sliding
-        self.kept_tokens: dict[int, int] = {}
         self.kept_indices: dict[int, torch.Tensor] = {}  # layer -> [batch, kv_heads, k], for inspection
         self.kept_attention_mask: torch.Tensor | None = None
 
@@ -96,7 +95,6 @@ class PrefillCompression:
         layer_idx = module.layer_idx
         n = key.shape[2]
         if self.sliding[layer_idx]:
-            self.kept_tokens[layer_idx] = n
             return
         if self.row_policies is None:
             indices = self._select(self.policy, query, key, self.attention_mask, scaling)
@@ -116,7 +114,6 @@ class PrefillCompression:
             layer.values = layer.values.gather(2, gather)
             if self.attention_mask is not None and self.kept_attention_mask is None:
                 self.kept_attention_mask = self.attention_mask.gather(1, indices[:, 0])
-        self.kept_tokens[layer_idx] = int(indices.shape[-1])
 
 
 @contextmanager

@@ -7,8 +7,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from .report import write_report
-from .runner import method_grid, run_citation, run_fidelity, run_needle, run_speed
+from ..cli_common import add_model_args, load_engine
 
 DEFAULT_METHODS = ["snapkv", "streamingllm", "h2o", "random"]
 
@@ -21,7 +20,7 @@ def _floats(text: str) -> list[float]:
     return [float(x) for x in text.replace(",", " ").split()]
 
 
-def add_eval_parser(sub, add_model_args) -> None:
+def add_eval_parser(sub) -> None:
     parser = sub.add_parser("eval", help="evaluate compression methods against the uncompressed model")
     tasks = parser.add_subparsers(dest="task", required=True)
     for name, help_text, lengths in (
@@ -51,14 +50,16 @@ def add_eval_parser(sub, add_model_args) -> None:
         if name == "speed":
             p.add_argument("--new-tokens", type=int, default=32)
             p.add_argument("--repeats", type=int, default=1)
+            p.add_argument("--batch-sizes", type=_ints, default=[], help="also time B prompts as one batch vs B single calls, e.g. 4")
         p.set_defaults(func=cmd_eval)
 
 
 def cmd_eval(args) -> int:
-    from ..cli import _engine
+    from .report import write_report
+    from .runner import method_grid, run_citation, run_fidelity, run_needle, run_speed
 
     methods = method_grid(args.methods, args.budgets)  # validated before the model loads
-    engine = _engine(args)
+    engine = load_engine(args)
     progress = not args.no_progress
     if args.task == "needle":
         records = run_needle(engine, methods, args.lengths, args.depths, seeds=args.seeds, progress=progress)
@@ -67,7 +68,9 @@ def cmd_eval(args) -> int:
     elif args.task == "fidelity":
         records = run_fidelity(engine, methods, args.lengths, continuation_tokens=args.continuation_tokens, seeds=args.seeds, progress=progress)
     else:
-        records = run_speed(engine, methods, args.lengths, new_tokens=args.new_tokens, repeats=args.repeats, progress=progress)
+        records = run_speed(
+            engine, methods, args.lengths, new_tokens=args.new_tokens, repeats=args.repeats, batch_sizes=args.batch_sizes, progress=progress
+        )
     command = "snapkv-rag " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if sys.argv[1:2] == ["eval"] else None
     paths = write_report(args.task, records, args.out, command)
     if args.json:

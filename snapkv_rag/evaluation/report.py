@@ -124,7 +124,39 @@ def summarize_fidelity(records: Sequence[Record]) -> str:
     return _table(["method", "prompts", "greedy agreement (prefix)", "greedy agreement (overall)", "mean KL(full ‖ method)", "top-1 agreement"], rows)
 
 
+def summarize_batch_speed(records: Sequence[Record]) -> str:
+    rows = [
+        (
+            r["batch_size"],
+            r["prompt_tokens"],
+            _label(r["method"], r["budget"] if r["budget"] is not None else -1),
+            r["largest_bucket"],
+            r["single_seconds"],
+            r["batch_seconds"],
+            r["batch_tokens_per_second"] / r["single_tokens_per_second"],
+            r["single_decode_ms_per_step"],
+            r["batch_decode_ms_per_step"],
+            "yes" if r["same_tokens"] else "no",
+        )
+        for r in records
+    ]
+    header = [
+        "prompts", "mean prompt tokens", "method", "largest bucket", "single calls s", "one batch call s",
+        "throughput batch / single", "decode ms/step single", "decode ms/step batch", "same tokens",
+    ]
+    return _table(header, rows)
+
+
 def summarize_speed(records: Sequence[Record]) -> str:
+    batch = [r for r in records if r.get("kind") == "batch"]
+    records = [r for r in records if r.get("kind") != "batch"]
+    text = _summarize_single_speed(records) if records else ""
+    if batch:
+        text += "\n\nBatch vs single calls (generated tokens per second; same prompts, interleaved):\n\n" + summarize_batch_speed(batch)
+    return text
+
+
+def _summarize_single_speed(records: Sequence[Record]) -> str:
     by_length: dict[int, dict[tuple[str, int], list[Record]]] = defaultdict(lambda: defaultdict(list))
     for r in records:
         by_length[r["target_tokens"]][_key(r)].append(r)
@@ -243,6 +275,7 @@ def plot_fidelity(records: Sequence[Record], out: Path) -> list[Path]:
 
 
 def plot_speed(records: Sequence[Record], out: Path) -> list[Path]:
+    records = [r for r in records if r.get("kind") != "batch"]
     plt = _pyplot()
     groups = _grouped(records)
     panels = [

@@ -1,6 +1,6 @@
 """Run the four evaluation tasks: compressed and uncompressed runs in one process, interleaved.
 
-Every record carries the settings of ``shared/design/evaluation.md``: model, method and its
+Every record carries the settings of ``docs/design/evaluation.md``: model, method and its
 settings (window, budget, kernel, pooling, question-aware), prompt length, batch size,
 dtype, device, threads and toolkit version.
 """
@@ -274,11 +274,15 @@ def run_speed(
     *,
     new_tokens: int = 32,
     repeats: int = 1,
+    batch_sizes: Sequence[int] = (),
     progress: bool = True,
 ) -> list[Record]:
     """Prefill s, decode ms/token, KV bytes and peak memory; methods interleaved per length.
 
     Each decode figure sits beside its floor ``(weight_bytes + kept_kv_bytes) / bandwidth``.
+    With ``batch_sizes``, also ``B`` prompts of about the same length run as one
+    ``generate_batch`` call and as ``B`` single calls, interleaved: records with
+    ``kind == "batch"`` hold both wall times and the generated tokens per second.
     """
     bandwidth = measure_bandwidth(engine.device)
     weights = weight_bytes(engine.model)
@@ -313,8 +317,38 @@ def run_speed(
                     }
                 )
                 bar.update()
+    for size in batch_sizes:
+        for length in lengths:
+            prompts = [build_needle_case(engine.tokenizer, length, 0.5, seed=100 + i).prompt for i in range(size)]
+            for method in runs:
+                records.append(_batch_vs_single(engine, method, prompts, new_tokens))
     bar.close()
     return records
+
+
+def _batch_vs_single(engine, method: Method, prompts: list[str], new_tokens: int) -> Record:
+    """One ``generate_batch`` over ``prompts`` against one ``generate`` per prompt."""
+    kwargs = dict(max_new_tokens=new_tokens, ignore_eos=True, compression=method.policy)
+    start = time.perf_counter()
+    batch = engine.generate_batch(prompts, **kwargs)
+    batch_s = time.perf_counter() - start
+    start = time.perf_counter()
+    singles = [engine.generate(p, **kwargs) for p in prompts]
+    single_s = time.perf_counter() - start
+    return {
+        **common_fields(engine, "speed", method, round(statistics.mean(r.usage.prompt_tokens for r in batch)), len(prompts)),
+        "kind": "batch",
+        "target_tokens": None,
+        "new_tokens": new_tokens,
+        "largest_bucket": max(r.stats.batch_size for r in batch),
+        "batch_seconds": batch_s,
+        "single_seconds": single_s,
+        "batch_tokens_per_second": sum(r.usage.completion_tokens for r in batch) / batch_s,
+        "single_tokens_per_second": sum(r.usage.completion_tokens for r in singles) / single_s,
+        "batch_decode_ms_per_step": median(r.stats.decode_ms_per_token for r in batch),
+        "single_decode_ms_per_step": median(r.stats.decode_ms_per_token for r in singles),
+        "same_tokens": [r.token_ids for r in batch] == [r.token_ids for r in singles],
+    }
 
 
 def median(values: Iterable[float]) -> float:

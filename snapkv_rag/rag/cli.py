@@ -104,13 +104,13 @@ def _describe(answer) -> list[str]:
 
 
 def cmd_ask(args) -> int:
-    from ..cli import _engine
+    from ..cli_common import load_engine
     from .qa import DocumentQA
 
     sampling, compression = _qa_kwargs(args)
     store = _store(args, create=False)
     qa = DocumentQA(
-        _engine(args),
+        load_engine(args),
         store,
         context_tokens=args.context_tokens,
         max_new_tokens=args.max_new_tokens,
