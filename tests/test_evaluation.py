@@ -11,7 +11,7 @@ from snapkv_rag.errors import InvalidCompressionError
 from snapkv_rag.evaluation.citation import build_questions
 from snapkv_rag.evaluation.needle import build_needle_case
 from snapkv_rag.evaluation.report import read_jsonl, write_report
-from snapkv_rag.evaluation.runner import method_grid, run_citation, run_fidelity, run_needle, run_speed
+from snapkv_rag.evaluation.runner import method_grid, run_fidelity, run_needle, run_speed
 
 REQUIRED = {"task", "model", "method", "budget", "settings", "prompt_tokens", "batch_size", "dtype", "device", "threads", "version"}
 
@@ -76,15 +76,6 @@ def test_needle_run(engine, methods, tmp_path):
     assert "snapkv:window=8,kernel=3 @ 48" in text
     compressed = [r for r in records if r["method"] != "full"]
     assert all(r["prompt_kv_bytes_kept"] < records[0]["prompt_kv_bytes_kept"] for r in compressed)
-
-
-def test_citation_run(engine, methods, tmp_path):
-    records = run_citation(engine, methods[:2], n_docs=6, n_questions=2, max_new_tokens=6, progress=False)
-    _check(records, "citation", tmp_path, 2 * (1 + 1 + 2))
-    full = [r for r in records if r["method"] == "full"]
-    assert all(r["agreement_f1"] == 1.0 and r["identical_text"] for r in full)
-    noise = [r for r in records if r["method"] == "full (noise floor)"]
-    assert len(noise) == 2 and all(r["threads"] == 1 for r in noise)
 
 
 def test_fidelity_run(engine, methods, tmp_path):

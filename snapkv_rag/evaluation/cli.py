@@ -25,7 +25,7 @@ def add_eval_parser(sub) -> None:
     tasks = parser.add_subparsers(dest="task", required=True)
     for name, help_text, lengths in (
         ("needle", "passkey exact match over depth x length x budget", "1000,2000"),
-        ("citation", "citation F1 of compressed vs uncompressed RAG answers", None),
+        ("citation", "citation F1 of compressed vs uncompressed answers on the RAG pipeline (ingest, retrieval, stuffing, DocumentQA)", None),
         ("fidelity", "greedy agreement and teacher-forced KL over a fixed continuation", "2000"),
         ("speed", "prefill, decode ms/token, KV bytes, peak memory vs prompt length", "1000,2000,4000,8000"),
     ):
@@ -35,15 +35,25 @@ def add_eval_parser(sub) -> None:
         p.add_argument("--budgets", type=_ints, default=[256, 512, 1024], help="comma-separated budgets, e.g. 256,512")
         p.add_argument("--out", type=Path, default=Path("eval-results"), help="output directory")
         p.add_argument("--no-progress", action="store_true", help="hide progress bars")
+        p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
         if lengths:
             p.add_argument("--lengths", type=_ints, default=_ints(lengths), help="prompt lengths in tokens")
         if name == "needle":
             p.add_argument("--depths", type=_floats, default=[0.0, 0.25, 0.5, 0.75, 1.0])
             p.add_argument("--seeds", type=_ints, default=[0])
         if name == "citation":
-            p.add_argument("--docs", type=int, default=40, help="documents per prompt")
-            p.add_argument("--questions", type=int, default=10)
-            p.add_argument("--seed", type=int, default=0)
+            p.add_argument("--corpus", type=Path, default=None, help="folder of documents to ingest (default: examples/sample_corpus)")
+            p.add_argument("--questions-file", type=Path, default=None, help="JSON lines: question, answer, gold (file names in the corpus); default examples/sample_questions.jsonl")
+            p.add_argument("--questions", type=int, default=None, help="use the first N questions (default: all)")
+            p.add_argument("--context-tokens", type=int, default=2000, help="LLM tokens of stuffed documents per prompt")
+            p.add_argument("--max-new-tokens", type=int, default=48)
+            p.add_argument("--store", type=Path, default=None, help="embedded Chroma directory to ingest into (default: a temporary one)")
+            p.add_argument("--collection", default="snapkv-eval", help="Chroma collection name")
+            p.add_argument("--embedder", default="default", help="sentence-transformers model path (default: embedded all-MiniLM-L6-v2)")
+            p.add_argument("--chunk-tokens", type=int, default=200, help="chunk size in embedder tokens")
+            p.add_argument("--attribution", choices=("hybrid", "embedding", "lexical"), default=None, help="attributed-route method (default: the library's)")
+            p.add_argument("--attribution-threshold", type=float, default=None)
+            p.add_argument("--noise-threads", type=int, default=None, help="threads of the noise-floor rerun (default: 1, or 2 when --threads 1)")
         if name == "fidelity":
             p.add_argument("--continuation-tokens", type=int, default=32)
             p.add_argument("--seeds", type=_ints, default=[0])
@@ -55,22 +65,24 @@ def add_eval_parser(sub) -> None:
 
 
 def cmd_eval(args) -> int:
+    import torch
+
+    from .rag_citation import EvalInputError
     from .report import write_report
-    from .runner import method_grid, run_citation, run_fidelity, run_needle, run_speed
+    from .runner import method_grid
 
     methods = method_grid(args.methods, args.budgets)  # validated before the model loads
-    engine = load_engine(args)
-    progress = not args.no_progress
-    if args.task == "needle":
-        records = run_needle(engine, methods, args.lengths, args.depths, seeds=args.seeds, progress=progress)
-    elif args.task == "citation":
-        records = run_citation(engine, methods, n_docs=args.docs, n_questions=args.questions, seed=args.seed, progress=progress)
-    elif args.task == "fidelity":
-        records = run_fidelity(engine, methods, args.lengths, continuation_tokens=args.continuation_tokens, seeds=args.seeds, progress=progress)
-    else:
-        records = run_speed(
-            engine, methods, args.lengths, new_tokens=args.new_tokens, repeats=args.repeats, batch_sizes=args.batch_sizes, progress=progress
-        )
+    if args.threads is not None and args.threads < 1:
+        raise EvalInputError(f"--threads must be positive, got {args.threads}")
+    if args.task == "citation":
+        _check_citation_args(args)
+    threads = torch.get_num_threads()
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    try:
+        records = _run_task(args, methods)
+    finally:
+        torch.set_num_threads(threads)
     command = "snapkv-rag " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if sys.argv[1:2] == ["eval"] else None
     paths = write_report(args.task, records, args.out, command)
     if args.json:
@@ -80,3 +92,62 @@ def cmd_eval(args) -> int:
     else:
         print(paths["markdown"].read_text())
     return 0
+
+
+def _check_citation_args(args) -> None:
+    from .rag_citation import DEFAULT_CORPUS, DEFAULT_QUESTIONS, EvalInputError, load_questions
+
+    args.corpus = args.corpus or DEFAULT_CORPUS
+    args.questions_file = args.questions_file or DEFAULT_QUESTIONS
+    if not args.corpus.exists():
+        raise EvalInputError(f"corpus {args.corpus} does not exist")
+    for name in ("context_tokens", "max_new_tokens", "chunk_tokens"):
+        if getattr(args, name) < 1:
+            raise EvalInputError(f"--{name.replace('_', '-')} must be positive")
+    args.question_list = load_questions(args.questions_file, args.questions)
+
+
+def _run_citation(args, engine, methods, progress):
+    import torch
+
+    from ..rag.attribution import EvidenceAttributor
+    from ..rag.embeddings import Embedder
+    from .rag_citation import run_rag_citation
+
+    embedder = Embedder(args.embedder)
+    attributor = None
+    if args.attribution or args.attribution_threshold is not None:
+        kwargs = {"method": args.attribution} if args.attribution else {}
+        attributor = EvidenceAttributor(embedder, threshold=args.attribution_threshold, **kwargs)
+    noise = args.noise_threads or (2 if torch.get_num_threads() == 1 else 1)
+    return run_rag_citation(
+        engine,
+        methods,
+        corpus=args.corpus,
+        questions=args.question_list,
+        context_tokens=args.context_tokens,
+        max_new_tokens=args.max_new_tokens,
+        store=args.store,
+        collection=args.collection,
+        embedder=embedder,
+        chunk_tokens=args.chunk_tokens,
+        attributor=attributor,
+        noise_threads=noise,
+        progress=progress,
+    )
+
+
+def _run_task(args, methods):
+    from .runner import run_fidelity, run_needle, run_speed
+
+    engine = load_engine(args)
+    progress = not args.no_progress
+    if args.task == "needle":
+        return run_needle(engine, methods, args.lengths, args.depths, seeds=args.seeds, progress=progress)
+    if args.task == "citation":
+        return _run_citation(args, engine, methods, progress)
+    if args.task == "fidelity":
+        return run_fidelity(engine, methods, args.lengths, continuation_tokens=args.continuation_tokens, seeds=args.seeds, progress=progress)
+    return run_speed(
+        engine, methods, args.lengths, new_tokens=args.new_tokens, repeats=args.repeats, batch_sizes=args.batch_sizes, progress=progress
+    )

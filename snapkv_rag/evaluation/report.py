@@ -9,7 +9,7 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from ..metrics import micro_prf, relative_difference
+from ..metrics import citation_prf, micro_prf, relative_difference
 from .runner import Record, median
 
 
@@ -81,31 +81,104 @@ def summarize_needle(records: Sequence[Record]) -> str:
     return _table(["method", "cases", "exact match", "kept where full finds it", "median prompt tokens"], rows)
 
 
+def _routes(records: Sequence[Record]) -> list[str]:
+    order = ["generated", "attributed"]
+    return sorted({r.get("route", "generated") for r in records}, key=lambda x: (order.index(x) if x in order else 9, x))
+
+
+def _rate(values: Iterable[Any]) -> float:
+    values = [float(v) for v in values if v is not None]
+    return _mean(values)
+
+
 def summarize_citation(records: Sequence[Record]) -> str:
-    groups = _grouped(records)
-    full_gold = _mean([r["gold_f1"] for r in groups.get(("full", -1), [])])
+    """Per method x budget x route: agreement and gold F1, invalid citations, answer accuracy;
+    retrieval recall and the attribution sweep (uncompressed answers) when the records have them."""
+    parts = []
+    full = [r for r in records if r["method"] == "full"]
+    by_question = {r["question_index"]: r for r in full}
+    if full and "gold_retrieved" in full[0]:
+        hits = sum(bool(r["gold_retrieved"]) for r in by_question.values())
+        first = full[0]
+        parts.append(
+            f"Corpus `{first['corpus']}` ({first['corpus_files']} files, {first['corpus_chunks']} chunks of "
+            f"{first['chunk_tokens']} embedder tokens), {len(by_question)} questions, {first['context_tokens']} LLM tokens of "
+            f"documents per prompt (median {round(median(r['stuffed_chunks'] for r in by_question.values()))} chunks, "
+            f"median prompt {round(median(r['prompt_tokens'] for r in by_question.values()))} tokens), "
+            f"{first['max_new_tokens']} new tokens at most, greedy. Attributed route: {first['attribution']}."
+        )
+        parts.append(f"Retrieval recall (a gold file among the stuffed chunks): {hits}/{len(by_question)} = {hits / len(by_question):.3f}.")
     rows = []
-    for (method, budget), group in groups.items():
-        pairs = [(r["cited"], r["full_cited"]) for r in group]
-        gold = _mean([r["gold_f1"] for r in group])
-        rows.append(
+    for (method, budget), group in _grouped(records).items():
+        for route in _routes(group):
+            rg = [r for r in group if r.get("route", "generated") == route]
+            full_rg = [r for r in full if r.get("route", "generated") == route]
+            full_gold = _mean([r["gold_f1"] for r in full_rg])
+            gold = _mean([r["gold_f1"] for r in rg])
+            rows.append(
+                (
+                    _label(method, budget),
+                    route,
+                    len(rg),
+                    _mean([r["agreement_f1"] for r in rg]),
+                    micro_prf([(r["cited"], r["full_cited"]) for r in rg])[2],
+                    _mean([float(r["identical_text"]) for r in rg]),
+                    gold,
+                    micro_prf([(r["cited"], r["gold"]) for r in rg])[2],
+                    relative_difference(gold, full_gold) if method != "full" else 0.0,
+                    sum(len(r["invalid_citations"]) for r in rg),
+                    _rate(r["answer_correct"] for r in rg),
+                )
+            )
+    header = [
+        "method", "route", "questions", "agreement F1 (macro)", "agreement F1 (micro)", "identical answers",
+        "gold F1 (macro)", "gold F1 (micro)", "gold F1 rel. diff vs full", "invalid citations", "answer accuracy",
+    ]
+    parts.append(_table(header, rows))
+    sweep = summarize_attribution_sweep(records)
+    if sweep:
+        parts.append("Attribution settings on the uncompressed answers (attributed route; best threshold/margin per method, and the default):\n\n" + sweep)
+    return "\n\n".join(parts)
+
+
+def attribution_sweep_rows(records: Sequence[Record]) -> list[tuple[Any, ...]]:
+    """(setting, gold F1 macro, gold F1 micro, macro where a gold file was stuffed, share citing anything)."""
+    rows = [r for r in records if r["method"] == "full" and r.get("attribution_sweep")]
+    if not rows:
+        return []
+    out = []
+    for key in rows[0]["attribution_sweep"]:
+        pairs = [(r["attribution_sweep"][key], r["gold"]) for r in rows]
+        retrieved = [(c, g) for c, g in pairs if g]
+        out.append(
             (
-                _label(method, budget),
-                len(group),
-                _mean([r["agreement_f1"] for r in group]),
+                key,
+                _mean([citation_prf(c, g)[2] for c, g in pairs]),
                 micro_prf(pairs)[2],
-                _mean([float(r["identical_text"]) for r in group]),
-                gold,
-                relative_difference(gold, full_gold) if method != "full" else 0.0,
-                _mean([float(r["answer_correct"]) for r in group]),
-                sum(len(r["invalid_citations"]) for r in group),
+                _mean([citation_prf(c, g)[2] for c, g in retrieved]),
+                _mean([float(bool(c)) for c, _ in pairs]),
             )
         )
-    header = [
-        "method", "questions", "agreement F1 (macro)", "agreement F1 (micro)", "identical answers",
-        "gold F1", "gold F1 rel. diff vs full", "answer correct", "invalid citations",
-    ]
-    return _table(header, rows)
+    return out
+
+
+def summarize_attribution_sweep(records: Sequence[Record]) -> str:
+    rows = attribution_sweep_rows(records)
+    if not rows:
+        return ""
+    current = next((r["attribution"] for r in records if r.get("attribution")), None)
+    chosen = []
+    for method in dict.fromkeys(k.split(":")[0] for k, *_ in rows):
+        mine = [r for r in rows if r[0].startswith(method + ":")]
+        best = max(mine, key=lambda r: (r[1], r[2]))
+        chosen.append((*best, "best"))
+        if current and current.get("method") == method:
+            key = f"{method}:threshold={current['threshold']:g},margin={current['margin']:g}"
+            default = next((r for r in mine if r[0] == key), None)
+            if default is not None and default is not best:
+                chosen.append((*default, "default"))
+    header = ["setting", "gold F1 (macro)", "gold F1 (micro)", "gold F1 where gold was stuffed", "answers citing anything", ""]
+    return _table(header, chosen)
 
 
 def summarize_fidelity(records: Sequence[Record]) -> str:
@@ -265,8 +338,32 @@ def _by_budget_plot(records, out: Path, metrics: Sequence[tuple[str, str]], file
 
 
 def plot_citation(records: Sequence[Record], out: Path) -> list[Path]:
-    metrics = [("agreement_f1", "agreement F1 vs full"), ("gold_f1", "gold F1")]
-    return [_by_budget_plot(records, out, metrics, "citation_f1_vs_budget.png", "Citation F1 vs budget")]
+    """One row of panels per citation route: agreement F1, gold F1 and answer accuracy vs budget."""
+    plt = _pyplot()
+    routes = _routes(records)
+    metrics = [("agreement_f1", "agreement F1 vs full"), ("gold_f1", "gold F1"), ("answer_correct", "answer accuracy")]
+    fig, axes = plt.subplots(len(routes), len(metrics), figsize=(5 * len(metrics), 3.4 * len(routes)), squeeze=False)
+    for row, route in zip(axes, routes):
+        groups = _grouped([r for r in records if r.get("route", "generated") == route])
+        for ax, (field, ylabel) in zip(row, metrics):
+            for method in sorted({m for m, b in groups if b >= 0}):
+                budgets = sorted(b for m, b in groups if m == method)
+                ax.plot(budgets, [_rate(r[field] for r in groups[(method, b)]) for b in budgets], marker="o", label=method)
+            for (m, b), group in groups.items():
+                if b < 0:
+                    ax.axhline(_rate(r[field] for r in group), linestyle="--", linewidth=1, color="gray" if m == "full" else "black", label=m)
+            ax.set_xscale("log", base=2)
+            ax.set_xlabel("budget (kept prompt tokens per head)")
+            ax.set_ylabel(ylabel)
+            ax.set_title(f"{route} route", fontsize=9)
+            ax.grid(alpha=0.3)
+        row[0].legend(fontsize=7)
+    fig.suptitle("Citations on the RAG pipeline vs budget", fontsize=10)
+    fig.tight_layout()
+    path = out / "citation_f1_vs_budget.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return [path]
 
 
 def plot_fidelity(records: Sequence[Record], out: Path) -> list[Path]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import statistics
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,7 +20,7 @@ from tqdm.auto import tqdm
 from .. import __version__
 from ..compression import CompressionPolicy, parse_compression
 from ..errors import InvalidCompressionError
-from ..metrics import citation_prf, greedy_agreement, needle_exact_match, next_token_kl, parse_citations
+from ..metrics import greedy_agreement, needle_exact_match, next_token_kl
 from .citation import build_questions
 from .needle import build_needle_case
 
@@ -124,39 +124,6 @@ def run_needle(
     return records
 
 
-# -------------------------------------------------------------------------------- citation
-def run_citation(
-    engine,
-    methods: Sequence[Method],
-    *,
-    n_docs: int = 40,
-    n_questions: int = 10,
-    seed: int = 0,
-    max_new_tokens: int = 40,
-    noise_threads: int = 1,
-    progress: bool = True,
-) -> list[Record]:
-    """Agreement F1 (compressed vs uncompressed), gold F1 for both, and a noise-floor run:
-    the uncompressed model again with ``noise_threads`` threads (different reduction order)."""
-    questions = build_questions(n_docs, n_questions, seed=seed)
-    records: list[Record] = []
-    noise = Method("full (noise floor)", None, None)
-    bar = _progress(len(questions) * (len(methods) + 2), "citation", progress)
-    for qi, question in enumerate(questions):
-        full = engine.generate(question.messages, max_new_tokens=max_new_tokens)
-        full_cited, _ = parse_citations(full.text, question.n_docs)
-        bar.update()
-        runs: list[tuple[Method, Callable[[], Any]]] = [(noise, lambda: _with_threads(noise_threads, engine.generate, question.messages, max_new_tokens=max_new_tokens))]
-        runs += [(m, lambda m=m: engine.generate(question.messages, max_new_tokens=max_new_tokens, compression=m.policy)) for m in methods]
-        records.append(_citation_record(engine, FULL, qi, question, full, full, full_cited))
-        for method, call in runs:
-            result = call()
-            records.append(_citation_record(engine, method, qi, question, result, full, full_cited))
-            bar.update()
-    bar.close()
-    return records
-
-
 def _with_threads(threads: int, fn, *args, **kwargs):
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
@@ -164,35 +131,6 @@ def _with_threads(threads: int, fn, *args, **kwargs):
         return fn(*args, **kwargs)
     finally:
         torch.set_num_threads(before)
-
-
-def _citation_record(engine, method, qi, question, result, full, full_cited) -> Record:
-    cited, invalid = parse_citations(result.text, question.n_docs)
-    agree = citation_prf(cited, full_cited)
-    gold = citation_prf(cited, question.gold)
-    record = common_fields(engine, "citation", method, result.usage.prompt_tokens)
-    record["threads"] = result.stats.threads
-    record.update(
-        question_index=qi,
-        question=question.question,
-        n_docs=question.n_docs,
-        gold=list(question.gold),
-        output=result.text,
-        full_output=full.text,
-        cited=cited,
-        invalid_citations=invalid,
-        full_cited=full_cited,
-        agreement_precision=agree[0],
-        agreement_recall=agree[1],
-        agreement_f1=agree[2],
-        gold_precision=gold[0],
-        gold_recall=gold[1],
-        gold_f1=gold[2],
-        answer_correct=all(a in result.text for a in question.answers),
-        identical_text=result.text == full.text,
-        prompt_kv_bytes_kept=result.stats.prompt_kv_bytes_kept,
-    )
-    return record
 
 
 # -------------------------------------------------------------------------------- fidelity

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from .embeddings import Embedder
 
 METHODS = ("hybrid", "embedding", "lexical")
+DEFAULT_THRESHOLDS = {"hybrid": 0.6, "embedding": 0.3, "lexical": 0.3}
 _SENTENCE = re.compile(r"[^.!?\n]+(?:[.!?]+(?=\s|$)|$)|[^.!?\n]*[.!?]+")
 _WORD = re.compile(r"[\w][\w'\-:.]*[\w]|\w")
 _MARKER = re.compile(r"\[\s*\d+(?:\s*[,;]\s*\d+)*\s*\]")
@@ -51,37 +52,81 @@ def lexical_support(sentence: str, chunk_text: str) -> float:
     return len(words & content_words(chunk_text)) / len(words)
 
 
+def answer_sentences(answer: str) -> list[str]:
+    """The answer's sentences that can be attributed: ``[n]`` markers removed, content words left."""
+    return [s for s in (_MARKER.sub("", s).strip() for s in split_sentences(answer)) if content_words(s)]
+
+
+def choose(row: Sequence[float], threshold: float, margin: float, max_cited: int = 3) -> tuple[int, ...]:
+    """0-based chunk indices cited for one sentence's scores: the best when it clears
+    ``threshold``, with every chunk within ``margin`` of it (at most ``max_cited``), best first."""
+    if not row:
+        return ()
+    best = max(row)
+    if best < threshold:
+        return ()
+    return tuple(sorted((i for i, s in enumerate(row) if s >= best - margin), key=lambda i: -row[i])[:max_cited])
+
+
+def score_matrices(embedder: Embedder, question: str, sentences: Sequence[str], chunk_texts: Sequence[str], methods: Sequence[str] = METHODS) -> dict[str, list[list[float]]]:
+    """``{method: [sentence][chunk] scores}`` for several methods, embedding each text once."""
+    lexical = [[lexical_support(s, c) for c in chunk_texts] for s in sentences]
+    out: dict[str, list[list[float]]] = {}
+    if "lexical" in methods:
+        out["lexical"] = lexical
+    if {"embedding", "hybrid"} & set(methods):
+        vectors = embedder.embed([f"{question} {s}" for s in sentences] + list(chunk_texts))
+        queries, chunks = vectors[: len(sentences)], vectors[len(sentences) :]
+        cosine = [[sum(a * b for a, b in zip(q, c)) for c in chunks] for q in queries]
+        if "embedding" in methods:
+            out["embedding"] = cosine
+        if "hybrid" in methods:
+            out["hybrid"] = [[cos + lex for cos, lex in zip(crow, lrow)] for crow, lrow in zip(cosine, lexical)]
+    return out
+
+
 class EvidenceAttributor:
     def __init__(self, embedder: Embedder, *, method: str = "hybrid", threshold: float | None = None, margin: float = 0.1):
         if method not in METHODS:
             raise ValueError(f"attribution method must be one of {METHODS}, got {method!r}")
         self.embedder = embedder
         self.method = method
-        self.threshold = threshold if threshold is not None else {"hybrid": 0.6, "embedding": 0.3, "lexical": 0.3}[method]
+        self.threshold = threshold if threshold is not None else DEFAULT_THRESHOLDS[method]
         self.margin = margin
+
+    def settings(self) -> dict[str, object]:
+        return {"method": self.method, "threshold": self.threshold, "margin": self.margin}
 
     def scores(self, question: str, sentences: Sequence[str], chunk_texts: Sequence[str]) -> list[list[float]]:
         """``[sentence][chunk]`` support scores."""
-        lexical = [[lexical_support(s, c) for c in chunk_texts] for s in sentences]
-        if self.method == "lexical":
-            return lexical
-        vectors = self.embedder.embed([f"{question} {s}" for s in sentences] + list(chunk_texts))
-        queries, chunks = vectors[: len(sentences)], vectors[len(sentences) :]
-        cosine = [[sum(a * b for a, b in zip(q, c)) for c in chunks] for q in queries]
-        if self.method == "embedding":
-            return cosine
-        return [[cos + lex for cos, lex in zip(crow, lrow)] for crow, lrow in zip(cosine, lexical)]
+        return score_matrices(self.embedder, question, sentences, chunk_texts, (self.method,))[self.method]
 
     def attribute(self, question: str, answer: str, chunk_texts: Sequence[str]) -> list[SentenceSupport]:
-        sentences = [s for s in (_MARKER.sub("", s).strip() for s in split_sentences(answer)) if content_words(s)]
+        sentences = answer_sentences(answer)
         if not sentences or not chunk_texts:
             return []
         out = []
         for sentence, row in zip(sentences, self.scores(question, sentences, chunk_texts)):
-            best = max(row)
-            if best < self.threshold:
-                out.append(SentenceSupport(sentence, (), ()))
-                continue
-            chosen = sorted((i for i, s in enumerate(row) if s >= best - self.margin), key=lambda i: -row[i])[:3]
+            chosen = choose(row, self.threshold, self.margin)
             out.append(SentenceSupport(sentence, tuple(i + 1 for i in chosen), tuple(round(row[i], 4) for i in chosen)))
         return out
+
+
+def sweep(
+    embedder: Embedder, question: str, answer: str, chunk_texts: Sequence[str], grid: Sequence[tuple[str, float, float]]
+) -> dict[str, list[int]]:
+    """Cited document numbers (1-based, sorted) under each ``(method, threshold, margin)`` of
+    ``grid``, keyed ``"method:threshold=T,margin=M"``; each method's scores are computed once."""
+    sentences = answer_sentences(answer)
+    matrices = score_matrices(embedder, question, sentences, chunk_texts, sorted({m for m, _, _ in grid})) if sentences and chunk_texts else {}
+    out = {}
+    for method, threshold, margin in grid:
+        cited: set[int] = set()
+        for row in matrices.get(method, []):
+            cited.update(i + 1 for i in choose(row, threshold, margin))
+        out[sweep_key(method, threshold, margin)] = sorted(cited)
+    return out
+
+
+def sweep_key(method: str, threshold: float, margin: float) -> str:
+    return f"{method}:threshold={threshold:g},margin={margin:g}"

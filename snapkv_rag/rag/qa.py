@@ -187,7 +187,11 @@ class DocumentQA:
 
     def ask(self, question: str, *, compression: Any = _DEFAULT, **sampling: Any) -> Answer:
         """Retrieve, stuff, generate and cite. ``sampling`` as in :meth:`Engine.generate`."""
-        context = self.retrieve(question)
+        return self.answer_context(self.retrieve(question), compression=compression, **sampling)
+
+    def answer_context(self, context: StuffedContext, *, compression: Any = _DEFAULT, **sampling: Any) -> Answer:
+        """Generate and cite over an already stuffed ``context`` (from :meth:`retrieve`), so
+        several compression settings can answer from the very same prompt."""
         result = self.engine.generate(context.messages, **self._kwargs(context, compression, sampling))
         return self._answer(context, result)
 
