@@ -183,3 +183,13 @@ def test_cli_bad_input_exits_2_with_one_line(model_dir, extra, message, capsys):
     assert main(["eval", "citation", "--model", model_dir, *extra]) == 2
     err = capsys.readouterr().err
     assert err.startswith("snapkv-rag: error:") and message in err and err.count("\n") == 1
+
+
+def test_needle_records_name_the_resolved_question_window(engine):
+    from snapkv_rag.evaluation.runner import run_needle
+
+    records = run_needle(engine, method_grid(["snapkv:window=question", "snapkv:window=8"], [96]), [250], [0.5], max_new_tokens=2, progress=False)
+    by_method = {r["method"]: r for r in records}
+    assert by_method["full"]["resolved_window"] is None and by_method["snapkv:window=8"]["resolved_window"] is None
+    (window,) = by_method["snapkv:window=question"]["resolved_window"]
+    assert 8 <= window <= 64

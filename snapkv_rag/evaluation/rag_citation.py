@@ -25,7 +25,7 @@ from ..metrics import citation_prf
 from ..rag.attribution import DEFAULT_THRESHOLDS, EvidenceAttributor, sweep
 from ..rag.qa import ROUTES, DocumentQA
 from ..rag.store import DocumentStore
-from .runner import FULL, Method, Record, _progress, _with_threads, common_fields
+from .runner import FULL, Method, Record, _progress, _with_threads, common_fields, resolved_window
 
 NOISE = Method("full (noise floor)", None, None)
 # (method, threshold, margin) settings compared on the uncompressed answers.
@@ -185,7 +185,7 @@ def _record(engine, method, qi, q, context, gold, answer, full, route, shared) -
         answer_correct=answer_correct(answer.text, q.answer),
         identical_text=answer.text == full.text,
         kept_tokens=max(stats.kept_tokens_per_layer) if stats.kept_tokens_per_layer else None,
-        resolved_window=(stats.compression or {}).get("resolved_window_sizes"),
+        resolved_window=resolved_window(answer.result),
         prompt_kv_bytes_kept=stats.prompt_kv_bytes_kept,
         prefill_seconds=stats.prefill_seconds,
     )

@@ -78,6 +78,11 @@ def common_fields(engine, task: str, method: Method, prompt_tokens: int, batch_s
     }
 
 
+def resolved_window(result) -> list[int] | None:
+    """The observation window each row used when the policy resolves it per prompt (``window=question``)."""
+    return (result.stats.compression or {}).get("resolved_window_sizes")
+
+
 def _progress(total: int, desc: str, enabled: bool):
     return tqdm(total=total, desc=desc, disable=not enabled, leave=False)
 
@@ -117,6 +122,7 @@ def run_needle(
                             "full_found": full_found,
                             "prefill_seconds": result.stats.prefill_seconds,
                             "prompt_kv_bytes_kept": result.stats.prompt_kv_bytes_kept,
+                            "resolved_window": resolved_window(result),
                         }
                     )
                     bar.update()
@@ -176,6 +182,7 @@ def run_fidelity(
                         "kl_max": float(kl.max()),
                         "top1_agreement": float(top1.float().mean()),
                         "prompt_kv_bytes_kept": result.stats.prompt_kv_bytes_kept,
+                        "resolved_window": resolved_window(result),
                     }
                 )
                 bar.update()
