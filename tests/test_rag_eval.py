@@ -193,3 +193,11 @@ def test_needle_records_name_the_resolved_question_window(engine):
     assert by_method["full"]["resolved_window"] is None and by_method["snapkv:window=8"]["resolved_window"] is None
     (window,) = by_method["snapkv:window=question"]["resolved_window"]
     assert 8 <= window <= 64
+
+
+def test_without_noise_floor_and_methods_only_the_full_run(engine, embedder, corpus):
+    folder, questions = corpus
+    records = run_rag_citation(engine, [], corpus=folder, questions=questions, n_questions=2, context_tokens=300, max_new_tokens=2,
+                               embedder=embedder, noise_threads=None, progress=False)
+    assert [r["method"] for r in records] == ["full"] * 4
+    assert sum(bool(r.get("attribution_sweep")) for r in records) == 2

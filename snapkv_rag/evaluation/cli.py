@@ -54,6 +54,7 @@ def add_eval_parser(sub) -> None:
             p.add_argument("--attribution", choices=("hybrid", "embedding", "lexical"), default=None, help="attributed-route method (default: the library's)")
             p.add_argument("--attribution-threshold", type=float, default=None)
             p.add_argument("--noise-threads", type=int, default=None, help="threads of the noise-floor rerun (default: 1, or 2 when --threads 1)")
+            p.add_argument("--no-noise-floor", action="store_true", help="skip the noise-floor rerun of the uncompressed model")
         if name == "fidelity":
             p.add_argument("--continuation-tokens", type=int, default=32)
             p.add_argument("--seeds", type=_ints, default=[0])
@@ -119,7 +120,7 @@ def _run_citation(args, engine, methods, progress):
     if args.attribution or args.attribution_threshold is not None:
         kwargs = {"method": args.attribution} if args.attribution else {}
         attributor = EvidenceAttributor(embedder, threshold=args.attribution_threshold, **kwargs)
-    noise = args.noise_threads or (2 if torch.get_num_threads() == 1 else 1)
+    noise = None if args.no_noise_floor else args.noise_threads or (2 if torch.get_num_threads() == 1 else 1)
     return run_rag_citation(
         engine,
         methods,

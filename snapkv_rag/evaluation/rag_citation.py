@@ -103,11 +103,12 @@ def run_rag_citation(
     overlap: int = 40,
     attributor: EvidenceAttributor | None = None,
     attribution_grid: Sequence[tuple[str, float, float]] = ATTRIBUTION_GRID,
-    noise_threads: int = 1,
+    noise_threads: int | None = 1,
     progress: bool = True,
 ) -> list[Record]:
     """One record per (method, question, route); the uncompressed records of the attributed
-    route also carry ``attribution_sweep`` (cited numbers under each setting of the grid)."""
+    route also carry ``attribution_sweep`` (cited numbers under each setting of the grid).
+    ``noise_threads``: the thread count of the noise-floor rerun (None or 0: no rerun)."""
     qs = list(questions) if not isinstance(questions, (str, Path)) else load_questions(questions)
     qs = qs[:n_questions] if n_questions else qs
     corpus = Path(corpus)
@@ -131,14 +132,16 @@ def run_rag_citation(
             "attribution": qa.attributor.settings(),
         }
         records: list[Record] = []
-        bar = _progress(len(qs) * (len(methods) + 2), "citation", progress)
+        bar = _progress(len(qs) * (len(methods) + 1 + bool(noise_threads)), "citation", progress)
         for qi, q in enumerate(qs):
             context = qa.retrieve(q.question)
             gold = [i + 1 for i, c in enumerate(context.chunks) if is_gold_file(c.file, q.gold)]
             full = qa.answer_context(context)
             bar.update()
-            runs = [(FULL, full), (NOISE, _with_threads(noise_threads, qa.answer_context, context))]
-            bar.update()
+            runs = [(FULL, full)]
+            if noise_threads:
+                runs.append((NOISE, _with_threads(noise_threads, qa.answer_context, context)))
+                bar.update()
             for method in methods:
                 runs.append((method, qa.answer_context(context, compression=method.policy)))
                 bar.update()
