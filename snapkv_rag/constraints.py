@@ -20,6 +20,7 @@ import time
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 from .errors import StructuredOutputError
@@ -124,6 +125,7 @@ class GrammarTokenizer:
         return matcher
 
 
+_NUMPY_DTYPES = (torch.float32, torch.float16, torch.float64)
 _BITS = torch.tensor([1 << i for i in range(32)], dtype=torch.int64)
 
 
@@ -183,11 +185,21 @@ class BatchConstraint:
                 matcher.unsafe_compute_mask_ptr(self._bitmask[i].data_ptr(), row_bytes)
                 if matcher.is_error():
                     raise StructuredOutputError(f"constrained decoding failed: {matcher.get_error()}")
-            index = torch.tensor(rows, device=logits.device)
-            allowed = unpack_bitmask(self._bitmask[rows], logits.shape[-1]).to(logits.device)
-            if allowed.shape[-1] < logits.shape[-1]:  # a padded lm_head: the extra ids are never allowed
-                allowed = torch.nn.functional.pad(allowed, (0, logits.shape[-1] - allowed.shape[-1]))
-            logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
+            if logits.device.type == "cpu" and logits.dtype in _NUMPY_DTYPES:
+                # numpy, single-threaded: a few small torch ops per step cost 10-50x more on a
+                # busy CPU, where each waits for its intra-op thread pool
+                bits = np.unpackbits(self._bitmask.numpy().view(np.uint8), axis=-1, bitorder="little")
+                width = min(logits.shape[-1], bits.shape[-1])
+                for i in rows:
+                    row = logits[i].numpy()
+                    np.copyto(row[:width], -np.inf, where=~bits[i, :width].astype(bool))
+                    row[width:] = -np.inf  # a padded lm_head: the extra ids are never allowed
+            else:
+                index = torch.tensor(rows, device=logits.device)
+                allowed = unpack_bitmask(self._bitmask[rows], logits.shape[-1]).to(logits.device)
+                if allowed.shape[-1] < logits.shape[-1]:
+                    allowed = torch.nn.functional.pad(allowed, (0, logits.shape[-1] - allowed.shape[-1]))
+                logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
         self._elapsed = time.perf_counter() - start
         return logits
 
