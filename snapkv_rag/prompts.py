@@ -129,9 +129,13 @@ def fallback_messages(messages: list[dict[str, Any]], tools: Sequence[Any], tool
     - the tools and the call format go into the system message (appended to an existing one);
     - an assistant message's ``tool_calls`` become ``<tool_call>`` blocks in its content,
       exactly as the engine writes them;
-    - consecutive ``tool`` messages become one message of ``<tool_response>`` blocks, with
-      role ``tool_role``: ``"tool"`` where the template renders that role (SmolLM2's does,
-      and its answers use the result far more reliably so), else ``"user"``.
+    - ``tool`` messages become ``<tool_response>`` blocks with role ``tool_role``: ``"tool"``
+      where the template renders that role (SmolLM2's does, and its answers use the result
+      far more reliably so), else ``"user"``, and then consecutive results are merged into
+      one message so user/assistant turns still alternate.
+
+    Appending messages only appends to the rendering (with ``tool_role="tool"``), so
+    consecutive prompts of an agent loop share their prefix.
     """
     from .tools import dump_json, format_call
 
@@ -145,7 +149,7 @@ def fallback_messages(messages: list[dict[str, Any]], tools: Sequence[Any], tool
         elif m["role"] == "tool":
             name = m.get("name") or names.get(m.get("tool_call_id"), "")
             block = "<tool_response>\n" + dump_json({"name": name, "content": m["content"]}) + "\n</tool_response>"
-            if out and out[-1].get("_tool_results"):
+            if tool_role == "user" and out and out[-1].get("_tool_results"):
                 out[-1]["content"] += "\n" + block
             else:
                 out.append({"role": tool_role, "content": block, "_tool_results": True})
