@@ -155,7 +155,11 @@ def test_fallback_renders_tools_calls_and_results(smollm_tokenizer):
     assert text.startswith("<|im_start|>system\nYou can call the following tools.")
     assert '"name": "magic_function"' in text and "<tool_call>\n{\"name\": \"<tool name>\"" in text
     assert "<|im_start|>assistant\n" + format_call("magic_function", {"input": 3}) + "<|im_end|>" in text
-    assert '<|im_start|>tool\n<tool_response>\n{"name": "magic_function", "content": "22"}\n</tool_response>\n<tool_response>' in text
+    # each result keeps its own tool turn, so appending a message only appends to the rendering
+    assert (
+        '<|im_start|>tool\n<tool_response>\n{"name": "magic_function", "content": "22"}\n</tool_response><|im_end|>\n'
+        '<|im_start|>tool\n<tool_response>\n{"name": "magic_function", "content": "again"}\n</tool_response><|im_end|>'
+    ) in text
     assert text.endswith("<|im_start|>assistant\n")
     # OpenAI-shaped earlier calls (arguments as a JSON string) render the same way
     openai_shaped = [messages[0], {"role": "assistant", "content": None, "tool_calls": [call.to_openai()]}, messages[2]]
@@ -169,9 +173,11 @@ def test_fallback_merges_into_an_existing_system_message_and_uses_user_role_when
         {"role": "user", "content": "q"},
         {"role": "assistant", "content": "ok", "tool_calls": [{"id": "a", "type": "function", "function": {"name": "magic_function", "arguments": {"input": 1}}}]},
         {"role": "tool", "tool_call_id": "a", "content": "5"},
+        {"role": "tool", "tool_call_id": "a", "content": "6"},
     ]
     out = fallback_messages(messages, spec.tools, tool_role="user")
-    assert [m["role"] for m in out] == ["system", "user", "assistant", "user"]
+    assert [m["role"] for m in out] == ["system", "user", "assistant", "user"]  # results merged: turns alternate
+    assert out[3]["content"].count("<tool_response>") == 2
     assert out[0]["content"].startswith("Be brief.\n\nYou can call")
     assert out[2]["content"].startswith("ok\n<tool_call>")
 
