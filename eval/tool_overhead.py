@@ -6,7 +6,7 @@ Usage: .venv/bin/python eval/tool_overhead.py [--repeats 3] [--out eval/results/
    answer (free text under the tool grammar), a JSON-schema answer, and the same prompts
    unconstrained. For each run it records the median decode step (the forward,
    ``stats.decode_ms_per_token``) and the median grammar work per step (mask + advance,
-   ``stats.extra["constraint_ms_per_step"]``), both measured in the same run, and their ratio.
+   ``stats.constraint_ms_per_step``), both measured in the same run, and their ratio.
 2. Grammar engines: llguidance (used) and xgrammar (if importable; it is not a dependency)
    replay the same token sequences on SmolLM2's tokenizer: tokenizer setup, grammar compile,
    and mask computation + token advance per token.
@@ -61,7 +61,7 @@ def engine_overhead(repeats: int, max_new_tokens: int) -> list[dict]:
     for repeat in range(repeats):
         for name, prompt, options in SCENARIOS:  # interleaved, so drift hits every scenario alike
             result = engine.generate([{"role": "user", "content": prompt}], max_new_tokens=max_new_tokens, **options)
-            constraint_ms = result.stats.extra.get("constraint_ms_per_step")
+            constraint_ms = result.stats.constraint_ms_per_step
             records.append({
                 "scenario": name, "repeat": repeat, "steps": result.stats.decode_steps,
                 "decode_ms_per_token": result.stats.decode_ms_per_token, "constraint_ms_per_step": constraint_ms,

@@ -518,10 +518,6 @@ class Engine:
         if isinstance(request.row_policies, list):
             settings["resolved_window_size"] = request.row_policies[row].query_window
             settings["resolved_window_sizes"] = [p.query_window for p in request.row_policies]  # rows of this batch
-        extra = {}
-        if request.constraint is not None:
-            # the grammar mask + advance per step (whole batch), beside the forward's decode_ms_per_token
-            extra["constraint_ms_per_step"] = request.constraint.ms_per_step
         return GenerationStats(
             prefill_seconds=run.timings.prefill_seconds,
             decode_ms_per_token=run.timings.decode_ms_per_token,
@@ -542,7 +538,8 @@ class Engine:
             threads=torch.get_num_threads(),
             model=self.name,
             version=__version__,
-            extra=extra,
+            # the grammar mask + advance per step (whole batch), beside the forward's decode_ms_per_token
+            constraint_ms_per_step=request.constraint.ms_per_step if request.constraint is not None else None,
         )
 
     def _stream_request(self, request: _Request, cancel: threading.Event | None = None) -> GenerationStream:

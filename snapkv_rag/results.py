@@ -49,6 +49,7 @@ class GenerationStats:
     threads: int
     model: str
     version: str
+    constraint_ms_per_step: float | None = None  # tools/response_format: median grammar mask + advance per step
 
     @property
     def compression_ratio(self) -> float:

@@ -131,7 +131,7 @@ def test_none_never_calls(tool_engine, seed):
         max_new_tokens=30, temperature=1.0, seed=seed,
     )
     assert result.tool_calls == [] and result.finish_reason in ("stop", "length")
-    assert result.stats.extra == {}  # no grammar at all
+    assert result.stats.constraint_ms_per_step is None  # no grammar at all
     plain = tool_engine.generate("Call the tool.", max_new_tokens=30, temperature=1.0, seed=seed)
     assert result.text == plain.text  # the tools are not even rendered
 
@@ -164,7 +164,7 @@ def test_batch_mixes_tool_and_plain_rows(tool_engine):
     assert results[1].tool_calls == [] and results[1].parsed is None
     jsonschema.validate(results[3].parsed, SCHEMAS["enum"])
     assert json.loads(results[3].text) == results[3].parsed
-    assert results[0].stats.extra["constraint_ms_per_step"] is not None
+    assert results[0].stats.constraint_ms_per_step is not None
 
 
 def test_unconstrained_row_is_unaffected_by_constrained_neighbours(tool_engine):
