@@ -19,6 +19,7 @@ from .errors import (  # noqa: E402
     ModelNotFoundError,
     PromptTooLongError,
     SnapKVRagError,
+    StructuredOutputError,
 )
 
 _LAZY = {
@@ -29,11 +30,14 @@ _LAZY = {
     "GenerationResult": "results",
     "GenerationStats": "results",
     "Usage": "results",
+    "ToolCall": "tools",
+    "ToolCallDelta": "tools",
 }
 
 if TYPE_CHECKING:  # pragma: no cover
     from .engine import AsyncGenerationStream, Engine, GenerationStream, ModelInfo
     from .results import GenerationResult, GenerationStats, Usage
+    from .tools import ToolCall, ToolCallDelta
 
 
 def __getattr__(name: str) -> Any:
@@ -62,6 +66,9 @@ __all__ = [
     "ModelNotFoundError",
     "PromptTooLongError",
     "SnapKVRagError",
+    "StructuredOutputError",
+    "ToolCall",
+    "ToolCallDelta",
     "Usage",
     "__version__",
 ]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections.abc import AsyncIterator, Iterator, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import torch
@@ -14,15 +14,49 @@ from . import __version__
 from .compression import CompressionPolicy, as_policy
 from .compression.runtime import WRAPPED_IMPLEMENTATIONS, register_attention_functions, wrapped_name
 from .detokenize import SequenceText
-from .errors import EmptyPromptError, InvalidGenerationParameterError, InvalidPromptError, PromptTooLongError
+from .errors import EmptyPromptError, InvalidGenerationParameterError, InvalidPromptError, PromptTooLongError, StructuredOutputError
 from .generation import DecodeRun, cache_bytes
 from .loading import DEFAULT_MODEL, load_model_and_tokenizer
 from .memory import PeakMemory
 from .prompts import PromptLike, question_tail_tokens, render_prompt
 from .results import GenerationResult, GenerationStats, Usage
 from .sampling import GenerationParams
+from .tools import TEXT, OutputSpec, ToolCallDelta, ToolCallStream, build_output_spec, parse_json_output, parse_tool_calls
 
 Compression = CompressionPolicy | str | None
+StreamPiece = str | ToolCallDelta
+_OUTPUT_KEYS = ("tools", "tool_choice", "response_format", "parallel_tool_calls")
+
+
+def output_specs(n: int, options: dict[str, Any], *, per_row: bool = False) -> list[OutputSpec]:
+    """One :class:`OutputSpec` per row from ``tools``/``tool_choice``/``response_format``/``parallel_tool_calls``.
+
+    With ``per_row`` (``generate_batch``), each option may instead be a list with one entry per
+    prompt: ``tools`` as a list of (lists of specs or None), ``tool_choice`` and
+    ``response_format`` as lists of values or None.
+    """
+    tools = options.get("tools")
+    choice = options.get("tool_choice")
+    fmt = options.get("response_format")
+    parallel = options.get("parallel_tool_calls", False)
+
+    def rows(value: Any, is_per_row: bool) -> list[Any]:
+        if not (per_row and is_per_row):
+            return [value] * n
+        if len(value) != n:
+            raise StructuredOutputError(f"a per-prompt list of tools, tool_choice or response_format needs {n} entries, got {len(value)}")
+        return list(value)
+
+    tools_rows = rows(tools, isinstance(tools, list) and bool(tools) and all(t is None or isinstance(t, (list, tuple)) for t in tools))
+    choice_rows = rows(choice, isinstance(choice, list))
+    fmt_rows = rows(fmt, isinstance(fmt, list))
+    specs = []
+    for t, c, f in zip(tools_rows, choice_rows, fmt_rows):
+        if not t and c is None and f is None:
+            specs.append(TEXT)
+        else:
+            specs.append(build_output_spec(t, c, f, parallel))
+    return specs
 
 
 @dataclass(frozen=True)
@@ -50,6 +84,9 @@ class ModelInfo:
 class GenerationStream:
     """Iterate for text pieces; ``result`` holds the full :class:`GenerationResult` once done.
 
+    Text always arrives as plain ``str``; with ``tools``, tool calls arrive as
+    :class:`~snapkv_rag.tools.ToolCallDelta` objects (name first, then argument fragments).
+
     The stream takes the engine's lock only while it computes a step, so a paused, unread or
     abandoned stream never blocks other calls. ``close()`` (also on leaving a ``with`` block)
     ends generation with ``finish_reason="cancelled"`` and a usable ``result``.
@@ -70,7 +107,7 @@ class GenerationStream:
             return item
         return next(self._events)
 
-    def __next__(self) -> str:
+    def __next__(self) -> StreamPiece:
         if self._result is not None:
             raise StopIteration
         item = self._next_event()
@@ -180,18 +217,26 @@ class _Request:
 
     ``row_policies`` is the policy resolved for the rows: the policy itself, or one per row
     when it depends on where each row's question sits (``snapkv:window=question``).
+    ``specs`` says what each row must produce (text, tool calls, JSON); ``constraint`` holds
+    the rows' compiled grammars (None when every row is free text).
     """
 
     rows: list[list[int]]
     params: GenerationParams
     policy: CompressionPolicy | None
     row_policies: CompressionPolicy | list[CompressionPolicy] | None
+    specs: tuple[OutputSpec, ...] = ()
+    constraint: Any = None
+
+    def spec(self, row: int) -> OutputSpec:
+        return self.specs[row] if self.specs else TEXT
 
     def subset(self, indices: Sequence[int]) -> "_Request":
         rows = [self.rows[i] for i in indices]
-        if isinstance(self.row_policies, list):
-            return _Request(rows, self.params, self.policy, [self.row_policies[i] for i in indices])
-        return _Request(rows, self.params, self.policy, self.row_policies)
+        row_policies = [self.row_policies[i] for i in indices] if isinstance(self.row_policies, list) else self.row_policies
+        specs = tuple(self.specs[i] for i in indices) if self.specs else ()
+        constraint = self.constraint.subset(indices) if self.constraint is not None else None
+        return _Request(rows, self.params, self.policy, row_policies, specs, constraint)
 
 
 def length_buckets(lengths: Sequence[int], max_batch_size: int | None = None, *, slack: float = 0.25, min_slack: int = 16) -> list[list[int]]:
@@ -231,6 +276,7 @@ class Engine:
         self._eos_ids = self._collect_eos_ids()
         self._parameter_count = sum(p.numel() for p in model.parameters())
         self._pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else next(iter(self._eos_ids), 0)
+        self._grammar_tokenizer = None  # built on the first constrained call
 
     # ----------------------------------------------------------------- construction
     @classmethod
@@ -290,8 +336,25 @@ class Engine:
             parameters=self._parameter_count,
         )
 
-    def count_tokens(self, prompt: PromptLike, *, chat: bool | None = None) -> int:
-        return len(render_prompt(self.tokenizer, prompt, chat=chat))
+    def count_tokens(self, prompt: PromptLike, *, chat: bool | None = None, tools: Any = None) -> int:
+        spec = build_output_spec(tools) if tools else TEXT
+        return len(render_prompt(self.tokenizer, prompt, chat=chat, tools=spec.tools))
+
+    @property
+    def vocab_size(self) -> int:
+        """Rows of the output embedding: the width of the logits (may exceed the tokenizer's)."""
+        out = self.model.get_output_embeddings()
+        return out.weight.shape[0] if out is not None else self.config.get_text_config(decoder=True).vocab_size
+
+    def _constraint(self, specs: Sequence[OutputSpec]):
+        """The rows' compiled grammars, or None when every row is free text (typed errors on bad schemas)."""
+        if not any(s.constrained for s in specs):
+            return None
+        from .constraints import BatchConstraint, GrammarTokenizer
+
+        if self._grammar_tokenizer is None:
+            self._grammar_tokenizer = GrammarTokenizer(self.tokenizer, self.vocab_size, self._eos_ids)
+        return BatchConstraint.build(self._grammar_tokenizer, specs)
 
     def _collect_eos_ids(self) -> frozenset[int]:
         ids: set[int] = set()
@@ -304,9 +367,12 @@ class Engine:
         return frozenset(ids)
 
     # ----------------------------------------------------------------- the generation path
-    def _render_within_context(self, prompts: Sequence[PromptLike], chat: bool | None, new_tokens: int) -> list[list[int]]:
+    def _render_within_context(
+        self, prompts: Sequence[PromptLike], chat: bool | None, new_tokens: int, specs: Sequence[OutputSpec] | None = None
+    ) -> list[list[int]]:
         """Token ids of each prompt; raises when one plus ``new_tokens`` exceeds the context."""
-        rows = [render_prompt(self.tokenizer, p, chat=chat) for p in prompts]
+        specs = specs or [TEXT] * len(prompts)
+        rows = [render_prompt(self.tokenizer, p, chat=chat, tools=s.tools if s.renders_tools else ()) for p, s in zip(prompts, specs)]
         if not rows:
             raise EmptyPromptError("no prompts given")
         limit = self.context_length
@@ -322,12 +388,24 @@ class Engine:
         chat: bool | None,
         sampling: dict[str, Any],
         questions: Sequence[str | None] | None = None,
+        *,
+        per_row: bool = False,
     ) -> _Request:
-        """Validate everything about a call before any model work: typed errors only."""
-        params = GenerationParams.build(**sampling)
+        """Validate everything about a call before any model work: typed errors only.
+
+        ``sampling`` may carry ``tools``, ``tool_choice``, ``response_format`` and
+        ``parallel_tool_calls`` (per prompt as lists when ``per_row``); their grammars are
+        compiled here, so a bad schema fails before the prefill.
+        """
+        options = {k: v for k, v in sampling.items() if k in _OUTPUT_KEYS}
+        params = GenerationParams.build(**{k: v for k, v in sampling.items() if k not in _OUTPUT_KEYS})
+        specs = output_specs(len(prompts), options, per_row=per_row)
+        if params.ignore_eos and any(s.constrained for s in specs):
+            raise InvalidGenerationParameterError("ignore_eos cannot be combined with tools or response_format")
         policy = as_policy(compression)
-        rows = self._render_within_context(prompts, chat, params.max_new_tokens)
-        return _Request(rows, params, policy, self._resolve_policy(policy, prompts, chat, questions))
+        rows = self._render_within_context(prompts, chat, params.max_new_tokens, specs)
+        row_policies = self._resolve_policy(policy, prompts, chat, questions, specs)
+        return _Request(rows, params, policy, row_policies, tuple(specs), self._constraint(specs))
 
     def _resolve_policy(
         self,
@@ -335,6 +413,7 @@ class Engine:
         prompts: Sequence[PromptLike],
         chat: bool | None,
         questions: Sequence[str | None] | None,
+        specs: Sequence[OutputSpec] | None = None,
     ) -> CompressionPolicy | list[CompressionPolicy] | None:
         """The policy, or one per row when it depends on where each row's question sits."""
         if policy is None or not policy.needs_question_span:
@@ -342,13 +421,14 @@ class Engine:
         questions = list(questions) if questions is not None else [None] * len(prompts)
         if len(questions) != len(prompts):
             raise InvalidPromptError(f"got {len(questions)} questions for {len(prompts)} prompts")
+        specs = specs or [TEXT] * len(prompts)
         return [
-            policy.for_prompt(question_tail_tokens(self.tokenizer, p, chat=chat, question=q))
-            for p, q in zip(prompts, questions)
+            policy.for_prompt(question_tail_tokens(self.tokenizer, p, chat=chat, question=q, tools=s.tools if s.renders_tools else ()))
+            for p, q, s in zip(prompts, questions, specs)
         ]
 
-    def _run(self, request: _Request, cancel: threading.Event | None = None) -> Iterator[tuple[int, str] | list[GenerationResult]]:
-        """Yield ``(row, text piece)`` as text is released, then the list of results last.
+    def _run(self, request: _Request, cancel: threading.Event | None = None) -> Iterator[tuple[int, StreamPiece] | list[GenerationResult]]:
+        """Yield ``(row, piece)`` as text (or a tool-call delta) is released, then the list of results last.
 
         The engine's lock is held only while a model step runs (prefill, or one decode
         step), never across a ``yield``: a paused or abandoned consumer blocks nobody.
@@ -356,9 +436,20 @@ class Engine:
         rows, params, policy = request.rows, request.params, request.policy
         eos = frozenset() if params.ignore_eos else self._eos_ids
         texts = [SequenceText(self.tokenizer, params.stop, eos) for _ in rows]
+        calls = [ToolCallStream() if request.spec(i).calls_tools else None for i in range(len(rows))]
+
+        def pieces(i: int, piece: str) -> Iterator[tuple[int, StreamPiece]]:
+            if not piece:
+                return
+            if calls[i] is None:
+                yield i, piece
+            else:
+                for event in calls[i].feed(piece):
+                    yield i, event
+
         cancelled = False
         with PeakMemory(self.device) as peak:
-            run = DecodeRun(self.model, rows, params, request.row_policies, self._pad_id)
+            run = DecodeRun(self.model, rows, params, request.row_policies, self._pad_id, request.constraint)
             steps = run.steps()
             try:
                 while True:
@@ -370,29 +461,55 @@ class Engine:
                     if tokens is None:
                         break
                     for i, token in enumerate(tokens.tolist()):
-                        piece = texts[i].add(token)
-                        if piece:
-                            yield i, piece
+                        yield from pieces(i, texts[i].add(token))
                     if all(t.finished for t in texts):
                         break
             finally:
                 steps.close()
             for i, t in enumerate(texts):
-                piece = t.finish_for_length() if not cancelled else ""
-                if piece:
-                    yield i, piece
+                yield from pieces(i, t.finish_for_length() if not cancelled else "")
+                for event in calls[i].finish() if calls[i] is not None and not cancelled else ():
+                    yield i, event
             kv_final = cache_bytes(run.cache)
         total = run.timings.prefill_seconds + sum(run.timings.step_seconds)
-        yield [
-            GenerationResult(
+        results = []
+        for i, (row, t) in enumerate(zip(rows, texts)):
+            result = GenerationResult(
                 text=t.text,
                 finish_reason="cancelled" if cancelled and not t.finished else (t.finish_reason or "length"),
                 usage=Usage(prompt_tokens=len(row), completion_tokens=t.generated),
                 stats=self._stats(run, i, request, peak, kv_final, total),
                 token_ids=list(t.token_ids),
             )
-            for i, (row, t) in enumerate(zip(rows, texts))
-        ]
+            spec = request.spec(i)
+            if spec.constrained and result.finish_reason != "cancelled":
+                result = self._structured(result, spec, calls[i], i, request.constraint.complete(i))
+            results.append(result)
+        yield results
+
+    @staticmethod
+    def _structured(result: GenerationResult, spec: OutputSpec, stream: ToolCallStream | None, row: int, complete: bool) -> GenerationResult:
+        """Parse and validate a constrained row; :class:`StructuredOutputError` if it does not hold.
+
+        ``complete``: the row's grammar accepts its output (it may have run out of tokens
+        right at the end of a call, which is still a whole call).
+        """
+        where = f" (batch row {row})" if row else ""
+        try:
+            if not complete:
+                raise StructuredOutputError(
+                    f"the output stopped ({result.finish_reason}) before the structured output was complete: {result.text[-200:]!r}"
+                    + ("; raise max_new_tokens" if result.finish_reason == "length" else "")
+                )
+            if spec.calls_tools:
+                text, tool_calls = parse_tool_calls(result.text, spec, stream.ids if stream is not None else ())
+                if tool_calls:
+                    return replace(result, text=text, tool_calls=tool_calls, finish_reason="tool_calls")
+                if spec.json_schema is None:
+                    return replace(result, text=text)
+            return replace(result, parsed=parse_json_output(result.text, spec))
+        except StructuredOutputError as exc:
+            raise StructuredOutputError(f"{exc}{where}") from None
 
     def _stats(self, run: DecodeRun, row: int, request: _Request, peak: PeakMemory, kv_final: int, total: float) -> GenerationStats:
         info = self.info()
@@ -421,6 +538,8 @@ class Engine:
             threads=torch.get_num_threads(),
             model=self.name,
             version=__version__,
+            # the grammar mask + advance per step (whole batch), beside the forward's decode_ms_per_token
+            constraint_ms_per_step=request.constraint.ms_per_step if request.constraint is not None else None,
         )
 
     def _stream_request(self, request: _Request, cancel: threading.Event | None = None) -> GenerationStream:
@@ -449,6 +568,13 @@ class Engine:
         question-aligned window (``snapkv:window=question``); by default the last paragraph
         of the last user message. ``sampling``: ``max_new_tokens`` (256), ``temperature`` (0 =
         greedy), ``top_p`` (1.0), ``stop`` (string or list), ``seed``, ``ignore_eos``.
+
+        Tool calling and structured output (constrained decoding, see README):
+        ``tools`` (OpenAI function specs), ``tool_choice`` (``"auto"`` (default), ``"required"``,
+        ``"none"`` or ``{"type": "function", "function": {"name": ...}}``), ``response_format``
+        (``{"type": "json_object"}`` or ``{"type": "json_schema", "json_schema": {"name",
+        "schema", "strict"}}``), ``parallel_tool_calls`` (False: at most one call). Text pieces
+        are ``str``; tool calls stream as :class:`~snapkv_rag.tools.ToolCallDelta`.
         Arguments are validated, the prompt rendered and prefilled before this returns.
         ``close()`` or leaving ``with engine.stream(...) as s:`` cancels the rest.
         """
@@ -481,12 +607,16 @@ class Engine:
         (``bucket=True``: a row joins a bucket while it is at most 25% or 16 tokens shorter
         than the bucket's longest), at most ``max_batch_size`` rows each, so padding costs
         little. ``bucket=False`` runs all rows as one padded batch.
+
+        ``tools``, ``tool_choice`` and ``response_format`` apply to every prompt, or, given as
+        lists with one entry per prompt (``tools=[[spec], None]``, ``tool_choice=["required",
+        None]``), to each prompt alone: rows with and without constraints share a batch.
         """
         if isinstance(prompts, str):
             raise TypeError("generate_batch takes a list of prompts; use generate for one")
         if max_batch_size is not None and (isinstance(max_batch_size, bool) or not isinstance(max_batch_size, int) or max_batch_size < 1):
             raise InvalidGenerationParameterError(f"max_batch_size must be an integer >= 1 or None, got {max_batch_size!r}")
-        request = self._prepare(list(prompts), compression, chat, sampling, questions)
+        request = self._prepare(list(prompts), compression, chat, sampling, questions, per_row=True)
         lengths = [len(r) for r in request.rows]
         if bucket:
             groups = length_buckets(lengths, max_batch_size)

@@ -72,3 +72,9 @@ class HistoryTooLongError(PromptTooLongError):
             f"budget of {budget}{detail}; the memory never cuts a message: use a model with a longer "
             "context, lower max_new_tokens or the reserve, or send a shorter latest turn",
         )
+
+
+class StructuredOutputError(SnapKVRagError, ValueError):
+    """Tools, tool_choice or response_format are malformed, a schema cannot be compiled into a
+    grammar, or the output does not parse or validate (for example when ``max_new_tokens``
+    ends generation inside a tool call). Unparsed JSON is never returned as a success."""

@@ -12,6 +12,7 @@ import statistics
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
@@ -61,10 +62,24 @@ class DecodeTimings:
         return statistics.median(steps) * 1000 if steps else None
 
 
+class TokenConstraint(Protocol):
+    """Per-row logits masks (grammar-constrained decoding), consulted once per step.
+
+    ``mask`` edits ``[batch, vocab]`` logits before a token is chosen (rows it does not
+    constrain stay as they are); ``advance`` receives the chosen token of every row.
+    See :class:`snapkv_rag.constraints.BatchConstraint`.
+    """
+
+    def mask(self, logits: torch.Tensor) -> torch.Tensor: ...
+
+    def advance(self, tokens: list[int]) -> None: ...
+
+
 class DecodeRun:
     """Prefill ``rows`` (token id lists) and yield the next token of every row per step.
 
     The caller stops iterating when it is done; at most ``params.max_new_tokens`` steps.
+    An optional ``constraint`` masks each step's logits (tool calls, JSON output).
     """
 
     def __init__(
@@ -74,10 +89,12 @@ class DecodeRun:
         params: GenerationParams,
         policy: CompressionPolicy | list[CompressionPolicy] | None,
         pad_id: int,
+        constraint: TokenConstraint | None = None,
     ):
         from transformers import DynamicCache
 
         self.model = model
+        self.constraint = constraint
         self.params = params
         self.policy = policy
         self.device = next(model.parameters()).device
@@ -186,7 +203,11 @@ class DecodeRun:
         logits = self._prefill()
         generator = make_generator(self.params, self.device)
         for step in range(self.params.max_new_tokens):
+            if self.constraint is not None:
+                logits = self.constraint.mask(logits)
             tokens = select_next_tokens(logits, self.params, generator)
+            if self.constraint is not None:
+                self.constraint.advance(tokens.tolist())
             yield tokens
             if step + 1 == self.params.max_new_tokens:
                 return

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from .tools import ToolCall
+
 
 @dataclass(frozen=True)
 class Usage:
@@ -47,6 +49,7 @@ class GenerationStats:
     threads: int
     model: str
     version: str
+    constraint_ms_per_step: float | None = None  # tools/response_format: median grammar mask + advance per step
 
     @property
     def compression_ratio(self) -> float:
@@ -58,16 +61,20 @@ class GenerationStats:
 
 @dataclass(frozen=True)
 class GenerationResult:
-    text: str
-    finish_reason: str  # "stop" (EOS or stop string), "length" or "cancelled"
+    text: str  # with tools: the prose outside tool-call blocks
+    finish_reason: str  # "stop" (EOS or stop string), "length", "cancelled" or "tool_calls"
     usage: Usage
     stats: GenerationStats
     token_ids: list[int] = field(default_factory=list)
+    tool_calls: list[ToolCall] = field(default_factory=list)  # parsed and schema-validated
+    parsed: Any = None  # with response_format: the validated JSON value of ``text``
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "text": self.text,
             "finish_reason": self.finish_reason,
+            "tool_calls": [c.to_dict() for c in self.tool_calls],
+            "parsed": self.parsed,
             "usage": self.usage.to_dict(),
             "stats": self.stats.to_dict(),
         }

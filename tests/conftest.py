@@ -103,3 +103,47 @@ def embedded_engine():
     from snapkv_rag import Engine
 
     return Engine.default()
+
+
+@pytest.fixture(scope="session")
+def smollm_tokenizer():
+    """The real SmolLM2 tokenizer (49K byte-level BPE), loaded offline from the embedded model."""
+    from transformers import AutoTokenizer
+
+    from snapkv_rag.errors import ModelNotFoundError
+    from snapkv_rag.loading import converted_gguf_dir, embedded_gguf_path
+
+    try:
+        path = converted_gguf_dir(embedded_gguf_path())
+    except ModelNotFoundError as exc:
+        pytest.skip(f"the embedded model is not installed: {exc}")
+    return AutoTokenizer.from_pretrained(path, local_files_only=True)
+
+
+def terse_bias(tokenizer, strength: float = 6.0) -> torch.Tensor:
+    """A logits bias toward tokens that close JSON (quotes, braces, brackets, commas) and EOS.
+
+    A random model under a grammar otherwise writes endless strings and numbers; with this
+    bias its constrained outputs end within a few dozen tokens while sampling still varies.
+    """
+    bias = torch.zeros(len(tokenizer))
+    for token_id in range(len(tokenizer)):
+        piece = tokenizer.decode([token_id])
+        if any(ch in piece for ch in '"}],') and len(piece) <= 3:
+            bias[token_id] = strength
+    bias[tokenizer.eos_token_id] = strength
+    return bias
+
+
+def tiny_tool_engine(tokenizer, *, family: str = "llama", seed: int = 0, bias: torch.Tensor | None = None):
+    """A tiny random model over the real SmolLM2 tokenizer, its EOS/BOS/PAD ids aligned to it."""
+    from snapkv_rag import Engine
+
+    model = tiny_model(family, len(tokenizer), seed=seed, context=2048)
+    for cfg in (model.config, model.generation_config):
+        cfg.eos_token_id = tokenizer.eos_token_id
+        cfg.bos_token_id = tokenizer.bos_token_id
+        cfg.pad_token_id = tokenizer.pad_token_id
+    if bias is not None:
+        model.get_output_embeddings().register_forward_hook(lambda _m, _i, out: out + bias.to(out.dtype))
+    return Engine(model, tokenizer, name=f"tiny-{family}-smollm2-tokenizer")

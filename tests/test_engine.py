@@ -59,7 +59,8 @@ def test_usage_and_stats(engine, tokenizer):
     assert stats.compression is None and stats.compression_ratio == 1.0
     assert stats.peak_memory_bytes > 0
     as_dict = result.to_dict()
-    assert set(as_dict) == {"text", "finish_reason", "usage", "stats"}
+    assert set(as_dict) == {"text", "finish_reason", "tool_calls", "parsed", "usage", "stats"}
+    assert as_dict["tool_calls"] == [] and as_dict["parsed"] is None
 
 
 def test_prompt_has_exactly_one_bos(tokenizer):

@@ -1,0 +1,409 @@
+"""Tool calling and structured output: request types, the call format, parsing and streaming.
+
+The engine always writes a tool call in one format (the Hermes/Qwen convention), whatever
+renders the prompt::
+
+    <tool_call>
+    {"name": "get_weather", "arguments": {"city": "Paris"}}
+    </tool_call>
+
+The JSON line is compact, with ``", "`` and ``": "`` separators and ``name`` before
+``arguments``; constrained decoding (:mod:`snapkv_rag.constraints`) makes the model write
+exactly that, with arguments that match the tool's JSON Schema. This module validates the
+request (``tools``, ``tool_choice``, ``response_format``), parses finished text into
+:class:`ToolCall` objects (validated again with ``jsonschema``), and turns streamed text into
+plain ``str`` pieces plus :class:`ToolCallDelta` events.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from .errors import StructuredOutputError
+
+CALL_OPEN = "<tool_call>\n"
+CALL_CLOSE = "\n</tool_call>"
+MARKER = "<tool_call>"
+_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+
+
+def dump_json(value: Any) -> str:
+    """The one JSON serialization the call format uses (what the grammar forces)."""
+    return json.dumps(value, ensure_ascii=False, separators=(", ", ": "))
+
+
+def call_prefix(name: str) -> str:
+    """The text of a call up to its arguments: ``{"name": "<name>", "arguments": ``."""
+    return '{"name": ' + json.dumps(name) + ', "arguments": '
+
+
+def format_call(name: str, arguments: Mapping[str, Any]) -> str:
+    """One call block, exactly as constrained decoding writes it."""
+    return CALL_OPEN + call_prefix(name) + dump_json(dict(arguments)) + "}" + CALL_CLOSE
+
+
+# --------------------------------------------------------------------------- public types
+@dataclass(frozen=True)
+class ToolCall:
+    """A parsed, schema-validated call. ``arguments`` is a dict, never a JSON string."""
+
+    id: str
+    name: str
+    arguments: dict[str, Any]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"id": self.id, "name": self.name, "arguments": self.arguments}
+
+    def to_openai(self) -> dict[str, Any]:
+        """The OpenAI message form (``arguments`` as a JSON string), as assistant messages carry it."""
+        return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": dump_json(self.arguments)}}
+
+
+@dataclass(frozen=True)
+class ToolCallDelta:
+    """A streamed piece of a tool call.
+
+    The first delta of call ``index`` carries its ``id`` and ``name`` (``arguments == ""``);
+    later ones carry consecutive fragments of the arguments' JSON text (``id``/``name`` None).
+    Concatenating the fragments of one index gives ``json.dumps(call.arguments)`` in the call
+    format. This maps onto LangChain's ``tool_call_chunks`` (``name``, ``args``, ``id``,
+    ``index``) and LlamaIndex's tool-call blocks.
+    """
+
+    index: int
+    id: str | None = None
+    name: str | None = None
+    arguments: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"index": self.index, "id": self.id, "name": self.name, "arguments": self.arguments}
+
+
+@dataclass(frozen=True)
+class ToolSpec:
+    name: str
+    description: str
+    parameters: dict[str, Any]
+
+    def to_openai(self) -> dict[str, Any]:
+        fn: dict[str, Any] = {"name": self.name, "parameters": self.parameters}
+        if self.description:
+            fn["description"] = self.description
+        return {"type": "function", "function": fn}
+
+
+@dataclass(frozen=True)
+class OutputSpec:
+    """What one row of a call must produce. ``mode``: text, tools or json."""
+
+    tools: tuple[ToolSpec, ...] = ()
+    tool_choice: str = "auto"  # "auto", "required", "none" or "function" (then ``forced`` names it)
+    forced: str | None = None
+    parallel_tool_calls: bool = False
+    json_schema: dict[str, Any] | None = None  # response_format, as a schema ({"type": "object"} for json_object)
+    schema_name: str | None = None
+
+    @property
+    def renders_tools(self) -> bool:
+        return bool(self.tools) and self.tool_choice != "none"
+
+    @property
+    def calls_tools(self) -> bool:
+        return self.renders_tools
+
+    @property
+    def constrained(self) -> bool:
+        return self.calls_tools or self.json_schema is not None
+
+    @property
+    def callable_tools(self) -> tuple[ToolSpec, ...]:
+        if self.forced is not None:
+            return tuple(t for t in self.tools if t.name == self.forced)
+        return self.tools
+
+    def tool(self, name: str) -> ToolSpec | None:
+        return next((t for t in self.tools if t.name == name), None)
+
+
+TEXT = OutputSpec()
+
+
+# --------------------------------------------------------------------------- validation
+def check_schema(schema: Any, what: str) -> dict[str, Any]:
+    """A JSON Schema that ``jsonschema`` accepts, else :class:`StructuredOutputError`."""
+    import jsonschema
+
+    if not isinstance(schema, Mapping):
+        raise StructuredOutputError(f"{what} must be a JSON Schema object, got {type(schema).__name__}")
+    schema = dict(schema)
+    try:
+        jsonschema.validators.validator_for(schema).check_schema(schema)
+    except jsonschema.SchemaError as exc:
+        raise StructuredOutputError(f"{what} is not a valid JSON Schema: {exc.message}") from None
+    return schema
+
+
+def _tool_spec(raw: Any, i: int) -> ToolSpec:
+    if isinstance(raw, ToolSpec):
+        return raw
+    if not isinstance(raw, Mapping):
+        raise StructuredOutputError(f"tools[{i}] must be a mapping like {{'type': 'function', 'function': {{...}}}}")
+    if raw.get("type", "function") != "function":
+        raise StructuredOutputError(f"tools[{i}] has type {raw.get('type')!r}; only 'function' tools are supported")
+    fn = raw.get("function", raw if "name" in raw else None)
+    if not isinstance(fn, Mapping):
+        raise StructuredOutputError(f"tools[{i}] has no 'function' mapping")
+    name = fn.get("name")
+    if not isinstance(name, str) or not _NAME.match(name):
+        raise StructuredOutputError(f"tools[{i}] name {name!r} must be 1-64 characters of letters, digits, '_', '-' or '.'")
+    description = fn.get("description") or ""
+    if not isinstance(description, str):
+        raise StructuredOutputError(f"tool {name!r} description must be a string")
+    params = fn.get("parameters")
+    if params is None:
+        params = {"type": "object", "properties": {}}
+    params = check_schema(params, f"parameters of tool {name!r}")
+    if params.get("type", "object") != "object":
+        raise StructuredOutputError(f"parameters of tool {name!r} must describe an object (type 'object')")
+    return ToolSpec(name, description, params)
+
+
+def _response_schema(response_format: Any) -> tuple[dict[str, Any] | None, str | None]:
+    if response_format is None:
+        return None, None
+    if not isinstance(response_format, Mapping):
+        raise StructuredOutputError("response_format must be {'type': 'json_object'} or {'type': 'json_schema', ...}")
+    kind = response_format.get("type")
+    if kind == "text":
+        return None, None
+    if kind == "json_object":
+        return {"type": "object"}, None
+    if kind == "json_schema":
+        spec = response_format.get("json_schema")
+        if not isinstance(spec, Mapping) or "schema" not in spec:
+            raise StructuredOutputError("response_format json_schema needs {'json_schema': {'name': ..., 'schema': {...}}}")
+        return check_schema(spec["schema"], "response_format schema"), spec.get("name")
+    raise StructuredOutputError(f"response_format type {kind!r} is not one of 'text', 'json_object', 'json_schema'")
+
+
+def build_output_spec(
+    tools: Sequence[Any] | None = None,
+    tool_choice: Any = None,
+    response_format: Any = None,
+    parallel_tool_calls: bool = False,
+) -> OutputSpec:
+    """Validate one row's request; raises :class:`StructuredOutputError` on anything malformed."""
+    if tools is None:
+        tools = ()
+    if isinstance(tools, (str, bytes, Mapping)) or not isinstance(tools, Sequence):
+        raise StructuredOutputError("tools must be a list of function specs")
+    specs = tuple(_tool_spec(t, i) for i, t in enumerate(tools))
+    names = [s.name for s in specs]
+    if len(set(names)) != len(names):
+        raise StructuredOutputError(f"tool names must be unique, got {names}")
+    if not isinstance(parallel_tool_calls, bool):
+        raise StructuredOutputError("parallel_tool_calls must be True or False")
+    forced = None
+    if tool_choice is None:
+        choice = "auto"
+    elif isinstance(tool_choice, str):
+        if tool_choice not in ("auto", "required", "none"):
+            raise StructuredOutputError(f"tool_choice must be 'auto', 'required', 'none' or a function choice, got {tool_choice!r}")
+        choice = tool_choice
+    elif isinstance(tool_choice, Mapping):
+        fn = tool_choice.get("function")
+        forced = fn.get("name") if isinstance(fn, Mapping) else None
+        if tool_choice.get("type") != "function" or not isinstance(forced, str):
+            raise StructuredOutputError("a named tool_choice is {'type': 'function', 'function': {'name': ...}}")
+        if forced not in names:
+            raise StructuredOutputError(f"tool_choice names {forced!r}, which is not among the tools {names}")
+        choice = "function"
+    else:
+        raise StructuredOutputError(f"tool_choice must be a string or a mapping, got {type(tool_choice).__name__}")
+    if choice in ("required", "function") and not specs:
+        raise StructuredOutputError(f"tool_choice={tool_choice!r} needs at least one tool")
+    schema, schema_name = _response_schema(response_format)
+    if schema is not None and choice in ("required", "function"):
+        raise StructuredOutputError("response_format cannot be combined with a tool_choice that forces a call")
+    return OutputSpec(specs, choice, forced, parallel_tool_calls, schema, schema_name)
+
+
+def validate_instance(value: Any, schema: dict[str, Any], what: str) -> None:
+    import jsonschema
+
+    try:
+        jsonschema.validate(value, schema)
+    except jsonschema.ValidationError as exc:
+        raise StructuredOutputError(f"{what} does not match its schema: {exc.message}") from None
+
+
+# --------------------------------------------------------------------------- parsing finished text
+def new_call_id() -> str:
+    return "call_" + uuid.uuid4().hex[:24]
+
+
+@dataclass
+class ParsedOutput:
+    text: str
+    calls: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
+
+
+def split_calls(text: str) -> ParsedOutput:
+    """Split text into the prose outside call blocks and the ``(name, arguments)`` of each block.
+
+    Raises :class:`StructuredOutputError` for a block that is unterminated or not valid JSON.
+    """
+    prose: list[str] = []
+    calls: list[tuple[str, dict[str, Any]]] = []
+    pos = 0
+    while True:
+        start = text.find(MARKER, pos)
+        if start < 0:
+            prose.append(text[pos:])
+            break
+        prose.append(text[pos:start])
+        body_start = start + len(MARKER)
+        # "}\n</tool_call>" cannot occur inside JSON (strings escape newlines), so it ends the block
+        end = text.find("}" + CALL_CLOSE, body_start)
+        if end < 0:
+            raise StructuredOutputError(f"the output ends inside a tool call: {text[start:start + 200]!r}")
+        body = text[body_start : end + 1].strip()
+        try:
+            obj = json.loads(body)
+        except json.JSONDecodeError as exc:
+            raise StructuredOutputError(f"a tool call is not valid JSON ({exc.msg}): {body[:200]!r}") from None
+        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not isinstance(obj.get("arguments"), dict):
+            raise StructuredOutputError(f"a tool call must be {{'name': str, 'arguments': object}}, got {body[:200]!r}")
+        calls.append((obj["name"], obj["arguments"]))
+        pos = end + 1 + len(CALL_CLOSE)
+        if text.startswith("\n", pos):  # the separator between blocks is not prose
+            pos += 1
+    return ParsedOutput("".join(prose), calls)
+
+
+def parse_tool_calls(text: str, spec: OutputSpec, ids: Sequence[str] = ()) -> tuple[str, list[ToolCall]]:
+    """Prose and validated :class:`ToolCall` objects of a finished row (ids reused from streaming)."""
+    parsed = split_calls(text)
+    calls = []
+    for i, (name, arguments) in enumerate(parsed.calls):
+        tool = spec.tool(name)
+        if tool is None or (spec.forced is not None and name != spec.forced):
+            raise StructuredOutputError(f"the model called {name!r}, which it was not offered")
+        validate_instance(arguments, tool.parameters, f"arguments of the call to {name!r}")
+        calls.append(ToolCall(ids[i] if i < len(ids) else new_call_id(), name, arguments))
+    if spec.tool_choice in ("required", "function") and not calls:
+        raise StructuredOutputError("tool_choice forces a call but the output holds none")
+    return parsed.text, calls
+
+
+def parse_json_output(text: str, spec: OutputSpec) -> Any:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise StructuredOutputError(f"the output is not valid JSON ({exc.msg}): {text[:200]!r}") from None
+    validate_instance(value, spec.json_schema or {}, "the output")
+    return value
+
+
+# --------------------------------------------------------------------------- streaming
+def _partial_suffix(text: str, target: str) -> int:
+    """Length of the longest tail of ``text`` that is a proper prefix of ``target``."""
+    for k in range(min(len(target) - 1, len(text)), 0, -1):
+        if text.endswith(target[:k]):
+            return k
+    return 0
+
+
+class ToolCallStream:
+    """Turn a row's released text pieces into ``str`` pieces and :class:`ToolCallDelta` events.
+
+    Text outside call blocks passes through (a tail that may start a marker is held back
+    until it is settled); inside a block the name is announced once known, then argument
+    fragments follow, never including the block's own closing ``}``.
+    """
+
+    _END = "}" + CALL_CLOSE
+
+    def __init__(self) -> None:
+        self._buffer = ""
+        self._in_call = False
+        self._named = False
+        self._index = -1
+        self._after_call = False
+        self.ids: list[str] = []
+
+    def feed(self, piece: str) -> list[str | ToolCallDelta]:
+        self._buffer += piece
+        out: list[str | ToolCallDelta] = []
+        while True:
+            before = (self._buffer, self._in_call, self._named)
+            if not self._in_call:
+                self._text_state(out)
+            elif not self._named:
+                self._name_state(out)
+            else:
+                self._args_state(out)
+            if (self._buffer, self._in_call, self._named) == before:
+                return out
+
+    def finish(self) -> list[str | ToolCallDelta]:
+        """Flush what is held back at the end of the row."""
+        out: list[str | ToolCallDelta] = []
+        if self._buffer:
+            if not self._in_call:
+                out.append(self._buffer)
+            elif self._named:
+                out.append(ToolCallDelta(self._index, arguments=self._buffer))
+        self._buffer = ""
+        return out
+
+    def _text_state(self, out: list) -> None:
+        if self._after_call:  # one newline separates blocks; it is not prose
+            if not self._buffer:
+                return
+            self._after_call = False
+            if self._buffer.startswith("\n"):
+                self._buffer = self._buffer[1:]
+        start = self._buffer.find(MARKER)
+        if start >= 0:
+            if start:
+                out.append(self._buffer[:start])
+            self._buffer = self._buffer[start + len(MARKER) :]
+            self._in_call, self._named = True, False
+            return
+        keep = _partial_suffix(self._buffer, MARKER)
+        release = self._buffer[: len(self._buffer) - keep]
+        if release:
+            out.append(release)
+            self._buffer = self._buffer[len(release) :]
+
+    _NAME_RE = re.compile(r'^\s*\{"name": ("(?:[^"\\]|\\.)*"), "arguments": ')
+
+    def _name_state(self, out: list) -> None:
+        match = self._NAME_RE.match(self._buffer)
+        if match:
+            self._index += 1
+            self.ids.append(new_call_id())
+            out.append(ToolCallDelta(self._index, id=self.ids[-1], name=json.loads(match.group(1))))
+            self._buffer = self._buffer[match.end() :]
+            self._named = True
+
+    def _args_state(self, out: list) -> None:
+        end = self._buffer.find(self._END)
+        if end >= 0:
+            if end:
+                out.append(ToolCallDelta(self._index, arguments=self._buffer[:end]))
+            self._buffer = self._buffer[end + len(self._END) :]
+            self._in_call = self._named = False
+            self._after_call = True
+            return
+        keep = _partial_suffix(self._buffer, self._END)
+        release = self._buffer[: len(self._buffer) - keep]
+        if release:
+            out.append(ToolCallDelta(self._index, arguments=release))
+            self._buffer = self._buffer[len(release) :]
