@@ -5,6 +5,7 @@ from .full import FullCache
 from .h2o import H2O
 from .parsing import POLICIES, as_policy, parse_compression
 from .random_keep import RandomKeep
+from .runtime import KeptIndices, recording_kept_indices
 from .snapkv import SnapKV
 from .streaming_llm import StreamingLLM
 
@@ -12,6 +13,7 @@ __all__ = [
     "CompressionPolicy",
     "FullCache",
     "H2O",
+    "KeptIndices",
     "POLICIES",
     "RandomKeep",
     "SnapKV",
@@ -19,4 +21,5 @@ __all__ = [
     "as_policy",
     "keep_recent_and_top",
     "parse_compression",
+    "recording_kept_indices",
 ]

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from contextvars import ContextVar
+from dataclasses import dataclass
 from typing import Iterator, Sequence
 
 import torch
@@ -19,6 +20,7 @@ import torch
 from .base import CompressionPolicy
 
 _ACTIVE: ContextVar["PrefillCompression | None"] = ContextVar("snapkv_rag_prefill", default=None)
+_RECORDER: ContextVar["list[KeptIndices] | None"] = ContextVar("snapkv_rag_kept_recorder", default=None)
 
 # Implementations registered globally in transformers (eager is per-model code, so it cannot be wrapped).
 WRAPPED_IMPLEMENTATIONS = ("sdpa", "flash_attention_2")
@@ -85,6 +87,7 @@ class PrefillCompression:
         self.sliding = sliding
         self.kept_indices: dict[int, torch.Tensor] = {}  # layer -> [batch, kv_heads, k], for inspection
         self.kept_attention_mask: torch.Tensor | None = None
+        self.prompt_length = 0  # n, the (left-padded) prompt length seen by the compressed layers
 
     def _select(self, policy: CompressionPolicy, query, key, mask, scaling) -> torch.Tensor:
         window = policy.query_window
@@ -94,6 +97,7 @@ class PrefillCompression:
     def compress_layer(self, module, query: torch.Tensor, key: torch.Tensor, scaling: float | None) -> None:
         layer_idx = module.layer_idx
         n = key.shape[2]
+        self.prompt_length = n
         if self.sliding[layer_idx]:
             return
         if self.row_policies is None:
@@ -116,11 +120,64 @@ class PrefillCompression:
                 self.kept_attention_mask = self.attention_mask.gather(1, indices[:, 0])
 
 
+@dataclass(frozen=True)
+class KeptIndices:
+    """Which prompt positions one compressed prefill kept, per layer and KV head.
+
+    ``layers``: layer index -> LongTensor ``[batch, kv_heads, k]`` of kept positions in the
+    left-padded prompt of length ``prompt_length`` (on CPU). Layers the policy leaves whole
+    (sliding-window layers) are absent.
+    """
+
+    prompt_length: int
+    layers: dict[int, torch.Tensor]
+
+    def share(self, row: int = 0) -> torch.Tensor:
+        """``[prompt_length]`` floats: the fraction of (compressed layer, KV head) pairs that
+        kept each position of batch row ``row``. Its sum is the entries kept per layer and
+        head, on average."""
+        n = self.prompt_length
+        counts = torch.zeros(n, dtype=torch.float64)
+        pairs = 0
+        for indices in self.layers.values():
+            heads = indices[row]
+            counts += torch.bincount(heads.flatten(), minlength=n).to(torch.float64)
+            pairs += heads.shape[0]
+        return counts / pairs if pairs else torch.ones(n, dtype=torch.float64)
+
+
+@contextmanager
+def recording_kept_indices() -> Iterator[list[KeptIndices]]:
+    """Collect what every compressed prefill run inside the block kept (off unless asked for).
+
+    Opt-in inspection for tools such as the app's kept-entries picture; a full-cache call
+    records nothing. The prefill runs when ``generate``/``stream`` is called, so only the
+    call needs to sit inside the block::
+
+        with recording_kept_indices() as kept:
+            stream = engine.stream(prompt, compression="snapkv:budget=256")
+        ...  # iterate the stream
+        kept[-1].share()  # per position: the share of layers and heads that kept it
+
+    The recorder is a context variable: other threads (other app sessions) do not see it.
+    """
+    recorded: list[KeptIndices] = []
+    token = _RECORDER.set(recorded)
+    try:
+        yield recorded
+    finally:
+        _RECORDER.reset(token)
+
+
 @contextmanager
 def compressing(session: PrefillCompression | None) -> Iterator[PrefillCompression | None]:
     """Activate ``session`` for the model calls inside the block (None: no compression)."""
     token = _ACTIVE.set(session)
     try:
         yield session
+        recorder = _RECORDER.get()
+        if recorder is not None and session is not None:
+            layers = {layer: idx.detach().cpu() for layer, idx in session.kept_indices.items()}
+            recorder.append(KeptIndices(session.prompt_length, layers))
     finally:
         _ACTIVE.reset(token)
