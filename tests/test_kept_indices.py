@@ -68,3 +68,30 @@ def test_other_threads_do_not_record_into_this_block(engine):
     share = kept[0].share()
     assert torch.all(share[:2] == 1.0) and torch.all(share[-30:] == 1.0)
     assert float(share.sum()) == 32
+
+
+def test_kept_per_stuffed_document(engine):
+    from snapkv_rag.prompts import render_prompt
+    from snapkv_rag.rag.kept import document_spans, kept_per_document
+    from snapkv_rag.rag.store import StoredChunk
+    from snapkv_rag.rag.stuffing import StuffedContext, build_messages, format_document
+
+    chunks = [
+        StoredChunk(id=str(i), text=f"Fact {i}: the code is {1000 + 7 * i}. " * 3, source=f"f{i}.md", title=f"Doc {i}", position=0, tokens=9)
+        for i in range(4)
+    ]
+    messages, question_text = build_messages("What is the code of fact 2?", chunks)
+    context = StuffedContext("What is the code of fact 2?", question_text, chunks, messages, 400, 0, 0, 4, 0, 0, "retrieval")
+    ids = render_prompt(engine.tokenizer, messages)
+    spans = document_spans(engine.tokenizer, context)
+    assert [engine.tokenizer.decode(ids[s:e]).strip() for s, e in spans] == [format_document(i + 1, c) for i, c in enumerate(chunks)]
+    assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))
+
+    full = kept_per_document(engine.tokenizer, context, None)
+    assert [(d.number, d.tokens, d.kept) for d in full] == [(i + 1, e - s, float(e - s)) for i, (s, e) in enumerate(spans)]
+    with recording_kept_indices() as kept:
+        engine.generate(messages, compression=SnapKV(window_size=8, max_capacity_prompt=64, kernel_size=3), max_new_tokens=2)
+    docs = kept_per_document(engine.tokenizer, context, kept[-1])
+    share = kept[-1].share()
+    assert [round(d.kept, 9) for d in docs] == [round(float(share[s:e].sum()), 9) for s, e in spans]
+    assert all(0 <= d.share <= 1 for d in docs) and sum(d.kept for d in docs) < 64
