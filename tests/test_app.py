@@ -1,0 +1,327 @@
+"""The Streamlit document-QA app (apps/docqa/app.py) driven by streamlit.testing.v1.AppTest.
+
+A tiny random Llama (saved once per session) stands in for the model, so these check the
+flows, not answer quality: ingest with progress and a summary, chat with sources, the side-by-side
+comparison, the kept-entries record, and every bad input handled in the page.
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("streamlit")
+from streamlit.testing.v1 import AppTest  # noqa: E402
+
+from conftest import build_tokenizer, tiny_model  # noqa: E402
+
+APP = str(Path(__file__).resolve().parents[1] / "apps" / "docqa" / "app.py")
+TIMEOUT = 240
+
+DOCS = {
+    "ferry.txt": "Harbour ferry. The first ferry leaves Marrowick at 6:40 on weekdays and the last one at 22:10.",
+    "library.md": "# Library\n\nThe public library opens at 9:00 and closes at 18:00. Cards are free for residents.",
+    "tram.md": "# Trams\n\nTram line 3 runs every 12 minutes from the station to the observatory.",
+}
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("tiny-llama")
+    tokenizer = build_tokenizer()
+    tiny_model("llama", len(tokenizer)).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture()
+def app_env(tmp_path, tiny_model_dir, monkeypatch) -> Path:
+    monkeypatch.setenv("SNAPKV_RAG_APP_MODEL", str(tiny_model_dir))
+    monkeypatch.setenv("SNAPKV_RAG_APP_STORE", str(tmp_path / "chroma"))
+    monkeypatch.setenv("SNAPKV_RAG_APP_UPLOADS", str(tmp_path / "uploads"))
+    monkeypatch.setenv("SNAPKV_RAG_APP_COLLECTION", "notes")
+    return tmp_path
+
+
+def start() -> AppTest:
+    at = AppTest.from_file(APP, default_timeout=TIMEOUT)
+    at.run()
+    assert not at.exception, at.exception
+    return at
+
+
+def small_settings(at: AppTest, **overrides) -> AppTest:
+    """Settings that fit the tiny model's 512-token context; SnapKV with a fixed 8-token window."""
+    values = {"context_tokens": 200, "max_new_tokens": 6, "budget": 64, **overrides}
+    for key, value in values.items():
+        at.number_input(key=key).set_value(value)
+    at.radio(key="window").set_value("fixed")
+    at.run()
+    at.number_input(key="window_size").set_value(8)
+    return at.run()
+
+
+def upload(at: AppTest, files: dict[str, bytes]) -> AppTest:
+    at.file_uploader(key="uploads").set_value([(name, data, "text/plain") for name, data in files.items()])
+    at.button(key="add_files").click()
+    at.run()
+    assert not at.exception, at.exception
+    return at
+
+
+def ask(at: AppTest, question: str) -> AppTest:
+    at.chat_input(key="question").set_value(question)
+    at.run()
+    assert not at.exception, at.exception
+    return at
+
+
+def texts(elements) -> str:
+    return "\n".join(str(e.value) for e in elements)
+
+
+def page(at: AppTest) -> str:
+    return "\n".join(
+        texts(kind) for kind in (at.markdown, at.caption, at.error, at.warning, at.info, at.success, at.subheader, at.title)
+    )
+
+
+def with_documents(at: AppTest) -> AppTest:
+    return upload(at, {name: text.encode() for name, text in DOCS.items()})
+
+
+# ----------------------------------------------------------------------------- documents
+def test_upload_shows_summary_skipped_files_and_the_collection(app_env):
+    at = start()
+    assert "Documents in notes: 0 files" in at.expander[0].label
+    upload(at, {"ferry.txt": DOCS["ferry.txt"].encode(), "library.md": DOCS["library.md"].encode(), "empty.txt": b"", "blob.md": b"\x00\x01\x02binary"})
+    summary = texts(at.warning)
+    assert "4 uploaded files" in summary and "2 files" in summary and "2 skipped" in summary
+    assert "empty.txt" in page(at) and "empty file" in page(at)
+    assert "blob.md" in page(at) and "binary file" in page(at)
+    assert "Documents in notes: 2 files" in at.expander[0].label
+    table = at.table[0].value
+    assert sorted(table.index) == ["ferry.txt", "library.md"] and set(table["Chunks"]) == {1}
+    assert (app_env / "uploads" / "notes" / "ferry.txt").read_text() == DOCS["ferry.txt"]
+    assert at.selectbox(key="collection_choice").value == "notes"
+
+
+def test_folder_ingest_and_a_path_that_is_not_a_folder(app_env):
+    folder = app_env / "folder"
+    folder.mkdir()
+    for name, text in DOCS.items():
+        (folder / name).write_text(text)
+    (folder / "notes.docx").write_bytes(b"PK\x03\x04")
+    at = start()
+    at.text_input(key="folder").input(str(app_env / "missing"))
+    at.button(key="add_folder").click()
+    at.run()
+    assert "is not a folder" in texts(at.error)
+    at.text_input(key="folder").input(str(folder))
+    at.button(key="add_folder").click()
+    at.run()
+    assert "3 files" in texts(at.warning) and "unsupported file type '.docx'" in page(at)
+    assert "Documents in notes: 3 files" in at.expander[0].label
+
+
+def test_new_collection_is_created_by_its_first_documents(app_env):
+    at = with_documents(start())
+    at.selectbox(key="collection_choice").set_value("+ New collection…")
+    at.run()
+    at.text_input(key="new_collection").input("second-set")
+    at.run()
+    assert "Documents in second-set: 0 files" in at.expander[0].label
+    assert "does not exist yet" in page(at)
+    upload(at, {"tram.md": DOCS["tram.md"].encode()})
+    assert at.selectbox(key="collection_choice").value == "second-set"
+    assert set(at.selectbox(key="collection_choice").options) >= {"notes", "second-set"}
+    assert "Documents in second-set: 1 file" in at.expander[0].label
+
+
+def test_bad_collection_name_is_reported(app_env):
+    at = start()
+    at.selectbox(key="collection_choice").set_value("+ New collection…")
+    at.run()
+    at.text_input(key="new_collection").input("no spaces allowed")
+    at.run()
+    upload(at, {"tram.md": DOCS["tram.md"].encode()})
+    assert "is not valid" in texts(at.error)
+
+
+# ----------------------------------------------------------------------------- chat
+def test_answer_with_sources_stats_and_kept_entries(app_env):
+    at = small_settings(with_documents(start()))
+    ask(at, "When does the first ferry leave?")
+    assert [m.name for m in at.chat_message] == ["user", "assistant"]
+    assistant = at.chat_message[1]
+    caption = texts(assistant.caption)
+    assert "SnapKV @ 64, window 8" in caption and "prefill" in caption and "first token" in caption and "KV" in caption
+    kept = at.session_state["last_kept"]
+    assert kept and [n for n, _, _ in kept] == list(range(1, len(kept) + 1))
+    assert all(0 <= k <= tokens for _, tokens, k in kept)
+    assert 0 < sum(k for _, _, k in kept) < 64  # the window and the template keep the rest of the budget
+    assert "What SnapKV kept of each stuffed document" in texts(assistant.markdown)
+    assert at.get("vega_lite_chart")
+    # The history stays on the page after another rerun; the picture is for the last answer only.
+    at.run()
+    assert "When does the first ferry leave?" in texts(at.chat_message[0].markdown)
+
+
+def test_side_by_side_compares_full_and_compressed(app_env):
+    at = small_settings(with_documents(start()))
+    at.toggle(key="side_by_side").set_value(True)
+    at.run()
+    ask(at, "What time does the library open?")
+    assistant = at.chat_message[1]
+    headers = texts(assistant.markdown)
+    assert "##### Full cache" in headers and "##### SnapKV @ 64, window 8" in headers
+    labels = [m.label for m in assistant.metric]
+    assert labels == ["Citation agreement F1", "Same answer text", "KV cache kept", "Decode speed vs full"]
+    f1 = float(assistant.metric[0].value)
+    assert 0.0 <= f1 <= 1.0
+    table = assistant.table[0].value
+    assert list(table.columns) == ["Full cache", "SnapKV @ 64, window 8"]
+    assert {"Prefill", "Time to first token", "Decode", "KV cache kept / full", "Prompt entries kept per layer", "Sources cited"} <= set(table.index)
+    full_kept, snap_kept = table.loc["Prompt entries kept per layer"]
+    assert full_kept.split(" / ")[0] == full_kept.split(" / ")[1] and snap_kept.startswith("64 / ")
+    assert "Prefix tokens reused" not in table.index  # shown only when the engine reports it
+
+
+def test_full_cache_alone_draws_no_kept_picture(app_env):
+    at = with_documents(start())
+    at.selectbox(key="method").set_value("full")
+    at.run()
+    at.number_input(key="context_tokens").set_value(200)
+    at.number_input(key="max_new_tokens").set_value(4)
+    at.run()
+    assert at.toggle(key="side_by_side").disabled
+    ask(at, "Which tram goes to the observatory?")
+    assistant = at.chat_message[1]
+    assert "Full cache" in texts(assistant.caption)
+    assert "kept of each stuffed document" not in page(at)
+
+
+@pytest.mark.parametrize("method", ["streamingllm", "h2o"])
+def test_baselines_answer_and_record_what_they_kept(app_env, method):
+    at = with_documents(start())
+    at.selectbox(key="method").set_value(method)
+    at.run()
+    for key, value in {"context_tokens": 200, "max_new_tokens": 4, "budget": 48}.items():
+        at.number_input(key=key).set_value(value)
+    at.run()
+    ask(at, "Which tram goes to the observatory?")
+    assert not at.chat_message[1].error
+    assert at.session_state["last_kept"]
+
+
+# ----------------------------------------------------------------------------- bad input
+def test_question_before_any_document(app_env):
+    at = ask(start(), "Is anything here?")
+    assert "no documents in notes yet" in texts(at.chat_message[1].error).lower()
+    assert at.chat_input(key="question")  # still there: the app keeps working
+
+
+def test_over_long_question(app_env):
+    at = ask(with_documents(start()), "why " * 600)
+    assert "keep it under 2,000" in texts(at.chat_message[1].error)
+
+
+def test_question_too_long_for_the_context(app_env):
+    at = small_settings(with_documents(start()))
+    at = ask(at, "ferry " * 300)  # under the character limit, over the tiny model's 512 tokens
+    assert "no room is left" in texts(at.chat_message[1].error) or "context" in texts(at.chat_message[1].error)
+
+
+def test_context_tokens_larger_than_the_model_context(app_env):
+    at = small_settings(with_documents(start()), context_tokens=5000)
+    assert "exceed the model's context" in texts(at.sidebar.warning)
+    ask(at, "When does the first ferry leave?")
+    error = texts(at.chat_message[1].error)
+    assert "context_tokens=5000 does not fit" in error and "use at most" in error
+
+
+def test_budget_larger_than_the_context(app_env):
+    at = small_settings(with_documents(start()), budget=400)
+    assert "nothing gets compressed" in texts(at.sidebar.info)
+    ask(at, "When does the first ferry leave?")
+    assert "nothing was compressed" in texts(at.chat_message[1].info)
+
+
+def test_impossible_compression_settings(app_env):
+    at = with_documents(start())
+    at.number_input(key="budget").set_value(32)  # the question window may reach 64 entries
+    at.run()
+    assert "max_window (64) must be smaller than max_capacity_prompt (32)" in texts(at.sidebar.error)
+    ask(at, "When does the first ferry leave?")
+    assert "Fix the compression settings" in texts(at.chat_message[1].error)
+
+
+def test_model_that_fails_to_load(app_env):
+    at = start()
+    at.text_input(key="model").input(str(app_env / "no-such-model"))
+    at.run()
+    assert not at.exception
+    assert "failed to load" in texts(at.sidebar.error) and "model path does not exist" in texts(at.sidebar.error)
+    assert "Fix the model path" in texts(at.error)
+    assert at.chat_input(key="question").disabled
+    upload(at, {"tram.md": DOCS["tram.md"].encode()})  # documents can still be added
+    assert "Documents in notes: 1 file" in at.expander[0].label
+
+
+def test_concurrent_sessions_get_their_own_answers(app_env):
+    """Two sessions ask at once; the cached engine serializes the calls and each gets its own answer."""
+    with_documents(start())
+    questions = {"a": "When does the first ferry leave?", "b": "Which tram goes to the observatory?"}
+    # Set up on this thread (CPython's compiler is not safe to call from two threads at once);
+    # then both questions run concurrently.
+    sessions = {name: small_settings(start()) for name in questions}
+    errors: list[BaseException] = []
+
+    def session(name: str) -> None:
+        try:
+            ask(sessions[name], questions[name])
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=session, args=(name,)) for name in questions]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    for name, question in questions.items():
+        at = sessions[name]
+        assert texts(at.chat_message[0].markdown) == question
+        assert not at.chat_message[1].error and "prefill" in texts(at.chat_message[1].caption)
+
+
+# ----------------------------------------------------------------------------- command line
+def test_cli_app_command_line():
+    from snapkv_rag.app_cli import APP_SCRIPT, app_command
+    from snapkv_rag.cli import build_parser
+
+    assert APP_SCRIPT.is_file()
+    args = build_parser().parse_args(["app", "--model", "/models/x", "--port", "9000", "--store", "/tmp/s"])
+    command = app_command(args)
+    assert command[1:4] == ["-m", "streamlit", "run"] and command[4] == str(APP_SCRIPT)
+    assert command[command.index("--server.port") + 1] == "9000"
+    assert command[command.index("--server.address") + 1] == "127.0.0.1"
+    after = command[command.index("--") + 1 :]
+    assert after == ["--model", "/models/x", "--store", "/tmp/s"]
+
+
+def test_app_reads_its_options_after_the_double_dash(monkeypatch):
+    import importlib.util
+    import sys
+
+    spec = importlib.util.spec_from_file_location("docqa_app", APP)
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "docqa_app", module)
+    spec.loader.exec_module(module)  # defines everything; main() runs only as __main__
+    monkeypatch.delenv("SNAPKV_RAG_APP_MODEL", raising=False)
+    cfg = module.app_config(["--model", "/m", "--store", "/s", "--uploads", "/u", "--collection", "c", "--stray"])
+    assert (cfg.model, cfg.store, cfg.uploads, cfg.collection) == ("/m", "/s", "/u", "c")
+    assert module.app_config([]).model == "default"
+    assert module.Settings("snapkv", 256, "question", 32, 1024, 96, 0.0, True).policy().window_size == "question"
