@@ -141,8 +141,7 @@ def save_screenshot(driver, name: str) -> Path:
     driver.set_window_size(1600, min(max(1000, int(height) + 40), 6000))
     time.sleep(1.0)
     driver.execute_script(
-        "window.scrollTo(0, 0); document.querySelectorAll('[data-testid=stMain], [data-testid=stAppViewContainer],"
-        " [data-testid=stSidebarContent]').forEach(e => { e.scrollTop = 0; });"
+        "document.querySelectorAll('*').forEach(e => { if (e.scrollTop) e.scrollTop = 0; }); window.scrollTo(0, 0);"
     )
     time.sleep(0.5)
     path = artifacts_dir() / f"{name}.png"

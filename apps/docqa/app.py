@@ -279,14 +279,16 @@ def render_sources(answer: Answer, key: str) -> None:
         title = chunk.title if chunk.title and chunk.title != Path(name).stem else ""
         label = f"[{number}] {short(title, 40) + ' · ' if title else ''}{name} · chunk {chunk.position + 1}"
         with st.expander(label):
-            how = []
-            for c in routes[number]:
-                if c.route == "generated":
-                    how.append("cited by the model")
-                elif c.score is not None:
-                    how.append(f"matched by evidence (score {c.score:.2f})")
-            st.caption(" · ".join(dict.fromkeys(how)) + (f" · similarity {chunk.score:.2f}" if chunk.score is not None else ""))
-            supported = [c.sentence for c in routes[number] if c.sentence]
+            cites = routes[number]
+            how = ["cited by the model"] if any(c.route == "generated" for c in cites) else []
+            scores = [c.score for c in cites if c.route == "attributed" and c.score is not None]
+            if scores:
+                sentences = f", {len(scores)} sentences" if len(scores) > 1 else ""
+                how.append(f"matched by evidence (score {max(scores):.2f}{sentences})")
+            if chunk.score is not None:
+                how.append(f"retrieval similarity {chunk.score:.2f}")
+            st.caption(" · ".join(how))
+            supported = [c.sentence for c in cites if c.sentence]
             if supported:
                 st.markdown("Supports: " + " ".join(f"“{md_escape(s)}”" for s in dict.fromkeys(supported)))
             with st.container(border=True):
@@ -647,6 +649,10 @@ def answer_question(question: str, engine: Engine | None, engine_error: str | No
         except SnapKVRagError as exc:
             st.error(str(exc))
             turn.error = str(exc)
+            return turn
+        except Exception as exc:  # an unexpected failure: say so in the page, keep the app running
+            turn.error = f"Answering failed: {type(exc).__name__}: {exc}"
+            st.error(turn.error)
             return turn
         turn.runs = runs
         if len(runs) == 2:
