@@ -135,10 +135,9 @@ def page_text(driver) -> str:
 def save_screenshot(driver, name: str) -> Path:
     """A screenshot of the whole app: the window is grown to the height of the scrolled content."""
     height = driver.execute_script(
-        "return Math.max(document.body.scrollHeight, ...Array.from(document.querySelectorAll("
-        "'[data-testid=stMain], [data-testid=stMainBlockContainer], [data-testid=stSidebarContent]'), e => e.scrollHeight));"
+        "return Math.max(...Array.from(document.querySelectorAll('*'), e => e.scrollHeight));"
     )
-    driver.set_window_size(1600, min(max(1000, int(height) + 40), 6000))
+    driver.set_window_size(1600, min(max(1000, int(height) + 200), 6000))  # room for the pinned chat input
     time.sleep(1.0)
     driver.execute_script(
         "document.querySelectorAll('*').forEach(e => { if (e.scrollTop) e.scrollTop = 0; }); window.scrollTo(0, 0);"

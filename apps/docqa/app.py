@@ -267,7 +267,7 @@ def ask_one(qa: DocumentQA, question: str, run: Run, settings: Settings, policy,
 
 
 # ----------------------------------------------------------------------------- rendering
-def render_sources(answer: Answer, key: str) -> None:
+def render_sources(answer: Answer) -> None:
     sources = answer.sources
     if not sources:
         st.caption("No document supports this answer (no citation by the model, no matching evidence).")
@@ -377,7 +377,7 @@ def render_kept(run: Run) -> None:
     )
 
 
-def render_turn(turn: Turn, *, last: bool, key: str) -> None:
+def render_turn(turn: Turn, *, last: bool) -> None:
     with st.chat_message("user"):
         st.markdown(md_escape(turn.question))
     with st.chat_message("assistant"):
@@ -390,12 +390,12 @@ def render_turn(turn: Turn, *, last: bool, key: str) -> None:
                 with col:
                     st.markdown(f"##### {run.label}")
                     st.markdown(answer_markdown(run.answer.text) or "_(empty answer)_")
-                    render_sources(run.answer, f"{key}-{run.method}")
+                    render_sources(run.answer)
             render_comparison(*turn.runs)
         else:
             run = turn.runs[0]
             st.markdown(answer_markdown(run.answer.text) or "_(empty answer)_")
-            render_sources(run.answer, key)
+            render_sources(run.answer)
             render_run_caption(run)
         compressed = turn.runs[-1]
         if last and compressed.method != "full":
@@ -645,7 +645,7 @@ def answer_question(question: str, engine: Engine | None, engine_error: str | No
                     target.markdown(f"##### {run.label}")
                 ask_one(qa, question, run, settings, None if run.method == "full" else policy, target)
                 with target:
-                    render_sources(run.answer, f"live-{run.method}")
+                    render_sources(run.answer)
         except SnapKVRagError as exc:
             st.error(str(exc))
             turn.error = str(exc)
@@ -692,7 +692,7 @@ def main() -> None:
     turns = history.setdefault(collection, [])
     question = st.chat_input("Ask a question about the documents…", key="question", disabled=engine is None)
     for i, turn in enumerate(turns):
-        render_turn(turn, last=question is None and i == len(turns) - 1, key=f"turn{i}")
+        render_turn(turn, last=question is None and i == len(turns) - 1)
     if question is not None:
         turns.append(answer_question(question, engine, engine_error, store, settings, collection))
 

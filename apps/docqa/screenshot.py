@@ -95,8 +95,10 @@ def main() -> int:
         number("Max new tokens", args.max_new_tokens)
         number("KV budget (entries per layer and head)", args.budget)
         driver.find_element("xpath", "//label[contains(normalize-space(.), 'Side by side with the full cache')]").click()
-        box = driver.find_element("css selector", "textarea[data-testid=stChatInputTextArea]")
-        box.send_keys(args.question, Keys.ENTER)
+        until(lambda: driver.find_element("css selector", "input[aria-label='Side by side with the full cache']").is_selected(), 60)
+        chat = "textarea[data-testid=stChatInputTextArea]"
+        until(lambda: driver.find_elements("css selector", chat), 60)
+        driver.find_element("css selector", chat).send_keys(args.question, Keys.ENTER)
         until(lambda: "Citation agreement F1" in text() and "kept of each stuffed document" in text(), 1200)
         until(lambda: driver.find_elements("css selector", "[data-testid=stVegaLiteChart] canvas, [data-testid=stVegaLiteChart] svg"), 60)
         sources = [s for s in driver.find_elements("css selector", "details summary") if " · chunk " in s.text]
@@ -108,10 +110,9 @@ def main() -> int:
             driver.execute_script("arguments[0].click();", panel.find_element("css selector", "summary"))
         time.sleep(1.5)
         height = driver.execute_script(
-            "return Math.max(document.body.scrollHeight, ...Array.from(document.querySelectorAll("
-            "'[data-testid=stMain], [data-testid=stMainBlockContainer], [data-testid=stSidebarContent]'), e => e.scrollHeight));"
+            "return Math.max(...Array.from(document.querySelectorAll('*'), e => e.scrollHeight));"
         )
-        driver.set_window_size(1600, min(int(height) + 40, 6000))
+        driver.set_window_size(1600, min(int(height) + 200, 6000))  # room for the pinned chat input
         time.sleep(1.5)
         driver.execute_script(
             "document.querySelectorAll('*').forEach(e => { if (e.scrollTop) e.scrollTop = 0; }); window.scrollTo(0, 0);"
