@@ -18,6 +18,7 @@ from .errors import EmptyPromptError, InvalidGenerationParameterError, InvalidPr
 from .generation import DecodeRun, cache_bytes
 from .loading import DEFAULT_MODEL, load_model_and_tokenizer
 from .memory import PeakMemory
+from .prefix_cache import PrefixCache, default_prefix_cache_bytes
 from .prompts import PromptLike, question_tail_tokens, render_prompt
 from .results import GenerationResult, GenerationStats, Usage
 from .sampling import GenerationParams
@@ -227,6 +228,7 @@ class _Request:
     row_policies: CompressionPolicy | list[CompressionPolicy] | None
     specs: tuple[OutputSpec, ...] = ()
     constraint: Any = None
+    use_prefix_cache: bool = True
 
     def spec(self, row: int) -> OutputSpec:
         return self.specs[row] if self.specs else TEXT
@@ -236,7 +238,7 @@ class _Request:
         row_policies = [self.row_policies[i] for i in indices] if isinstance(self.row_policies, list) else self.row_policies
         specs = tuple(self.specs[i] for i in indices) if self.specs else ()
         constraint = self.constraint.subset(indices) if self.constraint is not None else None
-        return _Request(rows, self.params, self.policy, row_policies, specs, constraint)
+        return _Request(rows, self.params, self.policy, row_policies, specs, constraint, self.use_prefix_cache)
 
 
 def length_buckets(lengths: Sequence[int], max_batch_size: int | None = None, *, slack: float = 0.25, min_slack: int = 16) -> list[list[int]]:
@@ -262,7 +264,10 @@ class Engine:
     Calls are serialized by a lock, so concurrent callers never share a cache or interleave steps.
     """
 
-    def __init__(self, model, tokenizer, *, name: str = "custom"):
+    def __init__(self, model, tokenizer, *, name: str = "custom", prefix_cache_bytes: int | None = None):
+        """``prefix_cache_bytes``: bound of the prefix cache (uncompressed K/V of recent
+        prompts, reused by later prompts that start with the same tokens); None for the
+        default (1 GiB on CPU, a tenth of GPU memory within 1-8 GiB on CUDA), 0 disables."""
         register_attention_functions()
         base = model.config._attn_implementation
         if base not in WRAPPED_IMPLEMENTATIONS and base not in {wrapped_name(b) for b in WRAPPED_IMPLEMENTATIONS}:
@@ -277,6 +282,11 @@ class Engine:
         self._parameter_count = sum(p.numel() for p in model.parameters())
         self._pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else next(iter(self._eos_ids), 0)
         self._grammar_tokenizer = None  # built on the first constrained call
+        if prefix_cache_bytes is None:
+            prefix_cache_bytes = default_prefix_cache_bytes(self.device)
+        if isinstance(prefix_cache_bytes, bool) or not isinstance(prefix_cache_bytes, int) or prefix_cache_bytes < 0:
+            raise ValueError(f"prefix_cache_bytes must be an integer >= 0 (0 disables) or None, got {prefix_cache_bytes!r}")
+        self.prefix_cache = PrefixCache(prefix_cache_bytes)
 
     # ----------------------------------------------------------------- construction
     @classmethod
@@ -293,8 +303,11 @@ class Engine:
         dtype: str | torch.dtype | None = None,
         attn_implementation: str = "sdpa",
         trust_remote_code: bool = False,
+        prefix_cache_bytes: int | None = None,
     ) -> "Engine":
-        """A hub id, a local model directory, a ``.gguf`` file, or ``"default"``."""
+        """A hub id, a local model directory, a ``.gguf`` file, or ``"default"``.
+
+        ``prefix_cache_bytes`` as in :class:`Engine` (None: default, 0: no prefix cache)."""
         if attn_implementation not in WRAPPED_IMPLEMENTATIONS:
             raise ValueError(f"attn_implementation must be one of {WRAPPED_IMPLEMENTATIONS}, got {attn_implementation!r}")
         model, tokenizer, _ = load_model_and_tokenizer(
@@ -304,7 +317,7 @@ class Engine:
             attn_implementation=attn_implementation,
             trust_remote_code=trust_remote_code,
         )
-        return cls(model, tokenizer, name=name_or_path)
+        return cls(model, tokenizer, name=name_or_path, prefix_cache_bytes=prefix_cache_bytes)
 
     # ----------------------------------------------------------------- introspection
     @property
@@ -390,6 +403,7 @@ class Engine:
         questions: Sequence[str | None] | None = None,
         *,
         per_row: bool = False,
+        prefix_cache: bool = True,
     ) -> _Request:
         """Validate everything about a call before any model work: typed errors only.
 
@@ -397,6 +411,8 @@ class Engine:
         ``parallel_tool_calls`` (per prompt as lists when ``per_row``); their grammars are
         compiled here, so a bad schema fails before the prefill.
         """
+        if not isinstance(prefix_cache, bool):
+            raise InvalidGenerationParameterError(f"prefix_cache must be True or False, got {prefix_cache!r}")
         options = {k: v for k, v in sampling.items() if k in _OUTPUT_KEYS}
         params = GenerationParams.build(**{k: v for k, v in sampling.items() if k not in _OUTPUT_KEYS})
         specs = output_specs(len(prompts), options, per_row=per_row)
@@ -405,7 +421,10 @@ class Engine:
         policy = as_policy(compression)
         rows = self._render_within_context(prompts, chat, params.max_new_tokens, specs)
         row_policies = self._resolve_policy(policy, prompts, chat, questions, specs)
-        return _Request(rows, params, policy, row_policies, tuple(specs), self._constraint(specs))
+        return _Request(rows, params, policy, row_policies, tuple(specs), self._constraint(specs), prefix_cache)
+
+    def _prefix_cache_for(self, use: bool) -> PrefixCache | None:
+        return self.prefix_cache if use and self.prefix_cache.max_bytes > 0 else None
 
     def _resolve_policy(
         self,
@@ -449,7 +468,9 @@ class Engine:
 
         cancelled = False
         with PeakMemory(self.device) as peak:
-            run = DecodeRun(self.model, rows, params, request.row_policies, self._pad_id, request.constraint)
+            run = DecodeRun(
+                self.model, rows, params, request.row_policies, self._pad_id, request.constraint, self._prefix_cache_for(request.use_prefix_cache)
+            )
             steps = run.steps()
             try:
                 while True:
@@ -524,6 +545,8 @@ class Engine:
             decode_steps=len(run.timings.step_seconds),
             total_seconds=total,
             prompt_tokens_padded=run.padded_length,
+            reused_prompt_tokens=run.reused_tokens[row],
+            prefilled_prompt_tokens=run.row_lengths[row] - run.reused_tokens[row],
             kept_tokens_per_layer=run.row_kept_tokens(row),
             prompt_kv_bytes_full=full,
             prompt_kv_bytes_kept=kept,
@@ -556,6 +579,7 @@ class Engine:
         compression: Compression = None,
         chat: bool | None = None,
         question: str | None = None,
+        prefix_cache: bool = True,
         _cancel: threading.Event | None = None,
         **sampling: Any,
     ) -> GenerationStream:
@@ -575,10 +599,11 @@ class Engine:
         (``{"type": "json_object"}`` or ``{"type": "json_schema", "json_schema": {"name",
         "schema", "strict"}}``), ``parallel_tool_calls`` (False: at most one call). Text pieces
         are ``str``; tool calls stream as :class:`~snapkv_rag.tools.ToolCallDelta`.
+        ``prefix_cache=False``: this call neither reuses nor stores prompt K/V.
         Arguments are validated, the prompt rendered and prefilled before this returns.
         ``close()`` or leaving ``with engine.stream(...) as s:`` cancels the rest.
         """
-        request = self._prepare([prompt], compression, chat, sampling, [question])
+        request = self._prepare([prompt], compression, chat, sampling, [question], prefix_cache=prefix_cache)
         return self._stream_request(request, _cancel)
 
     def generate(self, prompt: PromptLike, **kwargs: Any) -> GenerationResult:
@@ -596,6 +621,7 @@ class Engine:
         compression: Compression = None,
         chat: bool | None = None,
         questions: Sequence[str | None] | None = None,
+        prefix_cache: bool = True,
         bucket: bool = True,
         max_batch_size: int | None = None,
         _cancel: threading.Event | None = None,
@@ -616,7 +642,7 @@ class Engine:
             raise TypeError("generate_batch takes a list of prompts; use generate for one")
         if max_batch_size is not None and (isinstance(max_batch_size, bool) or not isinstance(max_batch_size, int) or max_batch_size < 1):
             raise InvalidGenerationParameterError(f"max_batch_size must be an integer >= 1 or None, got {max_batch_size!r}")
-        request = self._prepare(list(prompts), compression, chat, sampling, questions, per_row=True)
+        request = self._prepare(list(prompts), compression, chat, sampling, questions, per_row=True, prefix_cache=prefix_cache)
         lengths = [len(r) for r in request.rows]
         if bucket:
             groups = length_buckets(lengths, max_batch_size)
@@ -657,6 +683,7 @@ class Engine:
         compression: Compression = None,
         chat: bool | None = None,
         question: str | None = None,
+        prefix_cache: bool = True,
     ) -> torch.Tensor:
         """Teacher-forced logits ``[len(continuation), vocab]`` of ``continuation`` after ``prompt``.
 
@@ -668,7 +695,8 @@ class Engine:
         (row,) = self._render_within_context([prompt], chat, len(ids))
         policy = self._resolve_policy(policy, [prompt], chat, [question])
         with self._lock:
-            run = DecodeRun(self.model, [row], GenerationParams(max_new_tokens=len(ids)), policy, self._pad_id)
+            cache = self._prefix_cache_for(prefix_cache)
+            run = DecodeRun(self.model, [row], GenerationParams(max_new_tokens=len(ids)), policy, self._pad_id, prefix_cache=cache)
             return run.teacher_force(ids).float().cpu()
 
     async def agenerate(self, prompt: PromptLike, **kwargs: Any) -> GenerationResult:
@@ -677,7 +705,8 @@ class Engine:
         Validation errors are raised at once; cancelling the task stops the generation.
         """
         compression, chat, question = kwargs.pop("compression", None), kwargs.pop("chat", None), kwargs.pop("question", None)
-        request = self._prepare([prompt], compression, chat, kwargs, [question])
+        use_prefix_cache = kwargs.pop("prefix_cache", True)
+        request = self._prepare([prompt], compression, chat, kwargs, [question], prefix_cache=use_prefix_cache)
 
         def work(cancel: threading.Event) -> GenerationResult:
             stream = self._stream_request(request, cancel)
@@ -698,7 +727,8 @@ class Engine:
         Arguments are validated here, at once (as :meth:`stream` does).
         """
         compression, chat, question = kwargs.pop("compression", None), kwargs.pop("chat", None), kwargs.pop("question", None)
-        request = self._prepare([prompt], compression, chat, kwargs, [question])
+        use_prefix_cache = kwargs.pop("prefix_cache", True)
+        request = self._prepare([prompt], compression, chat, kwargs, [question], prefix_cache=use_prefix_cache)
         return AsyncGenerationStream(self, request)
 
 

@@ -18,6 +18,7 @@ import torch
 
 from .compression.base import CompressionPolicy
 from .compression.runtime import PrefillCompression, compressing, sliding_layers
+from .prefix_cache import PrefixCache, reusable_tokens
 from .sampling import GenerationParams, make_generator, select_next_tokens
 
 
@@ -90,6 +91,7 @@ class DecodeRun:
         policy: CompressionPolicy | list[CompressionPolicy] | None,
         pad_id: int,
         constraint: TokenConstraint | None = None,
+        prefix_cache: PrefixCache | None = None,
     ):
         from transformers import DynamicCache
 
@@ -97,6 +99,8 @@ class DecodeRun:
         self.constraint = constraint
         self.params = params
         self.policy = policy
+        self.rows = rows
+        self.pad_id = pad_id
         self.device = next(model.parameters()).device
         self.input_ids, self.attention_mask = left_pad(rows, pad_id, self.device)
         # Without padding no mask is passed at all, so SDPA takes its causal fast path.
@@ -108,6 +112,10 @@ class DecodeRun:
         self._kv_mask: torch.Tensor | None = None
         self._sliding_mask: torch.Tensor | None = None
         self.cache = DynamicCache(config=model.config)
+        # Prefix reuse needs plain (non-sliding) layers: a sliding layer keeps only its window.
+        sliding_cache = any(self.sliding) or any(getattr(self.cache, "is_sliding", []))
+        self.prefix_cache = prefix_cache if prefix_cache is not None and prefix_cache.max_bytes > 0 and not sliding_cache else None
+        self.reused_tokens = [0] * len(rows)  # per row: prompt tokens taken from the prefix cache
         self.timings = DecodeTimings()
         self.kept_tokens_per_layer: list[int] = []
         self.prompt_kv_bytes_kept = 0
@@ -120,7 +128,68 @@ class DecodeRun:
 
     @property
     def padded_length(self) -> int:
-        return self.input_ids.shape[1]
+        """Width of the prompt's cache layout (reused + prefilled columns, padding included)."""
+        return self.attention_mask.shape[1]
+
+    def _row_policy(self, row: int) -> CompressionPolicy | None:
+        return self.policy[row] if isinstance(self.policy, list) else self.policy
+
+    def _plan_reuse(self) -> list[tuple[object, int]]:
+        """Per row: the stored entry to reuse and how many leading tokens to take from it.
+
+        In a batch every row that reuses anything prefills the same number ``T`` of new
+        tokens (the most any row needs), so each row's tokens stay contiguous and
+        left-padded: SnapKV's pooling over neighbouring positions must not see a padding gap
+        between reused and new tokens. A row may therefore reuse less than it could.
+        """
+        plan: list[tuple[object, int]] = []
+        for i, row in enumerate(self.rows):
+            entry, common = self.prefix_cache.lookup(row)
+            take = reusable_tokens(common, len(row), self._row_policy(i)) if entry is not None else 0
+            plan.append((entry, take))
+        new_tokens = max(len(row) - take for row, (_, take) in zip(self.rows, plan))
+        return [(entry, max(0, len(row) - new_tokens) if take else 0) for row, (entry, take) in zip(self.rows, plan)]
+
+    def _layout_with_reuse(self, plan: list[tuple[object, int]]) -> None:
+        """Keep the left-padded layout of width ``W``; its first ``P`` columns come from the
+        stored prefixes (row ``i``'s ``r_i`` reused tokens end at column ``P``), the last
+        ``T = W - P`` columns are prefilled."""
+        reuse = [take for _, take in plan]
+        width = self.attention_mask.shape[1]
+        width_p = width - max(len(row) - r for row, r in zip(self.rows, reuse))
+        batch = len(self.rows)
+        self.input_ids = self.input_ids[:, width_p:]
+        self.reused_tokens = reuse
+        for layer_idx in range(len(self.cache.layers)):
+            keys, values = [], []
+            for tensors, out in (("keys", keys), ("values", values)):
+                if batch == 1:
+                    out.append(getattr(plan[0][0], tensors)[layer_idx][:, :, :width_p])
+                    continue
+                ref = getattr(next(e for e, t in plan if t > 0), tensors)[layer_idx]
+                block = ref.new_zeros(batch, ref.shape[1], width_p, ref.shape[3])
+                for i, (entry, r) in enumerate(plan):
+                    if r:
+                        block[i, :, width_p - r :] = getattr(entry, tensors)[layer_idx][0, :, :r]
+                out.append(block)
+            self.cache.update(keys[0].to(self.device), values[0].to(self.device), layer_idx)
+        for entry, r in plan:
+            self.prefix_cache.record_reuse(entry, r)
+
+    def _store_prefixes(self, full_kv: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Put each row's full (uncompressed) prompt K/V into the prefix cache."""
+        width = self.attention_mask.shape[1]
+        for i, row in enumerate(self.rows):
+            keys, values = [], []
+            for layer_idx in range(len(self.cache.layers)):
+                k, v = full_kv[layer_idx]
+                if self.batch_size == 1 and width == len(row):
+                    keys.append(k)  # the prefill's own tensor: no copy
+                    values.append(v)
+                else:
+                    keys.append(k[i : i + 1, :, width - len(row) :].clone())
+                    values.append(v[i : i + 1, :, width - len(row) :].clone())
+            self.prefix_cache.insert(row, keys, values)
 
     def _forward(self, input_ids, attention_mask, position_ids, *, last_only: bool = True) -> torch.Tensor:
         logits = self.model(
@@ -135,17 +204,38 @@ class DecodeRun:
         return logits
 
     def _prefill(self) -> torch.Tensor:
-        """Run the (compressed) prefill; returns the last position's logits ``[batch, vocab]``."""
+        """Run the (compressed) prefill; returns the last position's logits ``[batch, vocab]``.
+
+        With a prefix cache, each row's longest stored token prefix (minus the tail its
+        policy's window needs, see :mod:`snapkv_rag.prefix_cache`) is placed in the cache
+        first and only the rest is run through the model; the policy then selects over the
+        reused plus the new keys, as after a full prefill. Every row's full prompt K/V is
+        stored back before compression shrinks the cache.
+        """
+        start = time.perf_counter()
+        if self.prefix_cache is not None:
+            plan = self._plan_reuse()
+            if any(take for _, take in plan):
+                self._layout_with_reuse(plan)
         mask = self.attention_mask
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)[:, mask.shape[1] - self.input_ids.shape[1] :]
         self._last_position = positions[:, -1:]
         padding_mask = mask if self.has_padding else None
         self.session = None
         if self.policy is not None:
             self.session = PrefillCompression(self.policy, self.cache, padding_mask, self.sliding)
-        start = time.perf_counter()
+            if self.prefix_cache is not None:
+                self.session.full_kv = {}
         with compressing(self.session):
             self._forward(self.input_ids, padding_mask, positions)
+        if self.prefix_cache is not None:
+            if self.session is not None:
+                full_kv = self.session.full_kv
+            else:
+                full_kv = {i: (layer.keys, layer.values) for i, layer in enumerate(self.cache.layers)}
+            self._store_prefixes(full_kv)
+            if self.session is not None:
+                self.session.full_kv = None  # the stored copies are the prefix cache's now
         self.timings.prefill_seconds = time.perf_counter() - start
         self.kept_tokens_per_layer = [layer_entries(layer) for layer in self.cache.layers]
         self.prompt_kv_bytes_kept = cache_bytes(self.cache)

@@ -35,6 +35,8 @@ class GenerationStats:
     decode_steps: int
     total_seconds: float
     prompt_tokens_padded: int  # width of the batch the row ran in (= prompt tokens alone)
+    reused_prompt_tokens: int  # this row's prompt tokens taken from the prefix cache
+    prefilled_prompt_tokens: int  # this row's prompt tokens run through the model
     kept_tokens_per_layer: list[int]  # real prompt tokens of this row kept, per layer
     prompt_kv_bytes_full: int  # this row's prompt K/V without compression
     prompt_kv_bytes_kept: int  # this row's prompt K/V kept (real tokens only)

@@ -70,3 +70,29 @@ def test_cli_generate_json_and_info():
     )
     data = json.loads(info.stdout)
     assert (data["num_layers"], data["num_query_heads"], data["num_kv_heads"], data["head_dim"], data["context_length"]) == (30, 9, 3, 64, 8192)
+
+
+FACTS = (
+    "Annual report of the Lyon Bicycle Cooperative.\n"
+    "The cooperative was founded in 1998 by Maria Lopez, who is still its chief executive.\n"
+    "In 2023 the revenue was 4.2 million euros, up from 3.1 million euros in 2022.\n"
+    "The workshop repairs about 9,000 bicycles a year and employs 41 mechanics.\n"
+)
+FILLER_PARAGRAPH = (
+    "Members meet every month to discuss routes, safety courses and the spare-parts budget. "
+    "The newsletter reports on repaired frames, donated wheels and volunteer hours. "
+)
+
+
+@pytest.mark.parametrize("compression", [None, SnapKV(max_capacity_prompt=256)], ids=["full", "snapkv256"])
+def test_two_questions_over_one_document_same_answers_with_reuse(embedded_engine, compression):
+    document = FACTS + FILLER_PARAGRAPH * 25
+    questions = ["Who is the chief executive of the cooperative?", "What was the revenue in 2023?"]
+    prompts = [[{"role": "user", "content": f"{document}\n\nAnswer briefly. {q}"}] for q in questions]
+    embedded_engine.prefix_cache.clear()
+    reused = [embedded_engine.generate(p, max_new_tokens=20, compression=compression) for p in prompts]
+    fresh = [embedded_engine.generate(p, max_new_tokens=20, compression=compression, prefix_cache=False) for p in prompts]
+    assert [r.text for r in reused] == [f.text for f in fresh]
+    assert reused[0].stats.reused_prompt_tokens == 0
+    assert reused[1].stats.reused_prompt_tokens > 0.9 * reused[1].usage.prompt_tokens - 40
+    assert reused[1].stats.prefilled_prompt_tokens < 60

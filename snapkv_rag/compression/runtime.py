@@ -88,6 +88,8 @@ class PrefillCompression:
         self.kept_indices: dict[int, torch.Tensor] = {}  # layer -> [batch, kv_heads, k], for inspection
         self.kept_attention_mask: torch.Tensor | None = None
         self.prompt_length = 0  # n, the (left-padded) prompt length seen by the compressed layers
+        # layer -> its full (K, V) before selection, when the engine's prefix cache wants them
+        self.full_kv: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None
 
     def _select(self, policy: CompressionPolicy, query, key, mask, scaling) -> torch.Tensor:
         window = policy.query_window
@@ -100,6 +102,9 @@ class PrefillCompression:
         self.prompt_length = n
         if self.sliding[layer_idx]:
             return
+        if self.full_kv is not None:
+            layer = self.cache.layers[layer_idx]
+            self.full_kv[layer_idx] = (layer.keys, layer.values)
         if self.row_policies is None:
             indices = self._select(self.policy, query, key, self.attention_mask, scaling)
         else:

@@ -239,7 +239,8 @@ def run_speed(
         for length in lengths:
             prompt = build_needle_case(engine.tokenizer, length, 0.5, seed=repeat).prompt
             for method in runs:
-                result = engine.generate(prompt, max_new_tokens=new_tokens, ignore_eos=True, compression=method.policy)
+                # prefix_cache=False: every method pays its own full prefill (methods share prompts)
+                result = engine.generate(prompt, max_new_tokens=new_tokens, ignore_eos=True, compression=method.policy, prefix_cache=False)
                 s = result.stats
                 floor_ms = (weights + s.prompt_kv_bytes_kept) / bandwidth * 1000
                 records.append(
@@ -273,7 +274,7 @@ def run_speed(
 
 def _batch_vs_single(engine, method: Method, prompts: list[str], new_tokens: int) -> Record:
     """One ``generate_batch`` over ``prompts`` against one ``generate`` per prompt."""
-    kwargs = dict(max_new_tokens=new_tokens, ignore_eos=True, compression=method.policy)
+    kwargs = dict(max_new_tokens=new_tokens, ignore_eos=True, compression=method.policy, prefix_cache=False)
     start = time.perf_counter()
     batch = engine.generate_batch(prompts, **kwargs)
     batch_s = time.perf_counter() - start

@@ -1,0 +1,162 @@
+"""A byte-bounded LRU of *uncompressed* prompt K/V, keyed by token ids, for prefix reuse.
+
+The engine stores every prompt's full K/V after its prefill (before any compression, so
+the stored copy serves every policy and budget) and, for the next prompt, reuses the K/V
+of the longest stored token prefix: only the rest is prefilled. Matching is exact on token
+ids (no block rounding); a stored prompt that is a prefix of a newly stored one is dropped,
+since the new entry serves everything it could.
+
+How reuse stays exact (see :func:`reusable_tokens`): a policy's selection needs the
+queries of its observation window, and a reused token has no queries. So the last
+``max(1, policy.query_window)`` prompt tokens are always prefilled (recomputed) even when
+they are stored; each layer's selection then runs over the reused keys plus the new keys
+with the window's queries, exactly as in a full prefill. Policies that need *all* prompt
+queries (``query_window is None``: H2O) never reuse; their prompts are still stored.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import torch
+
+from .compression.base import CompressionPolicy
+
+#: Default byte bound on CPU (and the floor on GPU); see :func:`default_prefix_cache_bytes`.
+CPU_DEFAULT_BYTES = 1 << 30
+
+
+def default_prefix_cache_bytes(device: torch.device) -> int:
+    """1 GiB on CPU; on CUDA a tenth of the device's memory, at least 1 GiB and at most 8 GiB."""
+    if device.type == "cuda":
+        total = torch.cuda.get_device_properties(device).total_memory
+        return int(min(8 << 30, max(CPU_DEFAULT_BYTES, total // 10)))
+    return CPU_DEFAULT_BYTES
+
+
+@dataclass
+class PrefixEntry:
+    """One stored prompt: its token ids and per-layer ``[1, kv_heads, n, head_dim]`` K and V."""
+
+    tokens: torch.Tensor  # 1-D long, CPU
+    keys: list[torch.Tensor]
+    values: list[torch.Tensor]
+    nbytes: int = 0
+
+    def __len__(self) -> int:
+        return int(self.tokens.numel())
+
+
+@dataclass
+class PrefixCacheStats:
+    entries: int
+    bytes: int
+    max_bytes: int
+    lookups: int
+    hits: int
+    reused_tokens: int
+    evictions: int
+
+
+@dataclass
+class PrefixCache:
+    """LRU of :class:`PrefixEntry` under ``max_bytes`` (K and V bytes of all layers).
+
+    Not thread-safe on its own: the engine uses it only under its lock.
+    """
+
+    max_bytes: int
+    _entries: OrderedDict = field(default_factory=OrderedDict)  # id -> PrefixEntry
+    _next_id: int = 0
+    _bytes: int = 0
+    lookups: int = 0
+    hits: int = 0
+    reused_tokens: int = 0
+    evictions: int = 0
+
+    @property
+    def nbytes(self) -> int:
+        return self._bytes
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def entries(self) -> list[PrefixEntry]:
+        """Least recently used first."""
+        return list(self._entries.values())
+
+    def stats(self) -> PrefixCacheStats:
+        return PrefixCacheStats(len(self._entries), self._bytes, self.max_bytes, self.lookups, self.hits, self.reused_tokens, self.evictions)
+
+    def clear(self) -> None:
+        self._entries.clear()
+        self._bytes = 0
+
+    @staticmethod
+    def _common_prefix(stored: torch.Tensor, query: torch.Tensor) -> int:
+        m = min(stored.numel(), query.numel())
+        if m == 0:
+            return 0
+        differs = (stored[:m] != query[:m]).nonzero()
+        return int(differs[0, 0]) if differs.numel() else m
+
+    def lookup(self, tokens: list[int]) -> tuple[PrefixEntry | None, int]:
+        """The entry sharing the longest token prefix with ``tokens`` and that length, or
+        ``(None, 0)``. Recency changes only when the entry is used (:meth:`record_reuse`)."""
+        self.lookups += 1
+        query = torch.tensor(tokens, dtype=torch.long)
+        best, best_len = None, 0
+        for entry in self._entries.values():
+            n = self._common_prefix(entry.tokens, query)
+            if n > best_len:
+                best, best_len = entry, n
+        return best, best_len
+
+    def record_reuse(self, entry: PrefixEntry | None, tokens: int) -> None:
+        """``tokens`` of ``entry`` were reused: count them and mark it most recently used."""
+        if entry is None or tokens <= 0:
+            return
+        self.hits += 1
+        self.reused_tokens += tokens
+        for key, stored in self._entries.items():
+            if stored is entry:
+                self._entries.move_to_end(key)
+                break
+
+    def insert(self, tokens: list[int], keys: list[torch.Tensor], values: list[torch.Tensor]) -> bool:
+        """Store a prompt's full K/V; returns False when it alone exceeds the bound."""
+        nbytes = sum(t.numel() * t.element_size() for t in (*keys, *values))
+        if self.max_bytes <= 0 or nbytes > self.max_bytes:
+            return False
+        ids = torch.tensor(tokens, dtype=torch.long)
+        # Entries that are a prefix of the new prompt (or equal to it) are subsumed by it.
+        for key in [k for k, e in self._entries.items() if len(e) <= ids.numel() and self._common_prefix(e.tokens, ids) == len(e)]:
+            self._bytes -= self._entries.pop(key).nbytes
+        self._entries[self._next_id] = PrefixEntry(ids, keys, values, nbytes)
+        self._next_id += 1
+        self._bytes += nbytes
+        while self._bytes > self.max_bytes:
+            _, evicted = self._entries.popitem(last=False)
+            self._bytes -= evicted.nbytes
+            self.evictions += 1
+        return True
+
+
+def reuse_tail(policy: CompressionPolicy | None) -> int | None:
+    """Trailing prompt tokens that must be prefilled for ``policy`` to select exactly as after a
+    full prefill, or None when it needs every prompt query (no reuse)."""
+    if policy is None:
+        return 1  # the last token's logits
+    window = policy.query_window
+    if window is None:
+        return None
+    return max(1, int(window))
+
+
+def reusable_tokens(prefix_length: int, prompt_length: int, policy: CompressionPolicy | None) -> int:
+    """How many leading tokens of a prompt may come from a stored prefix of ``prefix_length``."""
+    tail = reuse_tail(policy)
+    if tail is None:
+        return 0
+    return max(0, min(prefix_length, prompt_length - tail))
