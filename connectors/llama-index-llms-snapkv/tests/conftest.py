@@ -11,6 +11,8 @@ import os
 import sys
 from pathlib import Path
 
+import pytest
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
@@ -30,13 +32,13 @@ def _root_conftest():
     return sys.modules[name]
 
 
-_root = _root_conftest()
-build_tokenizer = _root.build_tokenizer
-tiny_engine = _root.tiny_engine
-tiny_tool_engine = _root.tiny_tool_engine
-terse_bias = _root.terse_bias
-tokenizer = _root.tokenizer
-engine = _root.engine
-embedded_engine = _root.embedded_engine
-smollm_tokenizer = _root.smollm_tokenizer
-SAMPLE_CORPUS = ROOT / "examples" / "sample_corpus"
+_root_conftest()
+# Every public name of the root conftest, fixtures included. pytest keeps one module called
+# "conftest" at a time, so root tests that do `from conftest import ...` may get this one;
+# this module's own tests import helpers from `snapkv_root_conftest` and use fixtures instead.
+from snapkv_root_conftest import *  # noqa: E402,F401,F403
+
+
+@pytest.fixture(scope="session")
+def sample_corpus() -> Path:
+    return ROOT / "examples" / "sample_corpus"

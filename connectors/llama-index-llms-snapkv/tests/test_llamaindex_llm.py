@@ -17,7 +17,7 @@ from llama_index.llms.snapkv import SnapKVLLM
 from llama_index.llms.snapkv.messages import to_engine_messages
 from snapkv_rag.errors import PromptTooLongError
 
-from conftest import terse_bias, tiny_tool_engine
+from snapkv_root_conftest import terse_bias, tiny_tool_engine
 
 LONG = " ".join(["The quick brown fox jumps over the lazy dog."] * 12) + " What does the fox do?"
 
