@@ -88,7 +88,7 @@ LOG_LINES = [f"02:{m:02d}:{s:02d} INFO backup: copied chunk {m * 60 + s} of /srv
 
 def read_log(job: str) -> str:
     """Read the full log of a scheduled job (for example 'nightly')."""
-    lines = LOG_LINES[:100] + ["02:13:07 ERROR backup: disk quota exceeded on /var/backups; job aborted"]
+    lines = LOG_LINES[:40] + ["02:13:07 ERROR backup: disk quota exceeded on /var/backups; job aborted"]
     return f"log of job {job}:\n" + "\n".join(lines)
 
 
@@ -100,6 +100,7 @@ async def agent_session() -> None:
         llm=llm,
         system_prompt="You are an operations assistant. Use read_log to read job logs, then answer briefly.",
         initial_tool_choice="read_log",
+        allow_parallel_tool_calls=False,  # one call per step: a 135M model otherwise repeats the call
     )
     memory = SnapKVMemory.from_defaults(llm=llm, thread_id="ops", reserve_tokens=400)
     print("\n== FunctionAgent over a long tool output (streamed) ==")

@@ -77,7 +77,7 @@ def magic_function(input: int) -> int:
 
 
 def _agent(llm):
-    return FunctionAgent(tools=[FunctionTool.from_defaults(fn=magic_function)], llm=llm, initial_tool_choice="magic_function")
+    return FunctionAgent(tools=[FunctionTool.from_defaults(fn=magic_function)], llm=llm, initial_tool_choice="magic_function", allow_parallel_tool_calls=False)
 
 
 async def _run(agent, question, memory=None):
