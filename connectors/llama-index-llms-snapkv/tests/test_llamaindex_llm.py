@@ -205,3 +205,16 @@ def test_structured_predict_and_structured_llm_use_json_schema_decoding(tool_llm
     sllm = tool_llm.as_structured_llm(City)
     r = sllm.chat([ChatMessage(role="user", content="Describe Paris.")])
     assert isinstance(r.raw, City) and City.model_validate_json(r.message.content) == r.raw
+
+
+def test_model_name_loads_through_the_shared_engine_cache(engine, monkeypatch):
+    import llama_index.llms.snapkv.base as base
+
+    asked = []
+    monkeypatch.setattr(base, "shared_engine", lambda model, **options: asked.append((model, options)) or engine)
+    a = SnapKVLLM(model="some/model", compression="snapkv:budget=64", prefix_cache_bytes=0)
+    b = SnapKVLLM(model="some/model", dtype="float32")
+    assert a.engine is b.engine is engine and a.model == "some/model"
+    assert asked == [("some/model", {"device": None, "dtype": None, "prefix_cache_bytes": 0}), ("some/model", {"device": None, "dtype": "float32", "prefix_cache_bytes": None})]
+    with pytest.raises(ValueError, match="prefix_cache_bytes"):
+        SnapKVLLM(engine, prefix_cache_bytes=1024)
