@@ -33,6 +33,7 @@ from llama_index.llms.snapkv import (
     default_embed_model,
     hide_file_metadata,
 )
+from snapkv_rag.metrics import parse_citations
 
 CORPUS = Path(__file__).resolve().parents[3] / "examples" / "sample_corpus"
 QUESTION = "What time does the first ferry leave Marrowick harbour on weekdays?"
@@ -76,6 +77,9 @@ def cited_answers(context_tokens: int) -> None:
         response = engine.query(QUESTION)
         print(f"\n== {label} ==")
         print(str(response).strip())
+        cited, invalid = parse_citations(str(response), len(response.source_nodes))
+        print(f"  cited by the answer: {cited or 'none'}" + (f" (invalid: {invalid})" if invalid else ""))
+        print("  sources, numbered as in the prompt:")
         for number, node in enumerate(response.source_nodes, start=1):
             print(f"  [{number}] {node.node.metadata.get('file_name')} (similarity {node.score:.2f})")
         report = budget.last_report
