@@ -87,3 +87,22 @@ def test_memory_drops_whole_old_turns_when_the_thread_outgrows_the_budget(llm):
     assert [m.content for m in memory.get_all()] == ["fresh"]
     memory.reset()
     assert memory.get_all() == []
+
+
+def test_in_a_retriever_query_engine(tokenizer):
+    from llama_index.core.base.base_retriever import BaseRetriever
+    from llama_index.core.query_engine import RetrieverQueryEngine
+
+    from snapkv_root_conftest import tiny_engine
+
+    class Fixed(BaseRetriever):
+        def _retrieve(self, query_bundle):
+            return nodes(TEXTS)
+
+    llm = SnapKVLLM(tiny_engine("llama", tokenizer, context=4096), max_new_tokens=4)
+    budget = sum(llm.count_tokens("\n\n" + TEXTS[i]) for i in (0, 2, 3))
+    pp = TokenBudgetPostprocessor(llm=llm, context_tokens=budget)
+    engine = RetrieverQueryEngine.from_args(Fixed(), llm=llm, node_postprocessors=[pp])
+    response = engine.query("where is the fox?")
+    assert [n.node.text for n in response.source_nodes] == [TEXTS[0], TEXTS[2], TEXTS[3]]
+    assert pp.last_report["kept"] == 3 and isinstance(response.response, str)
