@@ -40,7 +40,6 @@ if TYPE_CHECKING:
     from llama_index.core.tools.types import BaseTool
 
 dispatcher = get_dispatcher(__name__)
-_UNSET = object()
 
 
 def response_format_for(output_cls: Type[BaseModel]) -> dict[str, Any]:
