@@ -106,3 +106,13 @@ def test_in_a_retriever_query_engine(tokenizer):
     response = engine.query("where is the fox?")
     assert [n.node.text for n in response.source_nodes] == [TEXTS[0], TEXTS[2], TEXTS[3]]
     assert pp.last_report["kept"] == 3 and isinstance(response.response, str)
+
+
+def test_memory_renders_append_only_so_the_prefix_cache_is_reused(llm):
+    memory = SnapKVMemory.from_defaults(llm=llm, thread_id="t3")
+    memory.put(ChatMessage(role="user", content="the fox " * 30))
+    first = llm.chat(memory.get(), max_new_tokens=2)
+    memory.put_messages([first.message, ChatMessage(role="user", content="and the dog?")])
+    second = llm.chat(memory.get(), max_new_tokens=2)
+    assert second.additional_kwargs["reused_prompt_tokens"] > 0
+    assert second.additional_kwargs["reused_prompt_tokens"] >= first.additional_kwargs["prompt_tokens"] - 1 - 32
