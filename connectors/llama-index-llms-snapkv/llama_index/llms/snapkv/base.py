@@ -1,0 +1,370 @@
+"""``SnapKVLLM``: a LlamaIndex ``FunctionCallingLLM`` over :class:`snapkv_rag.Engine`.
+
+Every method calls the engine's own generation path (``generate``/``stream``/``agenerate``/
+``astream``); this module only translates LlamaIndex's types onto the engine's and back.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Type, Union
+
+from llama_index.core.base.llms.types import (
+    ChatMessage,
+    ChatResponse,
+    ChatResponseAsyncGen,
+    ChatResponseGen,
+    CompletionResponse,
+    CompletionResponseAsyncGen,
+    CompletionResponseGen,
+    LLMMetadata,
+    MessageRole,
+)
+from llama_index.core.bridge.pydantic import BaseModel, Field, PrivateAttr
+from llama_index.core.callbacks import CallbackManager
+from llama_index.core.instrumentation import get_dispatcher
+from llama_index.core.instrumentation.events.llm import LLMStructuredPredictEndEvent, LLMStructuredPredictStartEvent
+from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_callback
+from llama_index.core.llms.function_calling import FunctionCallingLLM
+from llama_index.core.llms.llm import ToolSelection
+from llama_index.core.prompts import BasePromptTemplate
+
+from snapkv_rag import Engine, GenerationResult, ToolCallDelta
+from snapkv_rag.compression import as_policy
+from snapkv_rag.engine_cache import shared_engine
+from snapkv_rag.errors import PromptTooLongError
+
+from .messages import assistant_message, result_message, result_summary, to_engine_messages, tool_selections
+
+if TYPE_CHECKING:
+    from llama_index.core.tools.types import BaseTool
+
+dispatcher = get_dispatcher(__name__)
+
+
+def response_format_for(output_cls: Type[BaseModel]) -> dict[str, Any]:
+    """The engine's ``response_format`` for a pydantic class (its JSON Schema, strict)."""
+    return {"type": "json_schema", "json_schema": {"name": output_cls.__name__, "schema": output_cls.model_json_schema(), "strict": True}}
+
+
+class _StreamState:
+    """Accumulates streamed text pieces and tool-call deltas into LlamaIndex messages."""
+
+    def __init__(self) -> None:
+        self.text = ""
+        self.calls: list[list[Any]] = []  # [id, name, arguments text so far]
+
+    def add(self, piece: Union[str, ToolCallDelta]) -> str:
+        if isinstance(piece, ToolCallDelta):
+            while len(self.calls) <= piece.index:
+                self.calls.append([None, "", ""])
+            call = self.calls[piece.index]
+            if piece.id is not None:
+                call[0] = piece.id
+            if piece.name is not None:
+                call[1] = piece.name
+            call[2] += piece.arguments
+            return ""
+        self.text += piece
+        return piece
+
+    def message(self) -> ChatMessage:
+        return assistant_message(self.text, [tuple(c) for c in self.calls])
+
+    def chunk(self, delta: str, piece: Any) -> ChatResponse:
+        raw = {"tool_call_delta": piece.to_dict()} if isinstance(piece, ToolCallDelta) else None
+        return ChatResponse(message=self.message(), delta=delta, raw=raw)
+
+
+class SnapKVLLM(FunctionCallingLLM):
+    """A local model with a SnapKV-compressed KV cache, as a LlamaIndex function-calling LLM.
+
+    ``SnapKVLLM(engine)`` wraps an existing :class:`~snapkv_rag.Engine`;
+    ``SnapKVLLM(model="default", compression="snapkv:budget=1024,window=question")`` loads
+    (once per model, device, dtype and prefix-cache bound, then shared) the embedded
+    SmolLM2-135M-Instruct or any model path / hub id. ``compression`` is the default policy of
+    every call (None: the full cache) and can be overridden per call with
+    ``compression=...``. Each response carries the engine's full result (``raw``: text, tool
+    calls, usage, stats) and a compact report in ``additional_kwargs`` (kept tokens per
+    layer, compression ratio, prompt/completion tokens, reused prefix tokens).
+    """
+
+    model: str = Field(default="default", description="Model name, path or hub id ('default' = embedded SmolLM2).")
+    compression: Any = Field(default=None, description="Default compression policy or spec string; None = full cache.")
+    max_new_tokens: int = Field(default=256, gt=0, description="Tokens to generate per call (num_output).")
+    temperature: float = Field(default=0.0, ge=0.0, description="0 = greedy.")
+    context_window: int = Field(default=0, description="Prompt + output tokens per call; default: the model's context.")
+    prefix_cache_bytes: Optional[int] = Field(default=None, description="Prefix-cache bound of a loaded engine (None = engine default).")
+    device: Optional[str] = Field(default=None)
+    dtype: Optional[str] = Field(default=None)
+    generate_kwargs: Dict[str, Any] = Field(default_factory=dict, description="Other engine options (top_p, stop, seed).")
+
+    _engine: Engine = PrivateAttr()
+
+    def __init__(
+        self,
+        engine: Optional[Engine] = None,
+        *,
+        model: str = "default",
+        compression: Any = None,
+        max_new_tokens: int = 256,
+        temperature: float = 0.0,
+        context_window: Optional[int] = None,
+        prefix_cache_bytes: Optional[int] = None,
+        device: Optional[str] = None,
+        dtype: Optional[str] = None,
+        generate_kwargs: Optional[Dict[str, Any]] = None,
+        callback_manager: Optional[CallbackManager] = None,
+        **kwargs: Any,
+    ) -> None:
+        if engine is None:
+            engine = shared_engine(model, device=device, dtype=dtype, prefix_cache_bytes=prefix_cache_bytes)
+        elif prefix_cache_bytes is not None or device is not None or dtype is not None:
+            raise ValueError("prefix_cache_bytes, device and dtype configure a loaded engine; set them on the Engine you pass")
+        else:
+            model = engine.name
+        as_policy(compression)  # an invalid spec fails here, not at the first call
+        limit = engine.context_length
+        if context_window is None:
+            context_window = limit or 4096
+        elif context_window <= max_new_tokens or (limit is not None and context_window > limit):
+            raise ValueError(f"context_window={context_window} must exceed max_new_tokens={max_new_tokens} and be at most the model's {limit}")
+        super().__init__(
+            model=model,
+            compression=compression,
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            context_window=context_window,
+            prefix_cache_bytes=prefix_cache_bytes,
+            device=device,
+            dtype=dtype,
+            generate_kwargs=dict(generate_kwargs or {}),
+            callback_manager=callback_manager,
+            **kwargs,
+        )
+        self._engine = engine
+
+    @classmethod
+    def class_name(cls) -> str:
+        return "SnapKVLLM"
+
+    @property
+    def engine(self) -> Engine:
+        return self._engine
+
+    @property
+    def metadata(self) -> LLMMetadata:
+        return LLMMetadata(
+            context_window=self.context_window,
+            num_output=self.max_new_tokens,
+            is_chat_model=True,
+            is_function_calling_model=True,
+            model_name=self._engine.name,
+            system_role=MessageRole.SYSTEM,
+        )
+
+    # ------------------------------------------------------------------ token counting
+    def tokenize(self, text: str) -> List[int]:
+        """The LLM's tokens of plain ``text`` (no special tokens); usable as ``Settings.tokenizer``."""
+        return self._engine.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def count_tokens(self, text: str) -> int:
+        return len(self.tokenize(text))
+
+    # ------------------------------------------------------------------ the engine call
+    def _options(self, kwargs: Dict[str, Any]) -> Dict[str, Any]:
+        options: Dict[str, Any] = {"compression": self.compression, "max_new_tokens": self.max_new_tokens, "temperature": self.temperature}
+        options.update(self.generate_kwargs)
+        kwargs = dict(kwargs)
+        if "max_tokens" in kwargs:
+            kwargs["max_new_tokens"] = kwargs.pop("max_tokens")
+        for key in ("formatted", "allow_parallel_tool_calls", "tool_required", "verbose"):
+            kwargs.pop(key, None)
+        if not kwargs.get("tools"):
+            kwargs.pop("tools", None)
+            kwargs.pop("tool_choice", None)
+            kwargs.pop("parallel_tool_calls", None)
+        options.update(kwargs)
+        return options
+
+    def _check_window(self, prompt: Any, options: Dict[str, Any]) -> None:
+        """Enforce ``context_window`` when it is set below the model's own context."""
+        limit = self._engine.context_length
+        if limit is not None and self.context_window >= limit:
+            return  # the engine enforces its own context
+        n = self._engine.count_tokens(prompt, chat=options.get("chat"), tools=options.get("tools"))
+        if n + options["max_new_tokens"] > self.context_window:
+            raise PromptTooLongError(n, options["max_new_tokens"], self.context_window)
+
+    def _prompt_for(self, messages: Sequence[ChatMessage]) -> List[Dict[str, Any]]:
+        return to_engine_messages(self._extend_messages(list(messages)))
+
+    @staticmethod
+    def _chat_response(result: GenerationResult) -> ChatResponse:
+        return ChatResponse(message=result_message(result), raw=result.to_dict(), additional_kwargs=result_summary(result))
+
+    @staticmethod
+    def _completion_response(result: GenerationResult, text: Optional[str] = None, delta: Optional[str] = None) -> CompletionResponse:
+        return CompletionResponse(text=result.text if text is None else text, raw=result.to_dict(), additional_kwargs=result_summary(result), delta=delta)
+
+    # ------------------------------------------------------------------ sync
+    @llm_chat_callback()
+    def chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
+        prompt, options = self._prompt_for(messages), self._options(kwargs)
+        self._check_window(prompt, options)
+        return self._chat_response(self._engine.generate(prompt, **options))
+
+    @llm_completion_callback()
+    def complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
+        options = self._options(kwargs)
+        self._check_window(prompt, options)
+        return self._completion_response(self._engine.generate(prompt, **options))
+
+    @llm_chat_callback()
+    def stream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseGen:
+        prompt, options = self._prompt_for(messages), self._options(kwargs)
+        self._check_window(prompt, options)
+        stream = self._engine.stream(prompt, **options)
+
+        def gen() -> ChatResponseGen:
+            state = _StreamState()
+            try:
+                for piece in stream:
+                    yield state.chunk(state.add(piece), piece)
+                final = self._chat_response(stream.result)
+                yield ChatResponse(message=final.message, raw=final.raw, additional_kwargs=final.additional_kwargs, delta="")
+            finally:
+                stream.close()
+
+        return gen()
+
+    @llm_completion_callback()
+    def stream_complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponseGen:
+        options = self._options(kwargs)
+        self._check_window(prompt, options)
+        stream = self._engine.stream(prompt, **options)
+
+        def gen() -> CompletionResponseGen:
+            text = ""
+            try:
+                for piece in stream:
+                    if isinstance(piece, str):
+                        text += piece
+                        yield CompletionResponse(text=text, delta=piece)
+                yield self._completion_response(stream.result, delta="")
+            finally:
+                stream.close()
+
+        return gen()
+
+    # ------------------------------------------------------------------ async
+    @llm_chat_callback()
+    async def achat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
+        prompt, options = self._prompt_for(messages), self._options(kwargs)
+        self._check_window(prompt, options)
+        return self._chat_response(await self._engine.agenerate(prompt, **options))
+
+    @llm_completion_callback()
+    async def acomplete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
+        options = self._options(kwargs)
+        self._check_window(prompt, options)
+        return self._completion_response(await self._engine.agenerate(prompt, **options))
+
+    @llm_chat_callback()
+    async def astream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseAsyncGen:
+        prompt, options = self._prompt_for(messages), self._options(kwargs)
+        self._check_window(prompt, options)
+        stream = self._engine.astream(prompt, **options)
+
+        async def gen() -> ChatResponseAsyncGen:
+            state = _StreamState()
+            async for piece in stream:
+                yield state.chunk(state.add(piece), piece)
+            final = self._chat_response(stream.result)
+            yield ChatResponse(message=final.message, raw=final.raw, additional_kwargs=final.additional_kwargs, delta="")
+
+        return gen()
+
+    @llm_completion_callback()
+    async def astream_complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponseAsyncGen:
+        options = self._options(kwargs)
+        self._check_window(prompt, options)
+        stream = self._engine.astream(prompt, **options)
+
+        async def gen() -> CompletionResponseAsyncGen:
+            text = ""
+            async for piece in stream:
+                if isinstance(piece, str):
+                    text += piece
+                    yield CompletionResponse(text=text, delta=piece)
+            yield self._completion_response(stream.result, delta="")
+
+        return gen()
+
+    # ------------------------------------------------------------------ tools
+    def _prepare_chat_with_tools(
+        self,
+        tools: Sequence["BaseTool"],
+        user_msg: Optional[Union[str, ChatMessage]] = None,
+        chat_history: Optional[List[ChatMessage]] = None,
+        verbose: bool = False,
+        allow_parallel_tool_calls: bool = False,
+        tool_required: bool = False,
+        tool_choice: Any = None,
+        **kwargs: Any,
+    ) -> Dict[str, Any]:
+        """``tools`` as OpenAI function specs for the engine's constrained tool calling.
+
+        ``tool_choice``: ``"auto"``, ``"required"``, ``"none"``, a tool name (that tool is
+        forced) or an OpenAI choice mapping; ``tool_required=True`` means ``"required"``.
+        """
+        specs = [tool.metadata.to_openai_tool(skip_length_check=True) for tool in tools]
+        messages = list(chat_history or [])
+        if user_msg is not None:
+            messages.append(ChatMessage(role=MessageRole.USER, content=user_msg) if isinstance(user_msg, str) else user_msg)
+        if tool_choice is None:
+            tool_choice = "required" if tool_required else "auto"
+        elif isinstance(tool_choice, str) and tool_choice not in ("auto", "required", "none"):
+            tool_choice = {"type": "function", "function": {"name": tool_choice}}
+        out: Dict[str, Any] = {"messages": messages, **kwargs}
+        if specs:
+            out.update(tools=specs, tool_choice=tool_choice, parallel_tool_calls=allow_parallel_tool_calls)
+        return out
+
+    def get_tool_calls_from_response(
+        self, response: ChatResponse, error_on_no_tool_call: bool = True, **kwargs: Any
+    ) -> List[ToolSelection]:
+        """The response's tool calls; a streamed chunk's unfinished arguments are parsed partially."""
+        selections = tool_selections(response.message)
+        if not selections and error_on_no_tool_call:
+            raise ValueError(f"expected at least one tool call, got none (finish_reason {response.additional_kwargs.get('finish_reason')!r})")
+        return selections
+
+    # ------------------------------------------------------------------ structured output
+    def _structured_messages(self, prompt: BasePromptTemplate, prompt_args: Dict[str, Any]) -> List[ChatMessage]:
+        return prompt.format_messages(llm=self, **prompt_args)
+
+    @staticmethod
+    def _structured_result(output_cls: Type[BaseModel], response: ChatResponse) -> BaseModel:
+        return output_cls.model_validate(response.raw["parsed"])
+
+    @dispatcher.span
+    def structured_predict(
+        self, output_cls: Type[BaseModel], prompt: BasePromptTemplate, llm_kwargs: Optional[Dict[str, Any]] = None, **prompt_args: Any
+    ) -> BaseModel:
+        """An ``output_cls`` instance decoded under its JSON Schema (the engine's ``response_format``)."""
+        dispatcher.event(LLMStructuredPredictStartEvent(output_cls=output_cls, template=prompt, template_args=prompt_args))
+        response = self.chat(self._structured_messages(prompt, prompt_args), response_format=response_format_for(output_cls), **(llm_kwargs or {}))
+        result = self._structured_result(output_cls, response)
+        dispatcher.event(LLMStructuredPredictEndEvent(output=result))
+        return result
+
+    @dispatcher.span
+    async def astructured_predict(
+        self, output_cls: Type[BaseModel], prompt: BasePromptTemplate, llm_kwargs: Optional[Dict[str, Any]] = None, **prompt_args: Any
+    ) -> BaseModel:
+        dispatcher.event(LLMStructuredPredictStartEvent(output_cls=output_cls, template=prompt, template_args=prompt_args))
+        response = await self.achat(self._structured_messages(prompt, prompt_args), response_format=response_format_for(output_cls), **(llm_kwargs or {}))
+        result = self._structured_result(output_cls, response)
+        dispatcher.event(LLMStructuredPredictEndEvent(output=result))
+        return result
