@@ -19,6 +19,7 @@ _LAZY = {
     "AnswerStream": "qa",
     "Citation": "qa",
     "DocumentQA": "qa",
+    "cite": "qa",
     "DocumentStore": "store",
     "IngestReport": "store",
     "StoreError": "store",
@@ -36,7 +37,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from .chunking import Chunk, ChunkingError, chunk_document
     from .embeddings import Embedder
     from .loaders import Skipped, SourceText, load_file
-    from .qa import DEFAULT_COMPRESSION, Answer, AnswerStream, Citation, DocumentQA
+    from .qa import DEFAULT_COMPRESSION, Answer, AnswerStream, Citation, DocumentQA, cite
     from .store import DocumentStore, IngestReport, StoreError, StoreUnavailableError, StoredChunk
     from .stuffing import ContextBudgetError, EmptyCollectionError, StuffedContext, StuffingRetriever, build_messages
 
@@ -75,5 +76,6 @@ __all__ = [
     "StuffingRetriever",
     "build_messages",
     "chunk_document",
+    "cite",
     "load_file",
 ]

@@ -85,6 +85,38 @@ class Answer:
         }
 
 
+def cite(
+    question: str,
+    text: str,
+    chunks: list[StoredChunk],
+    attributor: EvidenceAttributor | None,
+    routes: tuple[str, ...] = ROUTES,
+) -> tuple[list[Citation], list[int]]:
+    """Citations of an answer ``text`` over numbered ``chunks`` (chunk i is document [i + 1]).
+
+    Returns (citations by each route in ``routes``, the invalid ``[n]`` markers). The
+    ``attributed`` route needs an ``attributor``. :class:`DocumentQA` and the connectors'
+    chains over already-stuffed documents share this one function.
+    """
+    unknown = set(routes) - set(ROUTES)
+    if unknown:
+        raise ValueError(f"unknown citation routes {sorted(unknown)}; choose from {ROUTES}")
+    citations: list[Citation] = []
+    invalid: list[int] = []
+    if "generated" in routes:
+        valid, invalid = parse_citations(text, len(chunks))
+        citations += [Citation(n, "generated", chunks[n - 1]) for n in valid]
+    if "attributed" in routes:
+        if attributor is None:
+            raise ValueError("the attributed citation route needs an attributor")
+        for support in attributor.attribute(question, text, [c.text for c in chunks]):
+            citations += [
+                Citation(n, "attributed", chunks[n - 1], score, support.sentence)
+                for n, score in zip(support.numbers, support.scores)
+            ]
+    return citations, invalid
+
+
 class AnswerStream:
     """Iterate for answer text pieces; ``answer`` once exhausted."""
 
@@ -171,18 +203,7 @@ class DocumentQA:
         }
 
     def _answer(self, context: StuffedContext, result: GenerationResult) -> Answer:
-        citations: list[Citation] = []
-        invalid: list[int] = []
-        if "generated" in self.routes:
-            valid, invalid = parse_citations(result.text, len(context.chunks))
-            citations += [Citation(n, "generated", context.chunks[n - 1]) for n in valid]
-        if "attributed" in self.routes:
-            texts = [c.text for c in context.chunks]
-            for support in self.attributor.attribute(context.question, result.text, texts):
-                citations += [
-                    Citation(n, "attributed", context.chunks[n - 1], score, support.sentence)
-                    for n, score in zip(support.numbers, support.scores)
-                ]
+        citations, invalid = cite(context.question, result.text, context.chunks, self.attributor, self.routes)
         return Answer(context.question, result.text, citations, invalid, context, result, self.routes)
 
     def ask(self, question: str, *, compression: Any = _DEFAULT, **sampling: Any) -> Answer:
