@@ -1,0 +1,93 @@
+"""langchain-tests standard integration suites on the embedded SmolLM2-135M-Instruct.
+
+ChatModelIntegrationTests builds ``ChatSnapKV(temperature=0, max_tokens=100, timeout=60,
+stop=[], max_retries=2, model="default")``; every instance shares one loaded engine.
+RetrieversIntegrationTests runs the stuffing retriever over a small Chroma collection.
+"""
+
+from __future__ import annotations
+
+import pytest
+from langchain_tests.integration_tests import ChatModelIntegrationTests, RetrieversIntegrationTests
+
+from langchain_snapkv import ChatSnapKV, SnapKVStuffingRetriever
+
+pytestmark = pytest.mark.integration
+
+
+class TestChatSnapKVIntegration(ChatModelIntegrationTests):
+    @property
+    def chat_model_class(self) -> type[ChatSnapKV]:
+        return ChatSnapKV
+
+    @property
+    def chat_model_params(self) -> dict:
+        return {"model": "default"}
+
+    @property
+    def has_tool_calling(self) -> bool:
+        return True
+
+    @property
+    def has_tool_choice(self) -> bool:
+        return True
+
+    @property
+    def has_structured_output(self) -> bool:
+        return True
+
+    @property
+    def supports_json_mode(self) -> bool:
+        return True
+
+    @property
+    def returns_usage_metadata(self) -> bool:
+        return True
+
+    @property
+    def supported_usage_metadata_details(self) -> dict:
+        return {"invoke": [], "stream": []}
+
+    @property
+    def supports_model_override(self) -> bool:
+        return False  # one embedded model here; per-call model= works for any other loadable name
+
+
+@pytest.fixture(scope="module")
+def sample_store(tmp_path_factory):
+    from snapkv_rag.rag import DocumentStore
+
+    folder = tmp_path_factory.mktemp("corpus")
+    for name, text in {
+        "ferry.md": "# Ferry\n\nThe first ferry leaves Marrowick harbour at 6:40 on weekdays.",
+        "museum.md": "# Museum\n\nThe museum of Marrowick is closed on Mondays.",
+        "tram.md": "# Tram\n\nThe tram runs every ten minutes from the station to the harbour.",
+        "bakery.md": "# Bakery\n\nThe bakery on Quay Street sells rye bread from 7 a.m.",
+        "library.md": "# Library\n\nThe library lends books for three weeks.",
+    }.items():
+        (folder / name).write_text(text)
+    store = DocumentStore("lcretriever", path=tmp_path_factory.mktemp("chroma"))
+    store.ingest([folder])
+    return store
+
+
+class TestSnapKVStuffingRetriever(RetrieversIntegrationTests):
+    @pytest.fixture(autouse=True)
+    def _store(self, sample_store):
+        self._sample_store = sample_store
+
+    @property
+    def retriever_constructor(self) -> type[SnapKVStuffingRetriever]:
+        return SnapKVStuffingRetriever
+
+    @property
+    def retriever_constructor_params(self) -> dict:
+        return {"store": self._sample_store, "context_tokens": 1000, "max_new_tokens": 64}
+
+    @property
+    def retriever_query_example(self) -> str:
+        return "When does the first ferry leave?"
+
+    @property
+    def num_results_arg_name(self) -> str:
+        return "k"
