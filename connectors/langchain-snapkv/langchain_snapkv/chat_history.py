@@ -47,5 +47,8 @@ class SnapKVChatMessageHistory(BaseChatMessageHistory):
 
     def fitted_messages(self, engine: Any, *, max_new_tokens: int = 256, reserve: int = 0) -> list[BaseMessage]:
         """The thread as it fits ``engine``'s context (the memory's drop/summarize mode decides what goes)."""
+        stored = self.memory.messages(self.thread_id)
+        if not any(m["role"] != "system" for m in stored):
+            return from_engine_messages(stored)  # a new thread: nothing to fit (the core counts only renderable prompts)
         view = self.memory.render_for(engine, self.thread_id, max_new_tokens=max_new_tokens, reserve=reserve)
         return from_engine_messages(view.messages)

@@ -142,3 +142,10 @@ def test_chat_history_on_agent_memory(tmp_path, tiny_engine):
     assert [m.content for m in fitted] == [m.content for m in again]
     history.clear()
     assert history.messages == []
+
+
+def test_fitted_messages_of_a_new_thread(tmp_path, tiny_engine):
+    history = SnapKVChatMessageHistory(str(tmp_path / "n.sqlite3"), "new")
+    assert history.fitted_messages(tiny_engine) == []
+    history.add_messages([SystemMessage("sys")])
+    assert [m.content for m in history.fitted_messages(tiny_engine)] == ["sys"]
