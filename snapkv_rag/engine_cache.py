@@ -1,17 +1,17 @@
 """One engine per model, shared by every wrapper that names it (LlamaIndex and LangChain LLMs).
 
 Framework wrappers are cheap to construct and often constructed many times (one per query
-engine, per agent, per test); loading weights each time would be slow and would split the
-prefix cache. :func:`shared_engine` loads an :class:`~snapkv_rag.Engine` once per
-``(model, device, dtype, prefix_cache_bytes)`` and hands the same object back afterwards.
-The prefix-cache bound is part of the key because the cache belongs to the engine: two
-callers asking for different bounds get different engines rather than one silently
-ignoring its setting.
+engine, per chain, per agent, per test); loading weights each time would be slow and would
+split the prefix cache. :func:`shared_engine` loads an :class:`~snapkv_rag.Engine` once per
+``(model, device, dtype, options)`` and hands the same object back afterwards. Engines
+serialize their model steps with a lock, so sharing one is safe across threads and tasks.
+The options (for example the prefix-cache bound) are part of the key because they belong to
+the engine: two callers asking for different bounds get different engines rather than one
+silently ignoring its setting.
 """
 
 from __future__ import annotations
 
-import inspect
 import threading
 from typing import Any
 
@@ -19,35 +19,30 @@ _ENGINES: dict[tuple, Any] = {}
 _LOCK = threading.Lock()
 
 
-def supports_prefix_cache() -> bool:
-    """Whether this build's :meth:`Engine.from_pretrained` takes ``prefix_cache_bytes``."""
-    from .engine import Engine
-
-    return "prefix_cache_bytes" in inspect.signature(Engine.from_pretrained).parameters
-
-
-def _key(model: str, device: Any, dtype: Any, prefix_cache_bytes: int | None) -> tuple:
-    return (str(model), None if device is None else str(device), None if dtype is None else str(dtype).removeprefix("torch."), prefix_cache_bytes)
+def _key(model: str, device: Any, dtype: Any, options: dict[str, Any]) -> tuple:
+    return (
+        str(model),
+        None if device is None else str(device),
+        None if dtype is None else str(dtype).removeprefix("torch."),
+        tuple(sorted((k, repr(v)) for k, v in options.items())),
+    )
 
 
-def shared_engine(model: str = "default", *, device: Any = None, dtype: Any = None, prefix_cache_bytes: int | None = None):
-    """The engine for ``model`` (``"default"`` = the embedded SmolLM2), loaded on first use.
+def shared_engine(model: str = "default", *, device: Any = None, dtype: Any = None, **options: Any):
+    """The engine for ``model`` (``"default"`` = the embedded SmolLM2, a path or a hub id), loaded once.
 
-    ``prefix_cache_bytes``: the engine's prefix-cache bound (None: its default, 0: off).
-    Raises ``ValueError`` when a bound is given and this build has no prefix cache.
+    ``options`` go to :meth:`Engine.from_pretrained` (e.g. ``prefix_cache_bytes``: None for the
+    engine's default, 0 for off); options set to None are left out, so they share the default's
+    engine. A load that fails is not cached, so a later call tries again.
     """
     from .engine import Engine
 
-    key = _key(model, device, dtype, prefix_cache_bytes)
-    with _LOCK:
+    options = {k: v for k, v in options.items() if v is not None}
+    key = _key(model, device, dtype, options)
+    with _LOCK:  # one load at a time: two callers asking for the same model get one copy
         engine = _ENGINES.get(key)
         if engine is None:
-            options: dict[str, Any] = {"device": device, "dtype": dtype}
-            if prefix_cache_bytes is not None:
-                if not supports_prefix_cache():
-                    raise ValueError("prefix_cache_bytes was given, but this snapkv_rag build has no prefix cache")
-                options["prefix_cache_bytes"] = prefix_cache_bytes
-            engine = Engine.from_pretrained(model, **options)
+            engine = Engine.from_pretrained(model, device=device, dtype=dtype, **options)
             _ENGINES[key] = engine
         return engine
 

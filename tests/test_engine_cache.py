@@ -1,6 +1,8 @@
-"""Engines shared per (model, device, dtype, prefix-cache bound)."""
+"""Engines shared per (model, device, dtype, options)."""
 
 from __future__ import annotations
+
+import threading
 
 import pytest
 
@@ -31,11 +33,34 @@ def test_one_engine_per_model_device_and_dtype(loads):
     assert [name for name, _ in loads] == ["m", "m", "other"]
 
 
-def test_prefix_cache_bound_is_part_of_the_key_or_refused(loads, monkeypatch):
-    monkeypatch.setattr(engine_cache, "supports_prefix_cache", lambda: False)
-    with pytest.raises(ValueError, match="prefix cache"):
-        engine_cache.shared_engine("m", prefix_cache_bytes=1 << 20)
-    monkeypatch.setattr(engine_cache, "supports_prefix_cache", lambda: True)
+def test_options_are_part_of_the_key_and_none_means_default(loads):
     a = engine_cache.shared_engine("m", prefix_cache_bytes=1 << 20)
     b = engine_cache.shared_engine("m", prefix_cache_bytes=0)
-    assert a is not b and loads[-1][1]["prefix_cache_bytes"] == 0
+    assert a is not b and loads[-1] == ("m", {"device": None, "dtype": None, "prefix_cache_bytes": 0})
+    assert engine_cache.shared_engine("m", prefix_cache_bytes=None) is engine_cache.shared_engine("m")
+    assert len(loads) == 3
+
+
+def test_concurrent_callers_get_one_engine(loads):
+    got = []
+    threads = [threading.Thread(target=lambda: got.append(engine_cache.shared_engine("m"))) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(loads) == 1 and all(e is got[0] for e in got)
+
+
+def test_failed_load_is_not_cached(monkeypatch):
+    calls = []
+
+    def boom(model, **kwargs):
+        calls.append(model)
+        raise FileNotFoundError(model)
+
+    monkeypatch.setattr(Engine, "from_pretrained", staticmethod(boom))
+    engine_cache.clear_shared_engines()
+    for _ in range(2):
+        with pytest.raises(FileNotFoundError):
+            engine_cache.shared_engine("missing")
+    assert calls == ["missing", "missing"]

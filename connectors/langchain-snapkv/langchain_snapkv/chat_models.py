@@ -238,10 +238,9 @@ class ChatSnapKV(BaseChatModel):
         if self.engine is not None:
             return self.engine
         if self._engine is None:
-            from snapkv_rag.shared import shared_engine
+            from snapkv_rag.engine_cache import shared_engine
 
-            options = {} if self.prefix_cache_bytes is None else {"prefix_cache_bytes": self.prefix_cache_bytes}
-            self._engine = shared_engine(self.model, device=self.device, dtype=self.dtype, **options)
+            self._engine = shared_engine(self.model, device=self.device, dtype=self.dtype, prefix_cache_bytes=self.prefix_cache_bytes)
         return self._engine
 
     def _client_for(self, kwargs: dict[str, Any]) -> Engine:
@@ -249,10 +248,9 @@ class ChatSnapKV(BaseChatModel):
         model = kwargs.pop("model", None)
         if model is None or model == self.model_name:
             return self.client
-        from snapkv_rag.shared import shared_engine
+        from snapkv_rag.engine_cache import shared_engine
 
-        options = {} if self.prefix_cache_bytes is None else {"prefix_cache_bytes": self.prefix_cache_bytes}
-        return shared_engine(model, device=self.device, dtype=self.dtype, **options)
+        return shared_engine(model, device=self.device, dtype=self.dtype, prefix_cache_bytes=self.prefix_cache_bytes)
 
     # ------------------------------------------------------------------ request
     def _engine_kwargs(self, stop: list[str] | None, kwargs: dict[str, Any]) -> dict[str, Any]:

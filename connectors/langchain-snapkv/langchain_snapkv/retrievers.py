@@ -134,7 +134,7 @@ class SnapKVStuffingRetriever(BaseRetriever):
             return self.engine
         if self.llm is not None:
             return self.llm.client
-        from snapkv_rag.shared import shared_engine
+        from snapkv_rag.engine_cache import shared_engine
 
         return shared_engine("default")
 
