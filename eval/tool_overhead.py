@@ -79,7 +79,7 @@ def _replay_llguidance(tokenizer, grammar: str, ids: list[int]) -> tuple[float, 
     from snapkv_rag.constraints import BatchConstraint
 
     start = time.perf_counter()
-    constraint = BatchConstraint([_LLG.matcher(grammar)], _LLG.vocab_size, _LLG.eos_token_ids)
+    constraint = BatchConstraint([_LLG.matcher(grammar)], _LLG)
     compile_s = time.perf_counter() - start
     logits = torch.zeros(1, _LLG.vocab_size)
     for token in ids:

@@ -6,6 +6,11 @@ decode loop consults: ``mask(logits)`` before a token is chosen, ``advance(token
 Rows without a spec (and rows whose grammar has finished) are left untouched, so rows with
 and without constraints share a batch, and the cache (compressed or not) never notices.
 
+Near the end of ``max_new_tokens`` a constrained row that is still inside its JSON is steered
+to close it (see :class:`JsonDepth`): a small model can loop inside a string value until the
+token budget runs out, and a truncated call or answer is useless, while a closed one with a
+short last value still parses and validates.
+
 Why llguidance and not xgrammar (both measured on CPU, see eval/RESULTS.md): its per-step
 mask costs well under 1 ms on SmolLM2's 49K vocabulary (about 1% of a decode step), it is a
 single dependency-free wheel (xgrammar's wheel requires triton, about 1 GB, on Linux), and its
@@ -93,6 +98,50 @@ def grammar_for(spec: OutputSpec) -> str | None:
     return "\n".join(lines) + "\n"
 
 
+def closing_reserve(max_new_tokens: int) -> int:
+    """The last steps of a constrained row in which an unfinished JSON value is steered to close."""
+    return max(8, min(64, max_new_tokens // 4))
+
+
+_STRUCTURAL = frozenset('"{}[]\\')
+
+
+class JsonDepth:
+    """How far an output is from closing its JSON: open containers plus an open string.
+
+    Tracked per token from the last point where the grammar accepted (so free text before a
+    tool call does not count). Only the characters ``"{}[]\\`` matter, which byte-level and
+    SentencePiece vocabularies spell as themselves.
+    """
+
+    __slots__ = ("depth", "in_string", "escaped")
+
+    def __init__(self, depth: int = 0, in_string: bool = False, escaped: bool = False):
+        self.depth, self.in_string, self.escaped = depth, in_string, escaped
+
+    def after(self, text: str) -> "JsonDepth":
+        depth, in_string, escaped = self.depth, self.in_string, self.escaped
+        for ch in text:
+            if in_string:
+                if escaped:
+                    escaped = False
+                elif ch == "\\":
+                    escaped = True
+                elif ch == '"':
+                    in_string = False
+            elif ch == '"':
+                in_string = True
+            elif ch in "{[":
+                depth += 1
+            elif ch in "}]":
+                depth -= 1
+        return JsonDepth(depth, in_string, escaped)
+
+    @property
+    def distance(self) -> int:
+        return self.depth + int(self.in_string)
+
+
 class GrammarTokenizer:
     """The llguidance view of a tokenizer (about 0.5 s to build for a 49K vocabulary; built once)."""
 
@@ -112,6 +161,11 @@ class GrammarTokenizer:
             self.ll = llguidance.LLTokenizer(backend.to_str(), n_vocab=vocab_size, eos_token=eos)
         self.vocab_size = vocab_size
         self.eos_token_ids = sorted(set(eos_token_ids))
+        count = min(vocab_size, len(tokenizer))
+        self.token_texts = [t or "" for t in tokenizer.convert_ids_to_tokens(list(range(count)))]
+        # Tokens that can open or close a JSON string or container: the only ones whose effect
+        # on JsonDepth depends on more than "leave it as it is".
+        self.structural_ids = np.array([i for i, t in enumerate(self.token_texts) if _STRUCTURAL.intersection(t)], dtype=np.int64)
 
     def matcher(self, grammar: str):
         import llguidance
@@ -138,10 +192,15 @@ def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
 class BatchConstraint:
     """Per-row grammar matchers for one decode run; ``None`` rows are unconstrained."""
 
-    def __init__(self, matchers: Sequence[Any | None], vocab_size: int, eos_token_ids: Sequence[int]):
+    def __init__(self, matchers: Sequence[Any | None], grammar_tokenizer: GrammarTokenizer, max_new_tokens: int | None = None):
         self.matchers = list(matchers)
-        self.vocab_size = vocab_size
-        self.eos_token_ids = list(eos_token_ids)
+        self.grammar_tokenizer = grammar_tokenizer
+        self.vocab_size = vocab_size = grammar_tokenizer.vocab_size
+        self.eos_token_ids = eos_token_ids = grammar_tokenizer.eos_token_ids
+        self.max_new_tokens = max_new_tokens
+        self.steps = 0
+        self._json = [JsonDepth() for _ in self.matchers]
+        self.closing_steps = [0 for _ in self.matchers]  # steps each row was steered to close its JSON
         self._words = (vocab_size + 31) // 32
         self._bitmask = torch.full((len(self.matchers), self._words), -1, dtype=torch.int32)
         # A finished grammar (llguidance stops once nothing but EOS can follow) allows only EOS.
@@ -151,19 +210,20 @@ class BatchConstraint:
         self.step_seconds: list[float] = []  # mask + advance per step: the constraint's overhead
 
     @classmethod
-    def build(cls, grammar_tokenizer: GrammarTokenizer, specs: Sequence[OutputSpec]) -> "BatchConstraint | None":
+    def build(cls, grammar_tokenizer: GrammarTokenizer, specs: Sequence[OutputSpec], max_new_tokens: int | None = None) -> "BatchConstraint | None":
+        """``max_new_tokens``: the rows' token budget, for steering unfinished JSON to close (None: never)."""
         grammars = [grammar_for(s) for s in specs]
         if all(g is None for g in grammars):
             return None
         matchers = [grammar_tokenizer.matcher(g) if g is not None else None for g in grammars]
-        return cls(matchers, grammar_tokenizer.vocab_size, grammar_tokenizer.eos_token_ids)
+        return cls(matchers, grammar_tokenizer, max_new_tokens)
 
     def subset(self, indices: Sequence[int]) -> "BatchConstraint | None":
         """The constraint of some rows (before any step), for a batch that runs in buckets."""
         matchers = [self.matchers[i] for i in indices]
         if all(m is None for m in matchers):
             return None
-        return BatchConstraint(matchers, self.vocab_size, self.eos_token_ids)
+        return BatchConstraint(matchers, self.grammar_tokenizer, self.max_new_tokens)
 
     def _active(self) -> list[int]:
         return [i for i, m in enumerate(self.matchers) if m is not None and not m.is_stopped()]
@@ -185,6 +245,8 @@ class BatchConstraint:
                 matcher.unsafe_compute_mask_ptr(self._bitmask[i].data_ptr(), row_bytes)
                 if matcher.is_error():
                     raise StructuredOutputError(f"constrained decoding failed: {matcher.get_error()}")
+                if self._closing() and not matcher.is_accepting() and self._steer_to_close(i):
+                    self.closing_steps[i] += 1
             if logits.device.type == "cpu" and logits.dtype in _NUMPY_DTYPES:
                 # numpy, single-threaded: a few small torch ops per step cost 10-50x more on a
                 # busy CPU, where each waits for its intra-op thread pool
@@ -203,12 +265,46 @@ class BatchConstraint:
         self._elapsed = time.perf_counter() - start
         return logits
 
+    def _closing(self) -> bool:
+        return self.max_new_tokens is not None and self.steps >= self.max_new_tokens - closing_reserve(self.max_new_tokens)
+
+    def _steer_to_close(self, row: int) -> bool:
+        """Narrow row ``row``'s allowed tokens to those that bring its JSON nearest to closed.
+
+        Among allowed tokens that open or close strings or containers, keep those that lower
+        the distance most; if none lowers it, drop the ones that raise it (opening a new string
+        or container) as long as something stays allowed. Returns whether the mask changed.
+        """
+        words = self._bitmask[row].numpy()
+        allowed = np.unpackbits(words.view(np.uint8), bitorder="little").astype(bool)
+        ids = self.grammar_tokenizer.structural_ids
+        candidates = ids[allowed[ids]]
+        if candidates.size == 0:
+            return False
+        state, texts = self._json[row], self.grammar_tokenizer.token_texts
+        deltas = np.array([state.after(texts[t]).distance for t in candidates]) - state.distance
+        if deltas.min() < 0:
+            allowed[:] = False
+            allowed[candidates[deltas == deltas.min()]] = True
+        else:
+            rising = candidates[deltas > 0]
+            if rising.size == 0 or rising.size == int(allowed.sum()):
+                return False
+            allowed[rising] = False
+        words[:] = np.packbits(allowed, bitorder="little").view(np.int32)
+        return True
+
     def advance(self, tokens: Sequence[int]) -> None:
         """Feed each constrained row the token it was given."""
         start = time.perf_counter()
+        texts = self.grammar_tokenizer.token_texts
         for i in self._active():
-            if not self.matchers[i].consume_token(int(tokens[i])):
-                raise StructuredOutputError(f"constrained decoding rejected token {int(tokens[i])}: {self.matchers[i].get_error()}")
+            token = int(tokens[i])
+            if not self.matchers[i].consume_token(token):
+                raise StructuredOutputError(f"constrained decoding rejected token {token}: {self.matchers[i].get_error()}")
+            accepting = self.matchers[i].is_accepting() or self.matchers[i].is_stopped()
+            self._json[i] = JsonDepth() if accepting else self._json[i].after(texts[token] if token < len(texts) else "")
+        self.steps += 1
         self.step_seconds.append(getattr(self, "_elapsed", 0.0) + time.perf_counter() - start)
 
     def complete(self, row: int) -> bool:

@@ -359,7 +359,7 @@ class Engine:
         out = self.model.get_output_embeddings()
         return out.weight.shape[0] if out is not None else self.config.get_text_config(decoder=True).vocab_size
 
-    def _constraint(self, specs: Sequence[OutputSpec]):
+    def _constraint(self, specs: Sequence[OutputSpec], max_new_tokens: int):
         """The rows' compiled grammars, or None when every row is free text (typed errors on bad schemas)."""
         if not any(s.constrained for s in specs):
             return None
@@ -367,7 +367,7 @@ class Engine:
 
         if self._grammar_tokenizer is None:
             self._grammar_tokenizer = GrammarTokenizer(self.tokenizer, self.vocab_size, self._eos_ids)
-        return BatchConstraint.build(self._grammar_tokenizer, specs)
+        return BatchConstraint.build(self._grammar_tokenizer, specs, max_new_tokens)
 
     def _collect_eos_ids(self) -> frozenset[int]:
         ids: set[int] = set()
@@ -421,7 +421,7 @@ class Engine:
         policy = as_policy(compression)
         rows = self._render_within_context(prompts, chat, params.max_new_tokens, specs)
         row_policies = self._resolve_policy(policy, prompts, chat, questions, specs)
-        return _Request(rows, params, policy, row_policies, tuple(specs), self._constraint(specs), prefix_cache)
+        return _Request(rows, params, policy, row_policies, tuple(specs), self._constraint(specs, params.max_new_tokens), prefix_cache)
 
     def _prefix_cache_for(self, use: bool) -> PrefixCache | None:
         return self.prefix_cache if use and self.prefix_cache.max_bytes > 0 else None
@@ -563,6 +563,7 @@ class Engine:
             version=__version__,
             # the grammar mask + advance per step (whole batch), beside the forward's decode_ms_per_token
             constraint_ms_per_step=request.constraint.ms_per_step if request.constraint is not None else None,
+            constraint_closing_steps=request.constraint.closing_steps[row] if request.constraint is not None else None,
         )
 
     def _stream_request(self, request: _Request, cancel: threading.Event | None = None) -> GenerationStream:

@@ -52,6 +52,7 @@ class GenerationStats:
     model: str
     version: str
     constraint_ms_per_step: float | None = None  # tools/response_format: median grammar mask + advance per step
+    constraint_closing_steps: int | None = None  # steps this row's unfinished JSON was steered to close near max_new_tokens
 
     @property
     def compression_ratio(self) -> float:

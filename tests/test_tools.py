@@ -15,6 +15,7 @@ import pytest
 
 from snapkv_rag import StructuredOutputError, ToolCall, ToolCallDelta
 from snapkv_rag.errors import InvalidGenerationParameterError, SnapKVRagError
+from snapkv_rag.constraints import JsonDepth, closing_reserve
 
 from conftest import terse_bias, tiny_tool_engine
 
@@ -297,8 +298,33 @@ def test_bad_requests_raise_one_typed_error(tool_engine, tools, choice, fmt):
 def test_truncated_call_is_an_error_not_a_success(tool_engine):
     with pytest.raises(StructuredOutputError, match="max_new_tokens"):
         tool_engine.generate("Go.", tools=[fn("f", SCHEMAS["nested"])], tool_choice="required", max_new_tokens=5)
+    nested = {"type": "json_schema", "json_schema": {"name": "place", "schema": SCHEMAS["nested"]}}
     with pytest.raises(StructuredOutputError, match="max_new_tokens"):
-        list(tool_engine.stream("Go.", response_format={"type": "json_object"}, max_new_tokens=3))
+        list(tool_engine.stream("Go.", response_format=nested, max_new_tokens=4))
+
+
+def test_unfinished_json_is_steered_to_close_near_the_token_budget(tool_engine):
+    """A random model wanders inside string values; the last steps close them so the output parses."""
+    schema = {"type": "object", "properties": {"setup": {"type": "string"}, "punchline": {"type": "string"}}, "required": ["setup", "punchline"]}
+    fmt = {"type": "json_schema", "json_schema": {"name": "joke", "schema": schema}}
+    steered = 0
+    for seed in range(4):
+        result = tool_engine.generate("JSON.", response_format=fmt, max_new_tokens=40, temperature=1.5, seed=seed)
+        jsonschema.validate(result.parsed, schema)
+        assert result.stats.constraint_closing_steps <= closing_reserve(40)
+        steered += result.stats.constraint_closing_steps > 0
+    assert steered  # at this temperature the random model does not close on its own
+    call = tool_engine.generate("Go.", tools=[fn("f", SCHEMAS["nested"])], tool_choice="required", max_new_tokens=60, temperature=1.5, seed=0)
+    jsonschema.validate(call.tool_calls[0].arguments, SCHEMAS["nested"])
+    plain = tool_engine.generate("Go.", max_new_tokens=4)
+    assert plain.stats.constraint_closing_steps is None
+
+
+def test_json_depth_tracks_strings_escapes_and_containers():
+    state = JsonDepth().after('{"a": [1, "x\\"}')
+    assert (state.depth, state.in_string) == (2, True)  # the escaped quote leaves the string open
+    assert state.after('"]}').distance == 0
+    assert JsonDepth().after('{"k": "}]"').distance == 1  # brackets inside a string do not count
 
 
 def test_ignore_eos_conflicts_with_constraints(tool_engine):
