@@ -142,11 +142,13 @@ class LessKernels:
         return kernels
 
     def tensors(self) -> dict[str, torch.Tensor]:
+        """The tensors as stored: fp16 (files stay small), except the fp32 ``psi`` scales."""
         out = {}
         for i, layer in self.layers.items():
             for part, params in (("phi", layer.phi), ("psi", layer.psi)):
                 for name, tensor in params.items():
-                    out[f"layers.{i}.{part}.{name}"] = tensor.detach().float().contiguous().cpu()
+                    dtype = torch.float32 if name == "scale" else torch.float16
+                    out[f"layers.{i}.{part}.{name}"] = tensor.detach().to(dtype).contiguous().cpu()
         return out
 
     def save(self, path: str | Path) -> Path:
