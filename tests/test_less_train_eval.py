@@ -1,0 +1,100 @@
+"""LESS training (tiny model, tiny run) and the held-out fidelity rows."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from conftest import tiny_engine
+from snapkv_rag.cli import build_parser
+from snapkv_rag.compression import LESS, SnapKV
+from snapkv_rag.evaluation.heldout import expand_methods, run_heldout_fidelity, state_tokens
+from snapkv_rag.evaluation.report import gap_closed, summarize_fidelity, write_report
+from snapkv_rag.evaluation.runner import Method, method_grid
+from snapkv_rag.less.corpus import corpus_text, split_of
+from snapkv_rag.less.kernels import LessKernels, load_kernels, model_signature
+from snapkv_rag.less.train import TrainConfig, train
+
+BASE_SPEC = "snapkv:window=4,kernel=3"
+
+
+@pytest.fixture(scope="module")
+def engine(tokenizer):
+    return tiny_engine("llama", tokenizer, seed=5)
+
+
+def small_config(**overrides) -> TrainConfig:
+    settings = dict(base=BASE_SPEC, budgets=[16], prompt_tokens=48, continuation_tokens=8, sequences=6, val_sequences=2, epochs=6, batch=2, hidden=8, rank=4, shard=4)
+    return TrainConfig(**{**settings, **overrides})
+
+
+def test_corpus_splits_are_disjoint_and_nonempty():
+    from pydoc_data.topics import topics
+
+    held = {t for t in topics if split_of(t) == "heldout"}
+    assert held and len(held) < len(topics) / 2
+    train_text, held_text = corpus_text("train"), corpus_text("heldout")
+    for topic in held:
+        assert topics[topic].strip() in held_text and topics[topic].strip() not in train_text
+
+
+def test_training_is_resumable_deterministic_and_lowers_the_loss(engine, tmp_path):
+    config = small_config()
+    (path,) = train(engine, config, tmp_path / "work", tmp_path / "out", model_tag="tiny", progress=False)
+    kernels = load_kernels(path)
+    header = kernels.header
+    assert header["base"] == "snapkv" and header["budget"] == 16 and header["rank"] == 4
+    assert header["data"]["license"].startswith("PSF") and header["data"]["sequences"] == 6
+    assert header["model"] == model_signature(engine.model) and header["training"]["seed"] == 0
+    for stats in header["validation"].values():
+        assert stats["val_mse_less"] < stats["val_mse_base"]  # the state helps on held-out windows
+    # Resume: drop one layer's checkpoint; only it is retrained, to the same tensors.
+    (tmp_path / "work" / "kernels-b16" / "layer001.safetensors").unlink()
+    (again,) = train(engine, config, tmp_path / "work", tmp_path / "out2", model_tag="tiny", progress=False)
+    for name, tensor in kernels.tensors().items():
+        assert torch.equal(load_kernels(again).tensors()[name], tensor), name
+    with pytest.raises(ValueError, match="other settings"):
+        train(engine, small_config(epochs=7), tmp_path / "work", tmp_path / "out3", model_tag="tiny", progress=False)
+    # The trained file drives the engine.
+    policy = LESS(base=SnapKV(window_size=4, kernel_size=3, max_capacity_prompt=16), kernels=str(path))
+    result = engine.generate("The quick brown fox jumps over the lazy dog. " * 8, max_new_tokens=3, compression=policy)
+    assert result.stats.low_rank_state_bytes > 0
+
+
+def test_less_train_cli_parses():
+    args = build_parser().parse_args(["less", "train", "--budgets", "64,256", "--base", "h2o", "--threads", "1"])
+    assert args.budgets == [64, 256] and args.base == "h2o" and args.func.__name__ == "cmd_less_train"
+
+
+def test_heldout_fidelity_rows_and_gap_closed(engine, tmp_path):
+    kernels = LessKernels.initial(model_signature(engine.model), rank=4, hidden=8, seed=0, scale=1.0)
+    less = Method("less", LESS(base=SnapKV(window_size=4, kernel_size=3, max_capacity_prompt=16), kernels=kernels), 16)
+    runs = expand_methods([less], engine)
+    extra = state_tokens(engine, less.policy)
+    assert extra == 3  # 2 layers x 2 heads x 4 x 17 fp32 = 1088 B; a token is 512 B
+    assert [(m.label, role, m.policy.max_capacity_prompt) for m, role in runs] == [("snapkv", "base", 16), ("snapkv+", "baseline+", 19), ("less", "less", 16)]
+    records = run_heldout_fidelity(engine, [less], [40], continuation_tokens=6, decode_tokens=3, progress=False)
+    roles = [r["role"] for r in records]
+    assert roles == ["full", "base", "baseline+", "less"]
+    full, base, plus, low = records
+    assert full["kl_mean"] == 0.0 and base["kl_mean"] > 0 and base["kept_tokens"] == 16 and plus["kept_tokens"] == 19
+    assert low["low_rank_state_bytes"] == 1088 and low["low_rank_ms_per_step"] > 0 and base["low_rank_ms_per_step"] is None
+    table = summarize_fidelity(records)
+    closed = gap_closed(low["kl_mean"], base["kl_mean"], 0.0)
+    assert f"{closed:.3f}" in table and "baseline+" in table
+    paths = write_report("fidelity", records, tmp_path, "snapkv-rag eval fidelity --text heldout")
+    assert paths["markdown"].read_text().count("| snapkv | 16 |") == 1
+    assert json.loads(paths["jsonl"].read_text().splitlines()[-1])["role"] == "less"
+
+
+def test_gap_closed_definition():
+    assert gap_closed(less=0.6, base=1.0, full=0.0) == pytest.approx(0.4)
+    assert gap_closed(less=12.0, base=14.0, full=10.0) == pytest.approx(0.5)
+
+
+def test_method_grid_takes_less_specs():
+    methods = method_grid(["less:base=snapkv"], [64, 256])
+    assert [m.policy.max_capacity_prompt for m in methods] == [64, 256]
+    assert all(isinstance(m.policy, LESS) and m.policy.base.name == "snapkv" for m in methods)
