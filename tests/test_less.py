@@ -203,3 +203,32 @@ def test_no_shipped_kernels_for_a_tiny_model_names_what_exists(less_engine):
         find_shipped(signature(less_engine), "snapkv", 16)
     with pytest.raises(InvalidCompressionError, match="no shipped kernels"):
         less_engine.generate(PROMPT, max_new_tokens=2, compression="less:base=snapkv,budget=16,window=4")
+
+
+def test_folding_in_parts_equals_folding_at_once():
+    """Decode-time eviction folds entries one by one; the state is the same as one fold."""
+    sig = {"num_layers": 1, "num_query_heads": 2, "num_kv_heads": 1, "head_dim": 4}
+    kernels = LessKernels.initial(sig, rank=2, hidden=3, seed=1, scale=1.0)
+    keys, values = torch.randn(1, 1, 6, 4), torch.randn(1, 1, 6, 4)
+    whole, parts = LowRankState(kernels, torch.device("cpu")), LowRankState(kernels, torch.device("cpu"))
+    whole.fold(0, keys, values, torch.ones(1, 1, 6, dtype=torch.bool))
+    for j in range(6):
+        parts.fold(0, keys[:, :, j : j + 1], values[:, :, j : j + 1], torch.ones(1, 1, 1, dtype=torch.bool))
+    for a, b in zip(whole.layers[0], parts.layers[0]):
+        torch.testing.assert_close(a, b)
+    assert whole.folded_entries == parts.folded_entries == 6
+
+
+@pytest.mark.integration
+def test_shipped_kernels_run_on_the_embedded_model(embedded_engine):
+    """`less:base=snapkv,budget=256` works right after setup: the shipped kernels match the model."""
+    text = " ".join(f"Line {i}: the archive lists item {i * 7} under shelf {i % 13}." for i in range(60))
+    base = embedded_engine.generate(text, max_new_tokens=4, ignore_eos=True, compression="snapkv:budget=256")
+    less = embedded_engine.generate(text, max_new_tokens=4, ignore_eos=True, compression="less:base=snapkv,budget=256")
+    info = embedded_engine.info()
+    assert base.usage.prompt_tokens > 256
+    assert less.stats.kept_tokens_per_layer == base.stats.kept_tokens_per_layer == [256] * info.num_layers
+    assert less.stats.low_rank_state_bytes == info.num_layers * info.num_kv_heads * 8 * (info.head_dim + 1) * 4
+    assert less.stats.compression["kernels"] == "shipped"
+    with pytest.raises(InvalidCompressionError, match="no shipped kernels for base=snapkv budget=300"):
+        embedded_engine.generate(text, max_new_tokens=1, compression="less:base=snapkv,budget=300")

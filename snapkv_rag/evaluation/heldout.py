@@ -7,7 +7,7 @@ continuation and the perplexity of the continuation. For a LESS method at budget
 runner also runs its base policy at ``B`` and "baseline+": the base policy at ``B + extra``,
 ``extra`` = the LESS state's memory in cached tokens (rounded up), so LESS and baseline+
 hold the same memory. Decode ms/token of base and LESS come from a short greedy decode of
-the same prompt, interleaved. Everything runs through :class:`~snapkv_rag.generation.DecodeRun`,
+the same prompt, interleaved (the first prompt of each length only). Everything runs through :class:`~snapkv_rag.generation.DecodeRun`,
 the engine's one decode loop.
 """
 
@@ -106,7 +106,8 @@ def run_heldout_fidelity(
         for method, role in runs:
             run, logits = teacher_force(method.policy)
             kl, top1 = next_token_kl(full_logits, logits)
-            timing = _decode_timing(engine, prompt, method.policy, decode_tokens) if role != "baseline+" else {}
+            first_of_length = index == 0 or prompts[index - 1][0] != length
+            timing = _decode_timing(engine, prompt, method.policy, decode_tokens) if role != "baseline+" and first_of_length else {}
             extra = {
                 "top1_agreement": float(top1.float().mean()),
                 "prompt_kv_bytes_kept": run.prompt_kv_bytes_kept,

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from ..cli_common import add_model_args, load_engine
 
-DEFAULT_OUT = Path(__file__).with_name("kernels")
+DEFAULT_OUT = Path(__file__).with_name("shipped")
 
 
 def _ints(text: str) -> list[int]:

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 from ..errors import InvalidCompressionError
 
-SHIPPED_DIR = Path(__file__).with_name("kernels")
+SHIPPED_DIR = Path(__file__).with_name("shipped")
 FORMAT = "snapkv-rag-less/1"
 _SIGNATURE_KEYS = ("model_type", "num_layers", "num_query_heads", "num_kv_heads", "head_dim", "vocab_size")
 _DIGEST_RTOL = 1e-3
