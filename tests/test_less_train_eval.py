@@ -98,3 +98,47 @@ def test_method_grid_takes_less_specs():
     methods = method_grid(["less:base=snapkv"], [64, 256])
     assert [m.policy.max_capacity_prompt for m in methods] == [64, 256]
     assert all(isinstance(m.policy, LESS) and m.policy.base.name == "snapkv" for m in methods)
+
+
+def test_training_objective_is_the_inference_computation(engine):
+    """What a layer is trained on (captured data, training formula) is what inference computes.
+
+    Layer 0's inputs do not depend on compression, so its LESS output during a compressed
+    teacher-forced run must equal the training formula applied to the full-model capture.
+    """
+    from snapkv_rag.compression.runtime import capturing
+    from snapkv_rag.generation import DecodeRun
+    from snapkv_rag.less import train as T
+    from snapkv_rag.less.state import LowRankState, combine, fold
+    from snapkv_rag.sampling import GenerationParams
+
+    tokens = engine.tokenizer("The quick brown fox jumps over the lazy dog. The capital of France is Paris. " * 4)["input_ids"]
+    prompt, cont = tokens[:40], tokens[40:52]
+    policy = SnapKV(window_size=4, kernel_size=3, max_capacity_prompt=16)
+    kernels = LessKernels.initial(model_signature(engine.model), rank=4, hidden=8, seed=0, scale=1.0)
+    seen = {}
+    original = LowRankState.attend
+
+    def spy(self, layer_idx, query, key, mask, output, scaling):
+        out = original(self, layer_idx, query, key, mask, output, scaling)
+        if layer_idx == 0:
+            seen["base"], seen["less"] = output.clone(), out.clone()
+        return out
+
+    LowRankState.attend = spy
+    try:
+        DecodeRun(engine.model, [prompt], GenerationParams(max_new_tokens=12), LESS(base=policy, kernels=kernels), engine._pad_id).teacher_force(cont)
+    finally:
+        LowRankState.attend = original
+    grab = T.Capture({16: policy}, len(prompt))
+    with torch.inference_mode(), capturing(grab):
+        engine.model(input_ids=torch.tensor([prompt + cont]), use_cache=False, logits_to_keep=1)
+    data = T._prepare({k: torch.stack(v) for k, v in grab.layers[0].items()}, 16, len(prompt), grab.meta[0]["scaling"])
+    layer = kernels.layers[0]
+    H, z = fold(layer, data["k"][:, :, : len(prompt)], data["v"][:, :, : len(prompt)], data["evicted"])
+    b, hkv, g, c, d = data["sparse"].shape
+    merged = combine(data["sparse"], data["lse"], layer.query_features(data["q"]).reshape(b, hkv, g, c, -1), H[:, :, None], z[:, :, None])
+    as_inference = lambda t: t.reshape(b, hkv * g, c, d).permute(0, 2, 1, 3)[:, : c - 1]  # noqa: E731
+    torch.testing.assert_close(as_inference(data["sparse"]), seen["base"], atol=2e-3, rtol=1e-2)  # fp16 capture
+    torch.testing.assert_close(as_inference(merged), seen["less"], atol=2e-3, rtol=1e-2)
+    assert (seen["less"] - seen["base"]).abs().max() > 1e-2  # the state matters here

@@ -152,6 +152,7 @@ def sparse_attention(q, k, v, kept, n: int, scaling: float, chunk: int = 4):
     g = hq // hkv
     visible = torch.zeros(N, hkv, L, dtype=torch.bool).scatter_(2, kept.long(), True)
     evicted = ~visible[:, :, :n]
+    visible[:, :, n:] = True  # the continuation itself is always in the cache (causal below)
     causal = torch.arange(L)[None, :] <= (n + torch.arange(c))[:, None]  # [c, L]
     causal[:, :n] = True
     outs, lses = [], []
