@@ -29,16 +29,19 @@ from .runner import FULL, Method, Record, common_fields
 
 
 def heldout_prompts(tokenizer, lengths: Sequence[int], continuation_tokens: int, per_length: int) -> list[tuple[int, list[int], list[int]]]:
-    """``(length, prompt_ids, continuation_ids)`` from consecutive held-out windows."""
-    from ..less.corpus import corpus_tokens, windows
+    """``(length, prompt_ids, continuation_ids)`` from consecutive, non-overlapping held-out windows
+    (every prompt, of every length, is different text)."""
+    from ..less.corpus import corpus_tokens
 
     tokens = corpus_tokens(tokenizer, "heldout")
-    out = []
+    out, start = [], 0
     for length in lengths:
-        found = windows(tokens, length + continuation_tokens, per_length)
-        if len(found) < per_length:
-            raise ValueError(f"the held-out split ({len(tokens)} tokens) has only {len(found)} windows of {length}+{continuation_tokens} tokens")
-        out += [(length, w[:length], w[length:]) for w in found]
+        for _ in range(per_length):
+            end = start + length + continuation_tokens
+            if end > len(tokens):
+                raise ValueError(f"the held-out split ({len(tokens)} tokens) is too short for {per_length} prompts of each of {list(lengths)} (+{continuation_tokens}) tokens")
+            out.append((length, tokens[start : start + length], tokens[start + length : end]))
+            start = end
     return out
 
 
