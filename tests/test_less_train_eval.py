@@ -48,6 +48,7 @@ def test_training_is_resumable_deterministic_and_lowers_the_loss(engine, tmp_pat
     assert header["base"] == "snapkv" and header["budget"] == 16 and header["rank"] == 4
     assert header["data"]["license"].startswith("PSF") and header["data"]["sequences"] == 6
     assert header["model"] == model_signature(engine.model) and header["training"]["seed"] == 0
+    assert header["training"]["capture_seconds"] > 0 and header["training"]["train_seconds"] > 0
     for stats in header["validation"].values():
         assert stats["val_mse_less"] < stats["val_mse_base"]  # the state helps on held-out windows
     # Resume: drop one layer's checkpoint; only it is retrained, to the same tensors.

@@ -115,6 +115,9 @@ def capture(engine, config: TrainConfig, work: Path, progress: bool = True) -> d
     if len(seqs) < config.sequences:
         raise ValueError(f"the training split has {len(tokens)} tokens: only {len(seqs)} windows of {length}, {config.sequences} asked for")
     directory = work / "capture"
+    directory.mkdir(parents=True, exist_ok=True)
+    timing_path = directory / "seconds.json"  # capture time so far, across resumed runs
+    spent = json.loads(timing_path.read_text())["seconds"] if timing_path.exists() else 0.0
     layers = engine.info().num_layers
     grab = Capture(policies, config.prompt_tokens)
     shards = range(0, len(seqs), config.shard)
@@ -124,15 +127,18 @@ def capture(engine, config: TrainConfig, work: Path, progress: bool = True) -> d
         if all((directory / f"layer{i:03d}" / f"shard{s:04d}.pt").exists() for i in range(layers)):
             bar.update(len(chunk))
             continue
+        start = time.perf_counter()
         for seq in chunk:
             with torch.inference_mode(), capturing(grab):
                 engine.model(input_ids=torch.tensor([seq], device=engine.device), use_cache=False, logits_to_keep=1)
             bar.update()
         grab.save(directory, s)
+        spent += time.perf_counter() - start
+        timing_path.write_text(json.dumps({"seconds": spent}))
     bar.close()
     if grab.meta:
         torch.save(grab.meta, directory / "meta.pt")
-    return {"train_tokens": len(tokens), "sequences": len(seqs), "sequence_tokens": length}
+    return {"train_tokens": len(tokens), "sequences": len(seqs), "sequence_tokens": length, "capture_seconds": round(spent, 1)}
 
 
 def _load_layer(work: Path, layer_idx: int) -> dict[str, torch.Tensor]:
@@ -247,9 +253,8 @@ def train(engine, config: TrainConfig, work: Path, out_dir: Path, *, model_tag: 
     if settings_path.exists() and json.loads(settings_path.read_text()) != settings:
         raise ValueError(f"{work} holds a run with other settings ({settings_path}); use another --work-dir or delete it")
     settings_path.write_text(json.dumps(settings, indent=2))
-    start = time.perf_counter()
     data_info = capture(engine, config, work, progress)
-    capture_seconds = time.perf_counter() - start
+    capture_seconds = data_info.pop("capture_seconds")
     meta = torch.load(work / "capture" / "meta.pt")
     signature = model_signature(engine.model)
     base_name = parse_compression(config.base).name
