@@ -232,3 +232,16 @@ def test_shipped_kernels_run_on_the_embedded_model(embedded_engine):
     assert less.stats.compression["kernels"] == "shipped"
     with pytest.raises(InvalidCompressionError, match="no shipped kernels for base=snapkv budget=300"):
         embedded_engine.generate(text, max_new_tokens=1, compression="less:base=snapkv,budget=300")
+
+
+def test_less_through_the_cli_options_and_the_llama_index_connector(less_engine):
+    """A spec string works where a policy is taken: CLI generation options and the connector."""
+    from snapkv_rag.cli import _gen_kwargs, build_parser
+
+    args = build_parser().parse_args(["generate", "hi", "--compression", "less:base=snapkv,budget=256,window=16"])
+    policy = _gen_kwargs(args)["compression"]
+    assert isinstance(policy, LESS) and policy.base == SnapKV(window_size=16, max_capacity_prompt=256)
+    connector = pytest.importorskip("llama_index.llms.snapkv")
+    llm = connector.SnapKVLLM(less_engine, compression=LESS(base=BASE, kernels=active_kernels(less_engine)), max_new_tokens=4)
+    raw = llm.complete(PROMPT).raw
+    assert raw["stats"]["low_rank_state_bytes"] > 0 and raw["stats"]["compression"]["method"] == "less"
