@@ -86,7 +86,8 @@ def test_heldout_fidelity_rows_and_gap_closed(engine, tmp_path):
     closed = gap_closed(low["kl_mean"], base["kl_mean"], 0.0)
     assert f"{closed:.3f}" in table and "baseline+" in table
     paths = write_report("fidelity", records, tmp_path, "snapkv-rag eval fidelity --text heldout")
-    assert paths["markdown"].read_text().count("| snapkv | 16 |") == 1
+    text = paths["markdown"].read_text()
+    assert text.count("| 40 | snapkv | 16 | 1 | 3 |") == 1 and text.count("| all | snapkv | 16 | 1 | 3 |") == 1
     assert json.loads(paths["jsonl"].read_text().splitlines()[-1])["role"] == "less"
 
 

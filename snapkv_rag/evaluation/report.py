@@ -187,37 +187,42 @@ def gap_closed(less: float, base: float, full: float) -> float:
 
 
 def summarize_heldout(records: Sequence[Record]) -> str:
-    """LESS against its base policy and baseline+ (same memory), per base and budget, means over prompts."""
-    full = [r for r in records if r["role"] == "full"]
-    full_ppl = _mean([r["perplexity"] for r in full])
-    by: dict[tuple[str, int], dict[str, list[Record]]] = defaultdict(lambda: defaultdict(list))
+    """LESS against its base policy and baseline+ (same memory): per prompt length, base and
+    budget, then over all lengths; means over prompts (decode times: medians)."""
+    by: dict[tuple[Any, str, int], dict[str, list[Record]]] = defaultdict(lambda: defaultdict(list))
+    full: dict[Any, list[Record]] = defaultdict(list)
     for r in records:
-        if r["role"] != "full":
+        for length in (r["target_tokens"], "all"):
+            if r["role"] == "full":
+                full[length].append(r)
+                continue
             base_name = r["settings"]["base"]["method"] if r["role"] == "less" else r["settings"]["method"]
-            by[(base_name, r["budget"])][r["role"]].append(r)
+            by[(length, base_name, r["budget"])][r["role"]].append(r)
     rows = []
-    for (base_name, budget), roles in sorted(by.items()):
-        def m(role: str, field: str) -> float:
-            return _mean([r[field] for r in roles.get(role, []) if r.get(field) is not None])
+    for (length, base_name, budget), roles in sorted(by.items(), key=lambda kv: (kv[0][0] == "all", str(kv[0][0]).zfill(8), kv[0][1], kv[0][2])):
+
+        def m(role: str, field: str, how=_mean) -> float:
+            return how([r[field] for r in roles.get(role, []) if r.get(field) is not None])
 
         kl = {role: m(role, "kl_mean") for role in ("base", "baseline+", "less")}
         ppl = {role: m(role, "perplexity") for role in ("base", "baseline+", "less")}
-        base_ms, less_ms = m("base", "decode_ms_per_token"), m("less", "decode_ms_per_token")
+        full_ppl = _mean([r["perplexity"] for r in full[length]])
+        base_ms, less_ms, low_ms = m("base", "decode_ms_per_token", median), m("less", "decode_ms_per_token", median), m("less", "low_rank_ms_per_step", median)
         plus = roles.get("baseline+", [])
         extra = plus[0]["settings"]["max_capacity_prompt"] - budget if plus else math.nan
         rows.append(
             (
-                base_name, budget, len(roles.get("base", [])), extra,
+                length, base_name, budget, len(roles.get("base", [])), extra,
                 kl["base"], kl["baseline+"], kl["less"], gap_closed(kl["less"], kl["base"], 0.0), gap_closed(kl["baseline+"], kl["base"], 0.0),
                 full_ppl, ppl["base"], ppl["baseline+"], ppl["less"], gap_closed(ppl["less"], ppl["base"], full_ppl),
-                base_ms, less_ms, less_ms / base_ms - 1 if base_ms == base_ms and less_ms == less_ms else math.nan,
+                base_ms, less_ms, low_ms,
             )
         )
     header = [
-        "base", "budget", "prompts", "baseline+ extra tokens",
+        "prompt tokens", "base", "budget", "prompts", "baseline+ extra tokens",
         "KL base", "KL baseline+", "KL LESS", "KL gap closed (LESS)", "KL gap closed (baseline+)",
         "ppl full", "ppl base", "ppl baseline+", "ppl LESS", "ppl gap closed (LESS)",
-        "decode ms/token base", "decode ms/token LESS", "LESS decode overhead",
+        "decode ms/token base", "decode ms/token LESS", "low-rank part ms/step",
     ]
     return _table(header, rows)
 
