@@ -219,12 +219,8 @@ def train_layer(data: dict[str, torch.Tensor], kernels: LayerKernels, o_proj: to
             for name in part:
                 part[name] = part[name].detach()
         base = _projected_mse(data["sparse"][val], data["target"][val], o_proj)
-        less = _projected_mse_less(kernels, data, val, o_proj)
+        less = _layer_loss(kernels, kernels.psi["scale"].log(), data, val, o_proj)
     return {"val_mse_base": float(base), "val_mse_less": float(less)}
-
-
-def _projected_mse_less(kernels: LayerKernels, data, idx, o_proj) -> torch.Tensor:
-    return _layer_loss(kernels, kernels.psi["scale"].log(), data, idx, o_proj)
 
 
 def _prepare(raw: dict[str, torch.Tensor], budget: int, n: int, scaling: float) -> dict[str, torch.Tensor]:
