@@ -83,17 +83,17 @@ class Capture:
     def __call__(self, module, query, key, value, output, scaling) -> None:
         n = self.n
         layer = self.layers.setdefault(module.layer_idx, {"q": [], "k": [], "v": [], "out": [], **{f"kept{b}": [] for b in self.policies}})
-        layer["q"].append(query[0, :, n:].half())
-        layer["k"].append(key[0].half())
-        layer["v"].append(value[0].half())
-        layer["out"].append(output[0, n:].half())  # [c, q_heads, d]
+        layer["q"].append(query[0, :, n:].half().cpu())  # training runs on the CPU
+        layer["k"].append(key[0].half().cpu())
+        layer["v"].append(value[0].half().cpu())
+        layer["out"].append(output[0, n:].half().cpu())  # [c, q_heads, d]
         for budget, policy in self.policies.items():
-            layer[f"kept{budget}"].append(_select_prompt(policy, query, key, n, scaling)[0].to(torch.int16))
+            layer[f"kept{budget}"].append(_select_prompt(policy, query, key, n, scaling)[0].to(torch.int16).cpu())
         if module.layer_idx not in self.meta:
             o_proj = getattr(module, "o_proj", None)
             if o_proj is None:
                 raise ValueError("LESS training needs the attention module's output projection (o_proj)")
-            self.meta[module.layer_idx] = {"scaling": scaling, "o_proj": o_proj.weight.detach().float().clone()}
+            self.meta[module.layer_idx] = {"scaling": scaling, "o_proj": o_proj.weight.detach().float().cpu().clone()}
 
     def save(self, directory: Path, shard: int) -> None:
         for layer_idx, data in self.layers.items():
