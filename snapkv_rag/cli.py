@@ -124,11 +124,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     from .app_cli import add_app_parser
     from .evaluation.cli import add_eval_parser
+    from .less.cli import add_less_parser
     from .rag.cli import add_rag_parsers
 
     add_rag_parsers(sub, add_model_args, _add_generation_args)
 
     add_eval_parser(sub)
+    add_less_parser(sub)
     add_app_parser(sub)
     return parser
 

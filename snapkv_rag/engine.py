@@ -564,6 +564,9 @@ class Engine:
             # the grammar mask + advance per step (whole batch), beside the forward's decode_ms_per_token
             constraint_ms_per_step=request.constraint.ms_per_step if request.constraint is not None else None,
             constraint_closing_steps=request.constraint.closing_steps[row] if request.constraint is not None else None,
+            low_rank_state_bytes=run.row_low_rank_bytes(),
+            low_rank_state_tokens=run.row_low_rank_bytes() / info.kv_bytes_per_token,
+            low_rank_ms_per_step=run.low_rank_ms_per_step,
         )
 
     def _stream_request(self, request: _Request, cancel: threading.Event | None = None) -> GenerationStream:

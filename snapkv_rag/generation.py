@@ -17,7 +17,8 @@ from typing import Protocol
 import torch
 
 from .compression.base import CompressionPolicy
-from .compression.runtime import PrefillCompression, compressing, sliding_layers
+from .compression.less import LESS
+from .compression.runtime import PrefillCompression, compressing, low_rank_attention, sliding_layers
 from .prefix_cache import PrefixCache, reusable_tokens
 from .sampling import GenerationParams, make_generator, select_next_tokens
 
@@ -121,6 +122,17 @@ class DecodeRun:
         self.prompt_kv_bytes_kept = 0
         self.session: PrefillCompression | None = None
         self.last_logits: torch.Tensor | None = None  # [batch, vocab] of the latest forward
+        # LESS: the low-rank state its selection folds evicted entries into (None for other policies)
+        self.low_rank = self._low_rank_state(policy)
+        self.low_rank_step_seconds: list[float] = []  # per decode step: time in the low-rank part
+
+    def _low_rank_state(self, policy):
+        first = policy[0] if isinstance(policy, list) else policy
+        if not isinstance(first, LESS):
+            return None
+        from .less.state import LowRankState
+
+        return LowRankState(first.load_kernels(self.model), self.device)
 
     @property
     def batch_size(self) -> int:
@@ -192,14 +204,15 @@ class DecodeRun:
             self.prefix_cache.insert(row, keys, values)
 
     def _forward(self, input_ids, attention_mask, position_ids, *, last_only: bool = True) -> torch.Tensor:
-        logits = self.model(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            cache=self.cache,
-            use_cache=True,
-            logits_to_keep=1 if last_only else 0,
-        ).logits
+        with low_rank_attention(self.low_rank):
+            logits = self.model(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                position_ids=position_ids,
+                cache=self.cache,
+                use_cache=True,
+                logits_to_keep=1 if last_only else 0,
+            ).logits
         self.last_logits = logits[:, -1, :]
         return logits
 
@@ -223,7 +236,7 @@ class DecodeRun:
         padding_mask = mask if self.has_padding else None
         self.session = None
         if self.policy is not None:
-            self.session = PrefillCompression(self.policy, self.cache, padding_mask, self.sliding)
+            self.session = PrefillCompression(self.policy, self.cache, padding_mask, self.sliding, self.low_rank)
             if self.prefix_cache is not None:
                 self.session.full_kv = {}
         with compressing(self.session):
@@ -245,6 +258,16 @@ class DecodeRun:
             if compressed is not None and any(self.sliding) and not all(self.sliding):
                 self._sliding_mask = mask
         return self.last_logits
+
+    def row_low_rank_bytes(self) -> int:
+        """Bytes of one row's LESS state (``H`` and ``z`` of every layer); 0 without LESS."""
+        return self.low_rank.nbytes // self.batch_size if self.low_rank is not None else 0
+
+    @property
+    def low_rank_ms_per_step(self) -> float | None:
+        """Median time of the low-rank part of one decode step (all layers), first step excluded."""
+        steps = self.low_rank_step_seconds[1:] or self.low_rank_step_seconds
+        return statistics.median(steps) * 1000 if steps else None
 
     def row_kept_tokens(self, row: int) -> list[int]:
         """Real (non-padding) prompt tokens kept per layer for ``row``.
@@ -302,9 +325,12 @@ class DecodeRun:
             if step + 1 == self.params.max_new_tokens:
                 return
             start = time.perf_counter()
+            low_rank_before = self.low_rank.attend_seconds if self.low_rank is not None else 0.0
             self._extend(tokens[:, None])
             logits = self.last_logits
             self.timings.step_seconds.append(time.perf_counter() - start)
+            if self.low_rank is not None:
+                self.low_rank_step_seconds.append(self.low_rank.attend_seconds - low_rank_before)
 
     @torch.inference_mode()
     def teacher_force(self, continuation: list[int]) -> torch.Tensor:

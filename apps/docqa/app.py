@@ -28,7 +28,7 @@ import pandas as pd  # noqa: E402
 import streamlit as st  # noqa: E402
 
 from snapkv_rag import Engine  # noqa: E402
-from snapkv_rag.compression import H2O, SnapKV, StreamingLLM, recording_kept_indices  # noqa: E402
+from snapkv_rag.compression import H2O, LESS, SnapKV, StreamingLLM, recording_kept_indices  # noqa: E402
 from snapkv_rag.errors import SnapKVRagError  # noqa: E402
 from snapkv_rag.loading import cache_root  # noqa: E402
 from snapkv_rag.metrics import citation_prf  # noqa: E402
@@ -38,7 +38,13 @@ from snapkv_rag.rag.loaders import SUPPORTED_SUFFIXES, iter_files  # noqa: E402
 from snapkv_rag.rag.store import default_store_dir, make_client  # noqa: E402
 
 MAX_QUESTION_CHARS = 2000
-METHODS = {"full": "Full cache (no compression)", "snapkv": "SnapKV", "streamingllm": "StreamingLLM", "h2o": "H2O"}
+METHODS = {
+    "full": "Full cache (no compression)",
+    "snapkv": "SnapKV",
+    "less": "LESS (SnapKV + learned low-rank state; shipped budgets 64, 128, 256, 512)",
+    "streamingllm": "StreamingLLM",
+    "h2o": "H2O",
+}
 NEW_COLLECTION = "+ New collection…"
 UPLOAD_TYPES = sorted(s.lstrip(".") for s in SUPPORTED_SUFFIXES)
 COLORS = {"kept (cited)": "#d1495b", "kept": "#4c78a8", "dropped": "#dcdfe4"}
@@ -112,9 +118,10 @@ class Settings:
 
     def policy(self):
         """The compression policy (None for the full cache); raises InvalidCompressionError."""
-        if self.method == "snapkv":
+        if self.method in ("snapkv", "less"):
             window = "question" if self.window == "question" else self.window_size
-            return SnapKV(window_size=window, max_capacity_prompt=self.budget)
+            snapkv = SnapKV(window_size=window, max_capacity_prompt=self.budget)
+            return snapkv if self.method == "snapkv" else LESS(base=snapkv)
         if self.method == "streamingllm":
             return StreamingLLM(max_capacity_prompt=self.budget)
         if self.method == "h2o":
@@ -126,9 +133,9 @@ class Settings:
         if self.method == "full":
             return "Full cache"
         window = ""
-        if self.method == "snapkv":
+        if self.method in ("snapkv", "less"):
             window = ", question window" if self.window == "question" else f", window {self.window_size}"
-        return f"{METHODS[self.method]} @ {self.budget}{window}"
+        return f"{METHODS[self.method].split(' (')[0]} @ {self.budget}{window}"
 
     def sampling(self) -> dict[str, Any]:
         # A fixed seed makes sampled answers repeatable, so both sides of a comparison draw alike.
@@ -462,7 +469,7 @@ def sidebar_settings(engine: Engine | None) -> Settings:
         "KV budget (entries per layer and head)", min_value=8, max_value=1_000_000, value=256, step=64, key="budget", disabled=not compressed
     )
     window, window_size = "question", 32
-    if method == "snapkv":
+    if method in ("snapkv", "less"):
         window = st.sidebar.radio(
             "Observation window",
             ["question", "fixed"],

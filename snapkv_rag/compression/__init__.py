@@ -3,6 +3,7 @@
 from .base import CompressionPolicy, keep_recent_and_top
 from .full import FullCache
 from .h2o import H2O
+from .less import LESS
 from .parsing import POLICIES, as_policy, parse_compression
 from .random_keep import RandomKeep
 from .runtime import KeptIndices, recording_kept_indices
@@ -14,6 +15,7 @@ __all__ = [
     "FullCache",
     "H2O",
     "KeptIndices",
+    "LESS",
     "POLICIES",
     "RandomKeep",
     "SnapKV",

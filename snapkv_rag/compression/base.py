@@ -72,6 +72,10 @@ class CompressionPolicy(ABC):
         scaling: float | None = None,
     ) -> torch.Tensor: ...
 
+    def with_budget(self, budget: int) -> "CompressionPolicy":
+        """This policy with ``max_capacity_prompt = budget`` (validated)."""
+        return dataclasses.replace(self, max_capacity_prompt=budget)
+
     def settings(self) -> dict[str, Any]:
         out = {"method": self.name, **dataclasses.asdict(self)}
         out["question_aware"] = self.question_aware

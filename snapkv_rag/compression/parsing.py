@@ -43,28 +43,57 @@ def _coerce(text: str) -> Any:
         return text
 
 
+def _items(rest: str) -> list[tuple[str, str]]:
+    items = []
+    for item in filter(None, (part.strip() for part in rest.split(","))):
+        key, eq, value = item.partition("=")
+        if not eq or not value.strip():
+            raise InvalidCompressionError(f"expected key=value in compression spec, got {item!r}")
+        items.append((key.strip(), value.strip()))
+    return items
+
+
+def _parse_less(rest: str) -> CompressionPolicy:
+    """``less:base=snapkv,budget=256[,kernels=PATH][,<base settings>]``: LESS over a base policy."""
+    from .less import LESS
+
+    base, kernels, others = "snapkv", None, []
+    for key, value in _items(rest):
+        if key == "base":
+            base = value
+        elif key == "kernels":
+            kernels = value
+        else:
+            others.append(f"{key}={value}")
+    if base.lower() in ("less", "full", "none"):
+        raise InvalidCompressionError(f"LESS: base must be a sparse policy, got {base!r}")
+    return LESS(base=parse_compression(f"{base}:{','.join(others)}"), kernels=kernels)
+
+
 def parse_compression(spec: str) -> CompressionPolicy:
-    """Parse ``name[:key=value,...]``; keys may use the short aliases in ``ALIASES``."""
+    """Parse ``name[:key=value,...]``; keys may use the short aliases in ``ALIASES``.
+
+    ``less:base=snapkv,budget=256`` wraps the base policy (with the other settings) in LESS.
+    """
     if not isinstance(spec, str) or not spec.strip():
         raise InvalidCompressionError("empty compression spec; try 'snapkv:budget=1024'")
     name, _, rest = spec.strip().partition(":")
+    if name.strip().lower() == "less":
+        return _parse_less(rest)
     cls = POLICIES.get(name.strip().lower())
     if cls is None:
         raise InvalidCompressionError(
-            f"unknown compression method {name!r}; choose one of {', '.join(sorted(set(POLICIES)))}"
+            f"unknown compression method {name!r}; choose one of {', '.join(sorted({*POLICIES, 'less'}))}"
         )
     allowed = {f.name for f in dataclasses.fields(cls)}
     kwargs: dict[str, Any] = {}
-    for item in filter(None, (part.strip() for part in rest.split(","))):
-        key, eq, value = item.partition("=")
-        key = ALIASES.get(key.strip(), key.strip())
-        if not eq or not value.strip():
-            raise InvalidCompressionError(f"expected key=value in compression spec, got {item!r}")
+    for key, value in _items(rest):
+        key = ALIASES.get(key, key)
         if key not in allowed:
             raise InvalidCompressionError(
                 f"{cls.name} has no setting {key!r}; settings: {', '.join(sorted(allowed)) or 'none'}"
             )
-        kwargs[key] = _coerce(value.strip())
+        kwargs[key] = _coerce(value)
     return cls(**kwargs)
 
 

@@ -13,14 +13,21 @@ from __future__ import annotations
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
-from typing import Iterator, Sequence
+from typing import TYPE_CHECKING, Callable, Iterator, Sequence
 
 import torch
 
 from .base import CompressionPolicy
 
+if TYPE_CHECKING:
+    from ..less.state import LowRankState
+
 _ACTIVE: ContextVar["PrefillCompression | None"] = ContextVar("snapkv_rag_prefill", default=None)
 _RECORDER: ContextVar["list[KeptIndices] | None"] = ContextVar("snapkv_rag_kept_recorder", default=None)
+# The LESS state of the decode run whose forward is running (None: no low-rank term).
+_LOW_RANK: ContextVar["LowRankState | None"] = ContextVar("snapkv_rag_low_rank", default=None)
+# Training capture (``snapkv-rag less train``): called with every layer's attention inputs and output.
+_CAPTURE: ContextVar["Callable | None"] = ContextVar("snapkv_rag_capture", default=None)
 
 # Implementations registered globally in transformers (eager is per-model code, so it cannot be wrapped).
 WRAPPED_IMPLEMENTATIONS = ("sdpa", "flash_attention_2")
@@ -33,9 +40,17 @@ def wrapped_name(base: str) -> str:
 def _make_attention(base_fn):
     def attention(module, query, key, value, attention_mask, **kwargs):
         output = base_fn(module, query, key, value, attention_mask, **kwargs)
+        capture = _CAPTURE.get()
+        if capture is not None:
+            capture(module, query, key, value, output[0], kwargs.get("scaling"))
         session = _ACTIVE.get()
         if session is not None:
             session.compress_layer(module, query, key, kwargs.get("scaling"))
+            return output
+        state = _LOW_RANK.get()
+        if state is not None:
+            merged = state.attend(module.layer_idx, query, key, attention_mask, output[0], kwargs.get("scaling"))
+            return (merged, *output[1:])
         return output
 
     return attention
@@ -78,6 +93,7 @@ class PrefillCompression:
         cache,
         attention_mask: torch.Tensor | None,
         sliding: list[bool],
+        low_rank: "LowRankState | None" = None,
     ):
         rows = [policy] if isinstance(policy, CompressionPolicy) else list(policy)
         self.row_policies = rows if len(set(rows)) > 1 else None
@@ -90,6 +106,8 @@ class PrefillCompression:
         self.prompt_length = 0  # n, the (left-padded) prompt length seen by the compressed layers
         # layer -> its full (K, V) before selection, when the engine's prefix cache wants them
         self.full_kv: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None
+        # LESS: the state that what each layer's selection evicts is folded into
+        self.low_rank = low_rank
 
     def _select(self, policy: CompressionPolicy, query, key, mask, scaling) -> torch.Tensor:
         window = policy.query_window
@@ -118,6 +136,8 @@ class PrefillCompression:
         self.kept_indices[layer_idx] = indices
         if indices.shape[-1] < n:
             layer = self.cache.layers[layer_idx]
+            if self.low_rank is not None:
+                self.low_rank.fold_selection(layer_idx, layer.keys, layer.values, indices, self.attention_mask)
             gather = indices.unsqueeze(-1).expand(-1, -1, -1, layer.keys.shape[-1])
             layer.keys = layer.keys.gather(2, gather)
             layer.values = layer.values.gather(2, gather)
@@ -172,6 +192,26 @@ def recording_kept_indices() -> Iterator[list[KeptIndices]]:
         yield recorded
     finally:
         _RECORDER.reset(token)
+
+
+@contextmanager
+def low_rank_attention(state: "LowRankState | None") -> Iterator[None]:
+    """Merge ``state`` into the attention of the model calls inside the block (None: off)."""
+    token = _LOW_RANK.set(state)
+    try:
+        yield
+    finally:
+        _LOW_RANK.reset(token)
+
+
+@contextmanager
+def capturing(callback: Callable | None) -> Iterator[None]:
+    """Call ``callback(module, query, key, value, output, scaling)`` for every attention call in the block."""
+    token = _CAPTURE.set(callback)
+    try:
+        yield
+    finally:
+        _CAPTURE.reset(token)
 
 
 @contextmanager

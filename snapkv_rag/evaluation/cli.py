@@ -58,6 +58,15 @@ def add_eval_parser(sub) -> None:
         if name == "fidelity":
             p.add_argument("--continuation-tokens", type=int, default=32)
             p.add_argument("--seeds", type=_ints, default=[0])
+            p.add_argument(
+                "--text",
+                choices=("documents", "heldout"),
+                default="documents",
+                help="documents: synthetic document-QA prompts, greedy reference; heldout: the LESS held-out text, its own continuation, "
+                "perplexity, and for each less:... method its base policy and baseline+ (same memory)",
+            )
+            p.add_argument("--prompts-per-length", type=int, default=1, help="--text heldout: windows per prompt length")
+            p.add_argument("--decode-tokens", type=int, default=16, help="--text heldout: greedy steps timed per prompt for base and LESS")
         if name == "speed":
             p.add_argument("--new-tokens", type=int, default=32)
             p.add_argument("--repeats", type=int, default=1)
@@ -147,6 +156,13 @@ def _run_task(args, methods):
         return run_needle(engine, methods, args.lengths, args.depths, seeds=args.seeds, progress=progress)
     if args.task == "citation":
         return _run_citation(args, engine, methods, progress)
+    if args.task == "fidelity" and args.text == "heldout":
+        from .heldout import run_heldout_fidelity
+
+        return run_heldout_fidelity(
+            engine, methods, args.lengths, continuation_tokens=args.continuation_tokens, per_length=args.prompts_per_length,
+            decode_tokens=args.decode_tokens, progress=progress,
+        )
     if args.task == "fidelity":
         return run_fidelity(engine, methods, args.lengths, continuation_tokens=args.continuation_tokens, seeds=args.seeds, progress=progress)
     return run_speed(

@@ -181,7 +181,55 @@ def summarize_attribution_sweep(records: Sequence[Record]) -> str:
     return _table(header, chosen)
 
 
+def gap_closed(less: float, base: float, full: float) -> float:
+    """Share of the base policy's gap to the full cache that LESS closes: ``(m_less - m_base) / (m_full - m_base)``."""
+    return (less - base) / (full - base) if full != base else math.nan
+
+
+def summarize_heldout(records: Sequence[Record]) -> str:
+    """LESS against its base policy and baseline+ (same memory): per prompt length, base and
+    budget, then over all lengths; means over prompts (decode times: medians)."""
+    by: dict[tuple[Any, str, int], dict[str, list[Record]]] = defaultdict(lambda: defaultdict(list))
+    full: dict[Any, list[Record]] = defaultdict(list)
+    for r in records:
+        for length in (r["target_tokens"], "all"):
+            if r["role"] == "full":
+                full[length].append(r)
+                continue
+            base_name = r["settings"]["base"]["method"] if r["role"] == "less" else r["settings"]["method"]
+            by[(length, base_name, r["budget"])][r["role"]].append(r)
+    rows = []
+    for (length, base_name, budget), roles in sorted(by.items(), key=lambda kv: (kv[0][0] == "all", str(kv[0][0]).zfill(8), kv[0][1], kv[0][2])):
+
+        def m(role: str, field: str, how=_mean) -> float:
+            return how([r[field] for r in roles.get(role, []) if r.get(field) is not None])
+
+        kl = {role: m(role, "kl_mean") for role in ("base", "baseline+", "less")}
+        ppl = {role: m(role, "perplexity") for role in ("base", "baseline+", "less")}
+        full_ppl = _mean([r["perplexity"] for r in full[length]])
+        base_ms, less_ms, low_ms = m("base", "decode_ms_per_token", median), m("less", "decode_ms_per_token", median), m("less", "low_rank_ms_per_step", median)
+        plus = roles.get("baseline+", [])
+        extra = plus[0]["settings"]["max_capacity_prompt"] - budget if plus else math.nan
+        rows.append(
+            (
+                length, base_name, budget, len(roles.get("base", [])), extra,
+                kl["base"], kl["baseline+"], kl["less"], gap_closed(kl["less"], kl["base"], 0.0), gap_closed(kl["baseline+"], kl["base"], 0.0),
+                full_ppl, ppl["base"], ppl["baseline+"], ppl["less"], gap_closed(ppl["less"], ppl["base"], full_ppl),
+                base_ms, less_ms, low_ms,
+            )
+        )
+    header = [
+        "prompt tokens", "base", "budget", "prompts", "baseline+ extra tokens",
+        "KL base", "KL baseline+", "KL LESS", "KL gap closed (LESS)", "KL gap closed (baseline+)",
+        "ppl full", "ppl base", "ppl baseline+", "ppl LESS", "ppl gap closed (LESS)",
+        "decode ms/token base", "decode ms/token LESS", "low-rank part ms/step",
+    ]
+    return _table(header, rows)
+
+
 def summarize_fidelity(records: Sequence[Record]) -> str:
+    if records and records[0].get("prompt_source") == "heldout":
+        return summarize_heldout(records)
     rows = []
     for (method, budget), group in _grouped(records).items():
         rows.append(
@@ -367,6 +415,9 @@ def plot_citation(records: Sequence[Record], out: Path) -> list[Path]:
 
 
 def plot_fidelity(records: Sequence[Record], out: Path) -> list[Path]:
+    if records and records[0].get("prompt_source") == "heldout":
+        metrics = [("kl_mean", "mean KL(full || method)"), ("perplexity", "perplexity of the held-out continuation")]
+        return [_by_budget_plot(records, out, metrics, "heldout_fidelity_vs_budget.png", "LESS vs base and baseline+ (held-out text)")]
     metrics = [("kl_mean", "mean KL(full || method)"), ("top1_agreement", "top-1 agreement"), ("agreement_prefix", "greedy agreement (prefix)")]
     return [_by_budget_plot(records, out, metrics, "fidelity_vs_budget.png", "Fidelity vs budget")]
 

@@ -54,7 +54,7 @@ def method_grid(specs: Sequence[str], budgets: Sequence[int]) -> list[Method]:
             continue
         for budget in budgets:
             try:
-                policy = dataclasses.replace(base, max_capacity_prompt=int(budget))
+                policy = base.with_budget(int(budget))
             except InvalidCompressionError as exc:
                 raise InvalidCompressionError(f"{spec} at budget {budget}: {exc}") from None
             methods.append(Method(spec, policy, int(budget)))

@@ -1,0 +1,93 @@
+"""LESS: a sparse base policy whose evicted entries are folded into a learned low-rank state.
+
+Dong et al., "Get More with LESS: Synthesizing Recurrence with KV Cache Compression for
+Efficient LLM Inference", ICML 2024, arXiv:2402.09398. See :mod:`snapkv_rag.less`.
+
+Selection is the base policy's; the engine folds what it evicts into the state
+(:class:`snapkv_rag.less.state.LowRankState`) and the registered attention function merges
+the state into every later step. ``kernels``: a kernel file path, a loaded
+:class:`~snapkv_rag.less.kernels.LessKernels`, or None for the shipped kernels that match
+the model, the base policy's name and its budget.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from .base import CompressionPolicy
+from .snapkv import SnapKV
+from ..errors import InvalidCompressionError
+
+
+@dataclass(frozen=True)
+class LESS(CompressionPolicy):
+    name = "less"
+    base: CompressionPolicy = field(default_factory=lambda: SnapKV(max_capacity_prompt=256))
+    kernels: Any = None  # str path | LessKernels | None (shipped)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.base, CompressionPolicy) or isinstance(self.base, LESS):
+            raise InvalidCompressionError(f"LESS: base must be a sparse policy, got {self.base!r}")
+        if self.base.max_capacity_prompt is None:
+            raise InvalidCompressionError("LESS: the base policy must have a budget (not full)")
+
+    @property
+    def max_capacity_prompt(self) -> int:  # type: ignore[override]
+        return self.base.max_capacity_prompt
+
+    @property
+    def query_window(self):
+        return self.base.query_window
+
+    @property
+    def needs_question_span(self) -> bool:
+        return self.base.needs_question_span
+
+    def for_prompt(self, question_tokens):
+        return dataclasses.replace(self, base=self.base.for_prompt(question_tokens))
+
+    @property
+    def question_aware(self) -> bool:
+        return self.base.question_aware
+
+    def with_budget(self, budget: int) -> "LESS":
+        return dataclasses.replace(self, base=self.base.with_budget(budget))
+
+    def select(self, queries, keys, attention_mask=None, *, scaling=None):
+        return self.base.select(queries, keys, attention_mask, scaling=scaling)
+
+    def kernels_label(self) -> str:
+        if self.kernels is None:
+            return "shipped"
+        if isinstance(self.kernels, str):
+            return self.kernels
+        return "in-memory"
+
+    def settings(self) -> dict[str, Any]:
+        return {
+            "method": self.name,
+            "max_capacity_prompt": self.max_capacity_prompt,
+            "base": self.base.settings(),
+            "kernels": self.kernels_label(),
+            "question_aware": self.question_aware,
+        }
+
+    def spec(self) -> str:
+        fields = ",".join(f"{k}={v}" for k, v in dataclasses.asdict(self.base).items())
+        spec = f"less:base={self.base.name}" + (f",{fields}" if fields else "")
+        return spec + (f",kernels={self.kernels}" if isinstance(self.kernels, str) else "")
+
+    def load_kernels(self, model):
+        """The kernels for ``model``: the given ones, checked against it, or the matching shipped file."""
+        from ..less.kernels import LessKernels, find_shipped, load_kernels, model_signature
+
+        signature = model_signature(model)
+        if isinstance(self.kernels, LessKernels):
+            self.kernels.check_model(signature, "the given kernels")
+            return self.kernels
+        path = self.kernels if self.kernels is not None else find_shipped(signature, self.base.name, self.max_capacity_prompt)
+        kernels = load_kernels(path)
+        kernels.check_model(signature, str(path))
+        return kernels

@@ -1,0 +1,150 @@
+"""Fidelity on held-out plain text (``snapkv-rag eval fidelity --text heldout``), with LESS rows.
+
+Prompts are consecutive windows of the LESS held-out split (:mod:`snapkv_rag.less.corpus`,
+disjoint from the training split); the continuation is the text's own next tokens, teacher
+forced through each method's cache. Per prompt and method: mean KL(full || method) over the
+continuation and the perplexity of the continuation. For a LESS method at budget ``B`` the
+runner also runs its base policy at ``B`` and "baseline+": the base policy at ``B + extra``,
+``extra`` = the LESS state's memory in cached tokens (rounded up), so LESS and baseline+
+hold the same memory. Decode ms/token of base and LESS come from a short greedy decode of
+the same prompt, interleaved (the first prompt of each length only). Everything runs through :class:`~snapkv_rag.generation.DecodeRun`,
+the engine's one decode loop.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from tqdm.auto import tqdm
+
+from ..compression import LESS
+from ..generation import DecodeRun
+from ..metrics import next_token_kl
+from ..sampling import GenerationParams
+from .runner import FULL, Method, Record, common_fields
+
+
+def heldout_prompts(tokenizer, lengths: Sequence[int], continuation_tokens: int, per_length: int) -> list[tuple[int, list[int], list[int]]]:
+    """``(length, prompt_ids, continuation_ids)`` from consecutive, non-overlapping held-out windows
+    (every prompt, of every length, is different text)."""
+    from ..less.corpus import corpus_tokens
+
+    tokens = corpus_tokens(tokenizer, "heldout")
+    out, start = [], 0
+    for length in lengths:
+        for _ in range(per_length):
+            end = start + length + continuation_tokens
+            if end > len(tokens):
+                raise ValueError(f"the held-out split ({len(tokens)} tokens) is too short for {per_length} prompts of each of {list(lengths)} (+{continuation_tokens}) tokens")
+            out.append((length, tokens[start : start + length], tokens[start + length : end]))
+            start = end
+    return out
+
+
+def expand_methods(methods: Sequence[Method], engine) -> list[tuple[Method, str]]:
+    """Each method with its role; a LESS method brings its base policy and baseline+ along."""
+    out: list[tuple[Method, str]] = []
+    seen = set()
+
+    def add(method: Method, role: str) -> None:
+        key = (method.label, method.budget, role)
+        if key not in seen:
+            seen.add(key)
+            out.append((method, role))
+
+    for m in methods:
+        if isinstance(m.policy, LESS):
+            base = m.policy.base
+            add(Method(base.name, base, m.budget), "base")
+            extra = state_tokens(engine, m.policy)
+            add(Method(f"{base.name}+", base.with_budget(m.budget + extra), m.budget), "baseline+")
+            add(m, "less")
+        else:
+            add(m, "base")
+    return out
+
+
+def state_tokens(engine, policy: LESS) -> int:
+    """The LESS state's memory per row, in cached tokens of ``engine``'s model, rounded up."""
+    info = engine.info()
+    rank = policy.load_kernels(engine.model).rank
+    dtype_bytes = 4  # the state is kept in fp32
+    state = info.num_layers * info.num_kv_heads * rank * (info.head_dim + 1) * dtype_bytes
+    return math.ceil(state / info.kv_bytes_per_token)
+
+
+def _perplexity(logits: torch.Tensor, targets: list[int]) -> float:
+    return math.exp(float(F.cross_entropy(logits.float(), torch.tensor(targets))))
+
+
+def run_heldout_fidelity(
+    engine,
+    methods: Sequence[Method],
+    lengths: Sequence[int],
+    *,
+    continuation_tokens: int = 64,
+    per_length: int = 1,
+    decode_tokens: int = 16,
+    progress: bool = True,
+) -> list[Record]:
+    runs = expand_methods(methods, engine)
+    prompts = heldout_prompts(engine.tokenizer, lengths, continuation_tokens, per_length)
+    bar = tqdm(total=len(prompts) * (len(runs) + 1), desc="fidelity (held-out)", disable=not progress, leave=False)
+    records: list[Record] = []
+    pad = engine._pad_id
+    if decode_tokens >= 2:  # the first calls pay one-time costs; keep them out of the timings
+        _decode_timing(engine, prompts[0][1][:256], None, 4)
+    for index, (length, prompt, continuation) in enumerate(prompts):
+
+        def teacher_force(policy):
+            run = DecodeRun(engine.model, [prompt], GenerationParams(max_new_tokens=len(continuation)), policy, pad)
+            return run, run.teacher_force(continuation).float().cpu()
+
+        _, full_logits = teacher_force(None)
+        full_ppl = _perplexity(full_logits, continuation)
+        records.append(_record(engine, FULL, "full", length, index, prompt, continuation, 0.0, full_ppl, full_ppl, None, {}))
+        bar.update()
+        for method, role in runs:
+            run, logits = teacher_force(method.policy)
+            kl, top1 = next_token_kl(full_logits, logits)
+            first_of_length = index == 0 or prompts[index - 1][0] != length
+            timing = _decode_timing(engine, prompt, method.policy, decode_tokens) if role != "baseline+" and first_of_length else {}
+            extra = {
+                "top1_agreement": float(top1.float().mean()),
+                "prompt_kv_bytes_kept": run.prompt_kv_bytes_kept,
+                "low_rank_state_bytes": run.row_low_rank_bytes(),
+                "kept_tokens": run.kept_tokens_per_layer[0],
+                **timing,
+            }
+            records.append(_record(engine, method, role, length, index, prompt, continuation, float(kl.mean()), _perplexity(logits, continuation), full_ppl, run, extra))
+            bar.update()
+    bar.close()
+    return records
+
+
+def _decode_timing(engine, prompt: list[int], policy, tokens: int) -> dict[str, Any]:
+    if tokens < 2:
+        return {}
+    run = DecodeRun(engine.model, [prompt], GenerationParams(max_new_tokens=tokens), policy, engine._pad_id)
+    for _ in run.steps():
+        pass
+    return {"decode_ms_per_token": run.timings.decode_ms_per_token, "low_rank_ms_per_step": run.low_rank_ms_per_step}
+
+
+def _record(engine, method: Method, role: str, length, index, prompt, continuation, kl, ppl, full_ppl, run, extra) -> Record:
+    return {
+        **common_fields(engine, "fidelity", method, len(prompt)),
+        "prompt_source": "heldout",
+        "role": role,
+        "target_tokens": length,
+        "prompt_index": index,
+        "continuation_tokens": len(continuation),
+        "kl_mean": kl,
+        "perplexity": ppl,
+        "full_perplexity": full_ppl,
+        **extra,
+    }

@@ -1,0 +1,72 @@
+"""``snapkv-rag less train``: train LESS kernels for a model on the offline corpus."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from ..cli_common import add_model_args, load_engine
+
+DEFAULT_OUT = Path(__file__).with_name("shipped")
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.replace(",", " ").split()]
+
+
+def add_less_parser(sub) -> None:
+    parser = sub.add_parser("less", help="LESS kernels (learned low-rank state over evicted K/V)")
+    tasks = parser.add_subparsers(dest="less_command", required=True)
+    p = tasks.add_parser("train", help="train kernels for a base policy and budget(s), one layer at a time (resumable)")
+    add_model_args(p)
+    p.add_argument("--base", default="snapkv", help="base policy spec, e.g. snapkv or 'h2o' (its budget is set by --budgets)")
+    p.add_argument("--budgets", type=_ints, default=[256], help="comma-separated budgets, one kernel file each")
+    p.add_argument("--prompt-tokens", type=int, default=2048)
+    p.add_argument("--continuation-tokens", type=int, default=128)
+    p.add_argument("--sequences", type=int, default=40, help="training windows (the last --val-sequences validate)")
+    p.add_argument("--val-sequences", type=int, default=4)
+    p.add_argument("--rank", type=int, default=8)
+    p.add_argument("--hidden", type=int, default=32)
+    p.add_argument("--epochs", type=int, default=20)
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
+    p.add_argument("--work-dir", type=Path, default=Path("less-train"), help="capture shards and per-layer checkpoints (resume from here)")
+    p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="directory of the kernel files (default: the package's shipped kernels)")
+    p.add_argument("--model-tag", default=None, help="file-name tag of the model (default: smollm2-135m for the embedded model)")
+    p.add_argument("--no-progress", action="store_true")
+    p.set_defaults(func=cmd_less_train)
+
+
+def cmd_less_train(args: argparse.Namespace) -> int:
+    import json
+    import time
+
+    import torch
+
+    from .train import TrainConfig, train
+
+    config = TrainConfig(
+        base=args.base,
+        budgets=args.budgets,
+        prompt_tokens=args.prompt_tokens,
+        continuation_tokens=args.continuation_tokens,
+        sequences=args.sequences,
+        val_sequences=args.val_sequences,
+        rank=args.rank,
+        hidden=args.hidden,
+        epochs=args.epochs,
+        batch=args.batch,
+        lr=args.lr,
+        seed=args.seed,
+    )
+    config.check()
+    torch.set_num_threads(args.threads)
+    engine = load_engine(args)
+    tag = args.model_tag or ("smollm2-135m" if args.model == "default" else Path(str(args.model)).name.replace("/", "-"))
+    start = time.perf_counter()
+    paths = train(engine, config, args.work_dir, args.out, model_tag=tag, progress=not args.no_progress)
+    summary = {"kernels": [str(p) for p in paths], "seconds": round(time.perf_counter() - start, 1), "threads": args.threads}
+    print(json.dumps(summary, indent=None if args.json else 2))
+    return 0

@@ -1,0 +1,44 @@
+"""Offline training and held-out text for LESS: the Python Language Reference topics.
+
+Source: ``pydoc_data.topics`` of the running Python's standard library (the text ``help()``
+shows for keywords and topics, taken from the Python documentation), licensed under the
+PSF License Agreement (Python Software Foundation License Version 2), which permits
+use, reproduction and derivative works. It ships with every CPython, so it is always
+there offline.
+
+Topics are split by a stable hash of their name into a training part and a disjoint
+held-out part (about one topic in five), each concatenated in sorted topic order.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+SOURCE = "pydoc_data.topics (Python Language Reference topics, CPython standard library)"
+LICENSE = "PSF-2.0 (Python Software Foundation License Version 2)"
+HELDOUT_EVERY = 5
+
+
+def split_of(topic: str) -> str:
+    digest = int(hashlib.sha256(topic.encode()).hexdigest(), 16)
+    return "heldout" if digest % HELDOUT_EVERY == 0 else "train"
+
+
+def corpus_text(split: str) -> str:
+    """All topics of ``split`` ("train" or "heldout"), separated by blank lines."""
+    if split not in ("train", "heldout"):
+        raise ValueError(f"split must be 'train' or 'heldout', got {split!r}")
+    from pydoc_data.topics import topics
+
+    return "\n\n".join(topics[name].strip() for name in sorted(topics) if split_of(name) == split)
+
+
+def corpus_tokens(tokenizer, split: str) -> list[int]:
+    """The split's text as token ids (no special tokens)."""
+    return list(tokenizer(corpus_text(split), add_special_tokens=False)["input_ids"])
+
+
+def windows(tokens: list[int], length: int, count: int | None = None) -> list[list[int]]:
+    """Consecutive non-overlapping windows of ``length`` tokens (at most ``count``)."""
+    out = [tokens[i : i + length] for i in range(0, len(tokens) - length + 1, length)]
+    return out if count is None else out[:count]

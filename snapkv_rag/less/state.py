@@ -1,0 +1,119 @@
+"""The LESS state of one decode run and attention with it (less.md), model-agnostic.
+
+Per compressed layer and KV head the state is ``H [R, d]`` and ``z [R]`` (fp32, per batch
+row): the folded ``psi(k)^T v`` and ``psi(k)`` of every evicted entry. A query head reads
+its GQA group's state. Attention over the kept entries ``S`` plus the state:
+
+    lse_S = logsumexp_{i in S}(q.k_i * scaling)      mass = phi(q).z
+    lse   = logaddexp(lse_S, log(mass))
+    out   = exp(lse_S - lse) * softmax_S(s) V_S + exp(log(mass) - lse) * phi(q)H / mass
+
+which is less.md's ``exp(lse_S - lse) * softmax(s) V_S + exp(-lse) * phi(q)H`` written so
+that no factor overflows. The sparse part is the registered base attention's own output
+(SDPA, flash), so with zero features (``mass = 0``) the result *is* the base output.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from .kernels import LayerKernels, LessKernels
+
+
+def combine(sparse_out: torch.Tensor, lse_sparse: torch.Tensor, features: torch.Tensor, H: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+    """Exact attention over kept entries merged with the low-rank estimate, one normaliser.
+
+    ``sparse_out [..., t, d]``, ``lse_sparse [..., t]``, ``features [..., t, R]``,
+    ``H [..., R, d]``, ``z [..., R]`` (leading dims broadcast); fp32 in, fp32 out.
+    """
+    mass = (features * z.unsqueeze(-2)).sum(-1)  # [..., t]
+    log_mass = mass.log()  # -inf where nothing was evicted or the features are zero
+    lse = torch.logaddexp(lse_sparse, log_mass)
+    w_sparse = torch.exp(lse_sparse - lse).nan_to_num(0.0)
+    w_low = torch.exp(log_mass - lse).nan_to_num(0.0)
+    low = (features @ H) / mass.clamp_min(torch.finfo(mass.dtype).tiny).unsqueeze(-1)
+    return w_sparse.unsqueeze(-1) * sparse_out + w_low.unsqueeze(-1) * low
+
+
+def fold(kernels: LayerKernels, keys: torch.Tensor, values: torch.Tensor, evicted: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(H [b, kv_heads, R, d], z [b, kv_heads, R])`` of the entries where ``evicted [b, kv_heads, n]``."""
+    features = kernels.key_features(keys) * evicted.unsqueeze(-1).to(torch.float32)
+    return torch.einsum("bhnr,bhnd->bhrd", features, values.float()), features.sum(dim=2)
+
+
+def visible_keys(attention_mask: torch.Tensor | None, batch: int, t: int, m: int, device: torch.device) -> torch.Tensor:
+    """Bool ``[b or 1, t, m]``: which of the ``m`` cached keys each of the ``t`` new queries sees.
+
+    ``attention_mask`` is what the model hands its attention function: None (causal, no
+    padding), a 4-D bool or additive float mask ``[b, 1, t, >=m]``, or a 2-D padding mask
+    ``[b, >=m]`` (flash attention), which is combined with causality here.
+    """
+    causal = torch.arange(m, device=device)[None, :] <= (m - t + torch.arange(t, device=device))[:, None]
+    if attention_mask is None:
+        return causal[None]
+    if attention_mask.dim() == 2:
+        return causal[None] & attention_mask[:, None, :m].bool()
+    mask = attention_mask[:, 0, :, :m]
+    if mask.dtype == torch.bool:
+        return mask
+    return mask > torch.finfo(mask.dtype).min / 2
+
+
+class LowRankState:
+    """The folded state of every compressed layer of one decode run, and its cost."""
+
+    def __init__(self, kernels: LessKernels, device: torch.device):
+        self.kernels = kernels.to(device)
+        self.layers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # layer -> (H, z)
+        self.folded_entries = 0  # evicted (row, layer, KV head, position) entries folded so far
+        self.attend_seconds = 0.0  # time spent in the low-rank part of attention, all layers
+
+    def fold(self, layer_idx: int, keys: torch.Tensor, values: torch.Tensor, evicted: torch.Tensor) -> None:
+        """Add the evicted entries of one layer (prefill compression or a decode-time eviction)."""
+        kernels = self.kernels.layers.get(layer_idx)
+        if kernels is None or not bool(evicted.any()):
+            return
+        H, z = fold(kernels, keys, values, evicted)
+        if layer_idx in self.layers:
+            H0, z0 = self.layers[layer_idx]
+            H, z = H0 + H, z0 + z
+        self.layers[layer_idx] = (H, z)
+        self.folded_entries += int(evicted.sum())
+
+    def fold_selection(self, layer_idx: int, keys: torch.Tensor, values: torch.Tensor, kept: torch.Tensor, attention_mask: torch.Tensor | None) -> None:
+        """Fold what a selection ``kept [b, kv_heads, k]`` leaves out of ``keys [b, kv_heads, n, d]``
+        (left padding, ``attention_mask [b, n] == 0``, is never folded)."""
+        b, h, n, _ = keys.shape
+        evicted = torch.ones(b, h, n, dtype=torch.bool, device=keys.device).scatter_(2, kept, False)
+        if attention_mask is not None:
+            evicted &= attention_mask[:, None, :n].bool()
+        self.fold(layer_idx, keys, values, evicted)
+
+    def attend(self, layer_idx: int, query: torch.Tensor, key: torch.Tensor, attention_mask, output: torch.Tensor, scaling: float | None) -> torch.Tensor:
+        """The base attention's ``output [b, t, q_heads, d]`` merged with this layer's state."""
+        if layer_idx not in self.layers:
+            return output
+        start = time.perf_counter()
+        H, z = self.layers[layer_idx]
+        b, hq, t, d = query.shape
+        hkv, m = key.shape[1], key.shape[2]
+        g = hq // hkv
+        scale = d**-0.5 if scaling is None else scaling
+        q = query.float().reshape(b, hkv, g, t, d)
+        scores = torch.einsum("bhgtd,bhmd->bhgtm", q, key.float()) * scale
+        visible = visible_keys(attention_mask, b, t, m, query.device)
+        scores = scores.masked_fill(~visible[:, None, None], float("-inf"))
+        lse_sparse = scores.logsumexp(dim=-1)
+        sparse = output.float().permute(0, 2, 1, 3).reshape(b, hkv, g, t, d)
+        features = self.kernels.layers[layer_idx].query_features(query).reshape(b, hkv, g, t, -1)
+        merged = combine(sparse, lse_sparse, features, H[:, :, None], z[:, :, None])
+        result = merged.reshape(b, hq, t, d).permute(0, 2, 1, 3).to(output.dtype).contiguous()
+        self.attend_seconds += time.perf_counter() - start
+        return result
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of every layer's ``H`` and ``z`` (the whole batch)."""
+        return sum(H.numel() * H.element_size() + z.numel() * z.element_size() for H, z in self.layers.values())

@@ -1,0 +1,295 @@
+"""Train LESS kernels for a frozen model, one layer at a time (``snapkv-rag less train``).
+
+1. Capture. Each training sequence is ``prompt_tokens + continuation_tokens`` tokens of the
+   training split (:mod:`.corpus`). One forward of the frozen model runs through the
+   engine's registered attention function, which hands every layer's post-RoPE Q, K, V and
+   its full-attention output (before ``o_proj``) to :class:`Capture`. The base policy selects
+   over the *prompt* exactly as at inference (SnapKV: its observation window is the end of the
+   prompt; H2O: all prompt queries), once per budget. Per layer, the continuation's queries and
+   outputs, all keys and values and the kept indices are written to shards on disk.
+2. Train. Per layer (independent, so only one layer's data is in memory) and budget: the
+   continuation queries attend exactly to the kept prompt entries plus the continuation
+   (causal), and through the state to the evicted prompt entries (:func:`~.state.combine`,
+   the same code as inference). Loss: MSE of ``o_proj(LESS output)`` against
+   ``o_proj(full output)`` on the continuation positions (all past the budget). Adam, step
+   decay, a fixed seed; each finished layer is saved, so an interrupted run resumes.
+
+The continuation queries are what the kernels serve at inference: decode steps (and
+teacher-forced tokens) after a compressed prompt.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm.auto import tqdm
+
+from ..compression import CompressionPolicy, parse_compression
+from .corpus import LICENSE, SOURCE, corpus_tokens, windows
+from .kernels import FORMAT, LayerKernels, LessKernels, load_kernels, model_signature
+from .state import combine, fold
+
+
+@dataclass
+class TrainConfig:
+    base: str = "snapkv"  # base policy spec; its budget is replaced by each of ``budgets``
+    budgets: list[int] = field(default_factory=lambda: [256])
+    prompt_tokens: int = 2048
+    continuation_tokens: int = 128
+    sequences: int = 40  # training windows; the last ``val_sequences`` of them validate
+    val_sequences: int = 4
+    rank: int = 8
+    hidden: int = 32
+    epochs: int = 20
+    batch: int = 4
+    lr: float = 3e-3
+    scale_lr: float = 5e-2
+    init_scale: float = 1e-4
+    seed: int = 0
+    shard: int = 8  # sequences per capture shard
+
+    def check(self) -> None:
+        if self.sequences <= self.val_sequences or self.val_sequences < 1:
+            raise ValueError(f"need more sequences ({self.sequences}) than validation sequences ({self.val_sequences}), and at least one of those")
+        for name in ("prompt_tokens", "continuation_tokens", "rank", "hidden", "epochs", "batch", "shard"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be positive")
+        for budget in self.budgets:
+            if budget >= self.prompt_tokens:
+                raise ValueError(f"budget {budget} must be below prompt_tokens {self.prompt_tokens}")
+
+
+def _select_prompt(policy: CompressionPolicy, query: torch.Tensor, key: torch.Tensor, n: int, scaling) -> torch.Tensor:
+    window = policy.query_window
+    prompt_q = query[:, :, :n]
+    queries = prompt_q if window is None else prompt_q[:, :, n - window :]
+    return policy.select(queries, key[:, :, :n], None, scaling=scaling)
+
+
+class Capture:
+    """Attention-function callback that collects one layer-sharded batch of training data."""
+
+    def __init__(self, policies: dict[int, CompressionPolicy], prompt_tokens: int):
+        self.policies = policies
+        self.n = prompt_tokens
+        self.layers: dict[int, dict[str, list[torch.Tensor]]] = {}
+        self.meta: dict[int, dict[str, Any]] = {}
+
+    def __call__(self, module, query, key, value, output, scaling) -> None:
+        n = self.n
+        layer = self.layers.setdefault(module.layer_idx, {"q": [], "k": [], "v": [], "out": [], **{f"kept{b}": [] for b in self.policies}})
+        layer["q"].append(query[0, :, n:].half().cpu())  # training runs on the CPU
+        layer["k"].append(key[0].half().cpu())
+        layer["v"].append(value[0].half().cpu())
+        layer["out"].append(output[0, n:].half().cpu())  # [c, q_heads, d]
+        for budget, policy in self.policies.items():
+            layer[f"kept{budget}"].append(_select_prompt(policy, query, key, n, scaling)[0].to(torch.int16).cpu())
+        if module.layer_idx not in self.meta:
+            o_proj = getattr(module, "o_proj", None)
+            if o_proj is None:
+                raise ValueError("LESS training needs the attention module's output projection (o_proj)")
+            self.meta[module.layer_idx] = {"scaling": scaling, "o_proj": o_proj.weight.detach().float().cpu().clone()}
+
+    def save(self, directory: Path, shard: int) -> None:
+        for layer_idx, data in self.layers.items():
+            path = directory / f"layer{layer_idx:03d}" / f"shard{shard:04d}.pt"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            torch.save({k: torch.stack(v) for k, v in data.items()}, path)
+        self.layers = {}
+
+
+def capture(engine, config: TrainConfig, work: Path, progress: bool = True) -> dict[str, Any]:
+    """Write the capture shards under ``work/capture`` (skipping shards already there)."""
+    from ..compression.runtime import capturing
+
+    base = parse_compression(config.base)
+    policies = {b: base.with_budget(b) for b in config.budgets}
+    length = config.prompt_tokens + config.continuation_tokens
+    tokens = corpus_tokens(engine.tokenizer, "train")
+    seqs = windows(tokens, length, config.sequences)
+    if len(seqs) < config.sequences:
+        raise ValueError(f"the training split has {len(tokens)} tokens: only {len(seqs)} windows of {length}, {config.sequences} asked for")
+    directory = work / "capture"
+    directory.mkdir(parents=True, exist_ok=True)
+    timing_path = directory / "seconds.json"  # capture time so far, across resumed runs
+    spent = json.loads(timing_path.read_text())["seconds"] if timing_path.exists() else 0.0
+    layers = engine.info().num_layers
+    grab = Capture(policies, config.prompt_tokens)
+    shards = range(0, len(seqs), config.shard)
+    bar = tqdm(total=len(seqs), desc="capture", disable=not progress)
+    for s, lo in enumerate(shards):
+        chunk = seqs[lo : lo + config.shard]
+        if all((directory / f"layer{i:03d}" / f"shard{s:04d}.pt").exists() for i in range(layers)):
+            bar.update(len(chunk))
+            continue
+        start = time.perf_counter()
+        for seq in chunk:
+            with torch.inference_mode(), capturing(grab):
+                engine.model(input_ids=torch.tensor([seq], device=engine.device), use_cache=False, logits_to_keep=1)
+            bar.update()
+        grab.save(directory, s)
+        spent += time.perf_counter() - start
+        timing_path.write_text(json.dumps({"seconds": spent}))
+    bar.close()
+    if grab.meta:
+        torch.save(grab.meta, directory / "meta.pt")
+    return {"train_tokens": len(tokens), "sequences": len(seqs), "sequence_tokens": length, "capture_seconds": round(spent, 1)}
+
+
+def _load_layer(work: Path, layer_idx: int) -> dict[str, torch.Tensor]:
+    shards = sorted((work / "capture" / f"layer{layer_idx:03d}").glob("shard*.pt"))
+    parts = [torch.load(p) for p in shards]
+    return {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
+
+
+def sparse_attention(q, k, v, kept, n: int, scaling: float, chunk: int = 4):
+    """Exact attention of continuation queries over kept prompt entries plus the continuation.
+
+    ``q [N, hq, c, d]``, ``k, v [N, hkv, n + c, d]``, ``kept [N, hkv, B]`` (prompt indices).
+    Returns ``out [N, hkv, g, c, d]``, ``lse [N, hkv, g, c]`` and ``evicted [N, hkv, n]`` (fp32).
+    """
+    N, hq, c, d = q.shape
+    hkv, L = k.shape[1], k.shape[2]
+    g = hq // hkv
+    visible = torch.zeros(N, hkv, L, dtype=torch.bool).scatter_(2, kept.long(), True)
+    evicted = ~visible[:, :, :n]
+    visible[:, :, n:] = True  # the continuation itself is always in the cache (causal below)
+    causal = torch.arange(L)[None, :] <= (n + torch.arange(c))[:, None]  # [c, L]
+    causal[:, :n] = True
+    outs, lses = [], []
+    for lo in range(0, N, chunk):
+        qs = q[lo : lo + chunk].float().reshape(-1, hkv, g, c, d)
+        scores = torch.einsum("bhgcd,bhld->bhgcl", qs, k[lo : lo + chunk].float()) * scaling
+        mask = visible[lo : lo + chunk, :, None, None, :] & causal[None, None, None]
+        scores = scores.masked_fill(~mask, float("-inf"))
+        lses.append(scores.logsumexp(-1))
+        outs.append(torch.einsum("bhgcl,bhld->bhgcd", scores.softmax(-1), v[lo : lo + chunk].float()))
+    return torch.cat(outs), torch.cat(lses), evicted
+
+
+def _parameters(kernels: LayerKernels) -> tuple[list[torch.Tensor], torch.Tensor]:
+    params = [t.requires_grad_() for part in (kernels.phi, kernels.psi) for name, t in part.items() if name != "scale"]
+    log_scale = kernels.psi["scale"].abs().log().requires_grad_()
+    return params, log_scale
+
+
+def _layer_loss(kernels: LayerKernels, log_scale, data, idx, o_proj) -> torch.Tensor:
+    psi = dict(kernels.psi, scale=log_scale.exp())
+    layer = LayerKernels(kernels.phi, psi)
+    n = data["evicted"].shape[-1]
+    H, z = fold(layer, data["k"][idx, :, :n], data["v"][idx, :, :n], data["evicted"][idx])
+    b, hkv, g, c, d = data["sparse"][idx].shape
+    feats = layer.query_features(data["q"][idx]).reshape(b, hkv, g, c, -1)
+    merged = combine(data["sparse"][idx], data["lse"][idx], feats, H[:, :, None], z[:, :, None])
+    return _projected_mse(merged, data["target"][idx], o_proj)
+
+
+def _projected_mse(out: torch.Tensor, target: torch.Tensor, o_proj: torch.Tensor) -> torch.Tensor:
+    """MSE after the output projection; ``out [b, hkv, g, c, d]``, ``target [b, c, hq, d]``."""
+    b, hkv, g, c, d = out.shape
+    flat = out.permute(0, 3, 1, 2, 4).reshape(b, c, hkv * g * d)
+    return ((flat - target.reshape(b, c, -1)) @ o_proj.T).pow(2).mean()
+
+
+def train_layer(data: dict[str, torch.Tensor], kernels: LayerKernels, o_proj: torch.Tensor, config: TrainConfig, seed: int) -> dict[str, float]:
+    """Fit one layer's kernels in place; returns validation MSEs (base policy alone vs LESS)."""
+    N = data["q"].shape[0]
+    train_n = N - config.val_sequences
+    val = torch.arange(train_n, N)
+    params, log_scale = _parameters(kernels)
+    optim = torch.optim.Adam([{"params": params, "lr": config.lr}, {"params": [log_scale], "lr": config.scale_lr}])
+    sched = torch.optim.lr_scheduler.MultiStepLR(optim, [config.epochs // 2, 3 * config.epochs // 4], gamma=0.3)
+    generator = torch.Generator().manual_seed(seed)
+    for _ in range(config.epochs):
+        order = torch.randperm(train_n, generator=generator)
+        for lo in range(0, train_n, config.batch):
+            loss = _layer_loss(kernels, log_scale, data, order[lo : lo + config.batch], o_proj)
+            optim.zero_grad()
+            loss.backward()
+            optim.step()
+        sched.step()
+    with torch.no_grad():
+        kernels.psi["scale"] = log_scale.exp().detach()
+        for part in (kernels.phi, kernels.psi):
+            for name in part:
+                part[name] = part[name].detach()
+        base = _projected_mse(data["sparse"][val], data["target"][val], o_proj)
+        less = _layer_loss(kernels, kernels.psi["scale"].log(), data, val, o_proj)
+    return {"val_mse_base": float(base), "val_mse_less": float(less)}
+
+
+def _prepare(raw: dict[str, torch.Tensor], budget: int, n: int, scaling: float) -> dict[str, torch.Tensor]:
+    sparse, lse, evicted = sparse_attention(raw["q"], raw["k"], raw["v"], raw[f"kept{budget}"], n, scaling)
+    return {
+        "q": raw["q"].float(),
+        "k": raw["k"].float(),
+        "v": raw["v"].float(),
+        "target": raw["out"].float(),
+        "sparse": sparse,
+        "lse": lse,
+        "evicted": evicted,
+    }
+
+
+def kernel_name(model_tag: str, base: str, budget: int) -> str:
+    return f"{model_tag}-{base}-b{budget}.safetensors"
+
+
+def train(engine, config: TrainConfig, work: Path, out_dir: Path, *, model_tag: str, progress: bool = True) -> list[Path]:
+    """Capture (or reuse the capture), train every layer per budget, write one kernel file per budget."""
+    config.check()
+    work.mkdir(parents=True, exist_ok=True)
+    settings_path = work / "config.json"
+    settings = asdict(config)
+    if settings_path.exists() and json.loads(settings_path.read_text()) != settings:
+        raise ValueError(f"{work} holds a run with other settings ({settings_path}); use another --work-dir or delete it")
+    settings_path.write_text(json.dumps(settings, indent=2))
+    data_info = capture(engine, config, work, progress)
+    capture_seconds = data_info.pop("capture_seconds")
+    meta = torch.load(work / "capture" / "meta.pt")
+    signature = model_signature(engine.model)
+    base_name = parse_compression(config.base).name
+    paths = []
+    for budget in config.budgets:
+        layers_dir = work / f"kernels-b{budget}"
+        template = LessKernels.initial(signature, rank=config.rank, hidden=config.hidden, seed=config.seed, scale=config.init_scale)
+        trained: dict[int, LayerKernels] = {}
+        report: dict[str, dict[str, float]] = {}
+        seconds = 0.0
+        for layer_idx in tqdm(sorted(template.layers), desc=f"train b={budget}", disable=not progress):
+            path = layers_dir / f"layer{layer_idx:03d}.safetensors"
+            if path.exists():  # resume: this layer is done
+                done = load_kernels(path)
+                trained[layer_idx] = done.layers[layer_idx]
+                report[str(layer_idx)] = done.header["validation"][str(layer_idx)]
+                seconds += done.header["seconds"]
+                continue
+            t0 = time.perf_counter()
+            torch.manual_seed(config.seed + layer_idx)
+            data = _prepare(_load_layer(work, layer_idx), budget, config.prompt_tokens, meta[layer_idx]["scaling"])
+            kernels = template.layers[layer_idx]
+            stats = train_layer(data, kernels, meta[layer_idx]["o_proj"], config, config.seed + layer_idx)
+            elapsed = time.perf_counter() - t0
+            LessKernels({layer_idx: kernels}, {"format": FORMAT, "model": signature, "validation": {str(layer_idx): stats}, "seconds": elapsed, "partial_layers_ok": True}).save(path)
+            trained[layer_idx], report[str(layer_idx)] = kernels, stats
+            seconds += elapsed
+        header = {
+            "format": FORMAT,
+            "model": signature,
+            "model_tag": model_tag,
+            "base": base_name,
+            "base_spec": parse_compression(config.base).with_budget(budget).spec(),
+            "budget": budget,
+            "rank": config.rank,
+            "hidden": config.hidden,
+            "data": {"source": SOURCE, "license": LICENSE, "split": "train", **data_info, "validation_sequences": config.val_sequences},
+            "training": {**settings, "capture_seconds": round(capture_seconds, 1), "train_seconds": round(seconds, 1), "threads": torch.get_num_threads()},
+            "validation": report,
+        }
+        paths.append(LessKernels(trained, header).save(out_dir / kernel_name(model_tag, base_name, budget)))
+    return paths

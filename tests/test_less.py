@@ -1,0 +1,247 @@
+"""LESS in the engine: spec strings, exact equivalences, the formula, memory, kernels files."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from conftest import tiny_engine
+from snapkv_rag.compression import H2O, LESS, SnapKV, parse_compression
+from snapkv_rag.errors import InvalidCompressionError
+from snapkv_rag.generation import DecodeRun
+from snapkv_rag.less.kernels import LessKernels, find_shipped, load_kernels, model_signature
+from snapkv_rag.less.state import LowRankState
+from snapkv_rag.prefix_cache import PrefixCache
+from snapkv_rag.sampling import GenerationParams
+
+PROMPT = "The quick brown fox jumps over the lazy dog. The capital of France is Paris. " * 6
+BASE = SnapKV(window_size=4, max_capacity_prompt=16, kernel_size=3)
+
+
+@pytest.fixture(scope="module")
+def less_engine(tokenizer):
+    return tiny_engine("llama", tokenizer, seed=3)
+
+
+def signature(engine):
+    return model_signature(engine.model)
+
+
+def active_kernels(engine, seed: int = 0) -> LessKernels:
+    """Random kernels whose state matters (scale 1): the outputs move away from the base policy's."""
+    return LessKernels.initial(signature(engine), rank=4, hidden=8, seed=seed, scale=1.0)
+
+
+# ------------------------------------------------------------------------------- specs
+def test_spec_strings_wrap_the_base_policy():
+    policy = parse_compression("less:base=snapkv,budget=256,window=16")
+    assert isinstance(policy, LESS) and policy.base == SnapKV(window_size=16, max_capacity_prompt=256)
+    assert policy.max_capacity_prompt == 256 and policy.kernels is None
+    assert parse_compression(policy.spec()) == policy
+    h2o = parse_compression("less:base=h2o,budget=128,kernels=/x/k.safetensors")
+    assert h2o.base == H2O(max_capacity_prompt=128) and h2o.kernels == "/x/k.safetensors"
+    assert h2o.with_budget(64).base.max_capacity_prompt == 64
+    assert policy.settings()["base"]["max_capacity_prompt"] == 256
+    for bad in ("less:base=full,budget=8", "less:base=less", "less:base=snapkv,budget=8,bogus=1"):
+        with pytest.raises(InvalidCompressionError):
+            parse_compression(bad)
+
+
+# ------------------------------------------------------------------------- equivalence
+def test_zero_kernels_give_the_base_policy_exactly(less_engine):
+    zero = LESS(base=BASE, kernels=LessKernels.zeros(signature(less_engine)))
+    base = less_engine.generate(PROMPT, max_new_tokens=8, compression=BASE, ignore_eos=True)
+    less = less_engine.generate(PROMPT, max_new_tokens=8, compression=zero, ignore_eos=True)
+    assert less.token_ids == base.token_ids
+    assert less.stats.kept_tokens_per_layer == base.stats.kept_tokens_per_layer == [16, 16]
+    cont = base.token_ids
+    assert torch.equal(less_engine.score(PROMPT, cont, compression=zero), less_engine.score(PROMPT, cont, compression=BASE))
+
+
+def test_nothing_evicted_gives_the_base_policy_exactly(less_engine):
+    """A prompt within the budget evicts nothing: active kernels then change nothing."""
+    roomy = SnapKV(window_size=4, max_capacity_prompt=500, kernel_size=3)
+    less = LESS(base=roomy, kernels=active_kernels(less_engine))
+    cont = less_engine.generate(PROMPT, max_new_tokens=6, ignore_eos=True).token_ids
+    assert torch.equal(less_engine.score(PROMPT, cont, compression=less), less_engine.score(PROMPT, cont, compression=roomy))
+
+
+def test_active_kernels_change_the_output(less_engine):
+    less = LESS(base=BASE, kernels=active_kernels(less_engine))
+    cont = less_engine.generate(PROMPT, max_new_tokens=6, ignore_eos=True).token_ids
+    diff = (less_engine.score(PROMPT, cont, compression=less) - less_engine.score(PROMPT, cont, compression=BASE)).abs()
+    assert diff[0].max() == 0  # the prefill's own last position attends to the full prompt
+    assert diff[1:].max() > 1e-3
+
+
+def test_batched_padded_rows_match_single_runs(less_engine):
+    less = LESS(base=BASE, kernels=active_kernels(less_engine, seed=1))
+    prompts = [PROMPT, "Numbers like 1234 and 5678 appear in passkeys. Hello world, hello engine! " * 6]
+    batch = less_engine.generate_batch(prompts, max_new_tokens=6, ignore_eos=True, compression=less, prefix_cache=False)
+    assert batch[0].stats.batch_size == 2
+    singles = [less_engine.generate(p, max_new_tokens=6, ignore_eos=True, compression=less, prefix_cache=False) for p in prompts]
+    assert [r.token_ids for r in batch] == [r.token_ids for r in singles]
+
+
+def test_prefix_cache_reuse_folds_the_same_state(less_engine):
+    """The prefix cache stores uncompressed K/V; LESS folds at compression time, so reuse is exact."""
+    less = LESS(base=BASE, kernels=active_kernels(less_engine, seed=2))
+    row = less_engine.tokenizer(PROMPT)["input_ids"]
+    cont = [5, 6, 7, 8]
+    cache = PrefixCache(max_bytes=1 << 26)
+    cold = DecodeRun(less_engine.model, [row], GenerationParams(max_new_tokens=4), less, less_engine._pad_id, prefix_cache=cache)
+    first = cold.teacher_force(cont)
+    warm = DecodeRun(less_engine.model, [row + [9]], GenerationParams(max_new_tokens=4), less, less_engine._pad_id, prefix_cache=cache)
+    second = warm.teacher_force(cont)
+    assert warm.reused_tokens[0] > 0
+    plain = DecodeRun(less_engine.model, [row + [9]], GenerationParams(max_new_tokens=4), less, less_engine._pad_id).teacher_force(cont)
+    torch.testing.assert_close(second, plain, rtol=1e-5, atol=1e-5)
+    assert first.shape == second.shape
+
+
+# --------------------------------------------------------------------- the formula
+def reference_attention(q, k_kept, v_kept, visible, k_evicted, v_evicted, phi, psi, scaling):
+    """less.md written out per query: the slow loop the fast path must match."""
+    s = [float(q @ k_kept[i]) * scaling for i in range(len(k_kept)) if visible[i]]
+    vs = [v_kept[i] for i in range(len(k_kept)) if visible[i]]
+    lse_s = math.log(sum(math.exp(x) for x in s))
+    fq = phi(q)
+    H = sum((torch.outer(psi(k), v) for k, v in zip(k_evicted, v_evicted)), torch.zeros(fq.numel(), q.numel()))
+    z = sum((psi(k) for k in k_evicted), torch.zeros(fq.numel()))
+    lr = float(fq @ z)
+    lse = float(torch.logaddexp(torch.tensor(math.log(max(lr, 1e-30))), torch.tensor(lse_s)))
+    softmax_v = sum(math.exp(x - lse_s) * v for x, v in zip(s, vs))
+    return math.exp(lse_s - lse) * softmax_v + math.exp(-lse) * (fq @ H)
+
+
+def test_state_attention_matches_the_formula():
+    torch.manual_seed(0)
+    sig = {"num_layers": 1, "num_query_heads": 4, "num_kv_heads": 2, "head_dim": 8}
+    kernels = LessKernels.initial(sig, rank=3, hidden=5, seed=4, scale=0.5)
+    layer = kernels.layers[0]
+    b, hq, hkv, d, n, t = 2, 4, 2, 8, 12, 3
+    keys, values = torch.randn(b, hkv, n, d), torch.randn(b, hkv, n, d)
+    kept = torch.stack([torch.randperm(n - t)[:5].sort().values for _ in range(b * hkv)]).reshape(b, hkv, 5)
+    kept = torch.cat([kept, torch.arange(n - t, n).expand(b, hkv, t)], dim=-1)  # plus the t new entries
+    padding = torch.ones(b, n, dtype=torch.long)
+    padding[1, :2] = 0  # row 1 is left-padded: its first two entries are neither kept nor folded
+    state = LowRankState(kernels, torch.device("cpu"))
+    state.fold_selection(0, keys, values, kept, padding)
+    k_kept = keys.gather(2, kept[..., None].expand(-1, -1, -1, d))
+    v_kept = values.gather(2, kept[..., None].expand(-1, -1, -1, d))
+    kept_padding = padding.gather(1, kept[:, 0])  # same slots per head for padding (first two)
+    kept_padding[1] = padding[1].gather(0, kept[1, 0])
+    m = kept.shape[-1]
+    causal = torch.arange(m)[None, :] <= (m - t + torch.arange(t))[:, None]
+    mask = (causal[None] & kept_padding[:, None, :].bool())[:, None]  # [b, 1, t, m] as SDPA gets it
+    q = torch.randn(b, hq, t, d)
+    scaling = d**-0.5
+    sdpa = torch.nn.functional.scaled_dot_product_attention(
+        q, k_kept.repeat_interleave(2, dim=1), v_kept.repeat_interleave(2, dim=1), attn_mask=mask, scale=scaling
+    ).transpose(1, 2)
+    fast = state.attend(0, q, k_kept, mask, sdpa, scaling)
+    assert not torch.allclose(fast, sdpa, atol=1e-3)  # the state contributes
+    evicted_total = 0
+    for row in range(b):
+        for h in range(hq):
+            g = h // 2
+            evicted = [j for j in range(n) if j not in kept[row, g].tolist() and padding[row, j]]
+            evicted_total += len(evicted) if h % 2 == 0 else 0
+            phi = lambda x, h=h: layer.query_features(x[None, None, None].expand(1, hq, 1, d))[0, h, 0]
+            psi = lambda x, g=g: layer.key_features(x[None, None, None].expand(1, hkv, 1, d))[0, g, 0]
+            for i in range(t):
+                want = reference_attention(q[row, h, i], k_kept[row, g], v_kept[row, g], mask[row, 0, i], keys[row, g, evicted], values[row, g, evicted], phi, psi, scaling)
+                torch.testing.assert_close(fast[row, i, h], want, rtol=1e-4, atol=1e-5)
+    assert state.folded_entries == evicted_total
+
+
+# ---------------------------------------------------------------------------- memory
+def test_stats_report_the_real_state_and_cache(less_engine):
+    kernels = active_kernels(less_engine)
+    less = LESS(base=BASE, kernels=kernels)
+    row = less_engine.tokenizer(PROMPT)["input_ids"]
+    run = DecodeRun(less_engine.model, [row], GenerationParams(max_new_tokens=3), less, less_engine._pad_id)
+    list(run.steps())
+    tensors = [t for H, z in run.low_rank.layers.values() for t in (H, z)]
+    real = sum(t.numel() * t.element_size() for t in tensors)
+    assert real == run.row_low_rank_bytes() == 2 * 2 * (4 * 16 + 4) * 4  # layers x KV heads x R(d+1) fp32
+    result = less_engine.generate(PROMPT, max_new_tokens=3, ignore_eos=True, compression=less)
+    info = less_engine.info()
+    assert result.stats.low_rank_state_bytes == real
+    assert result.stats.low_rank_state_tokens == pytest.approx(real / info.kv_bytes_per_token)
+    assert result.stats.prompt_kv_bytes_kept == 16 * info.kv_bytes_per_token  # evicted K/V really left the cache
+    assert result.stats.low_rank_ms_per_step is not None and result.stats.low_rank_ms_per_step > 0
+    base = less_engine.generate(PROMPT, max_new_tokens=3, ignore_eos=True, compression=BASE)
+    assert base.stats.low_rank_state_bytes == 0 and base.stats.low_rank_ms_per_step is None
+    assert result.stats.compression["method"] == "less" and result.stats.compression["kernels"] == "in-memory"
+
+
+# --------------------------------------------------------------------------- kernels
+def test_kernel_files_round_trip_and_refuse_other_models(less_engine, tokenizer, tmp_path):
+    kernels = active_kernels(less_engine)
+    kernels.header.update(base="snapkv", budget=16)
+    path = kernels.save(tmp_path / "k.safetensors")
+    loaded = load_kernels(path)
+    assert loaded.header["budget"] == 16 and loaded.rank == 4
+    for name, tensor in kernels.tensors().items():
+        assert torch.equal(loaded.tensors()[name], tensor)
+    by_path = LESS(base=BASE, kernels=str(path))
+    in_memory = LESS(base=BASE, kernels=loaded)
+    assert less_engine.generate(PROMPT, max_new_tokens=5, compression=by_path).token_ids == less_engine.generate(PROMPT, max_new_tokens=5, compression=in_memory).token_ids
+    other_weights = tiny_engine("llama", tokenizer, seed=4)  # same shape, other weights
+    with pytest.raises(InvalidCompressionError, match="other weights"):
+        other_weights.generate(PROMPT, max_new_tokens=2, compression=by_path)
+    other_shape = tiny_engine("qwen3", tokenizer)
+    with pytest.raises(InvalidCompressionError, match="do not fit"):
+        other_shape.generate(PROMPT, max_new_tokens=2, compression=by_path)
+
+
+def test_no_shipped_kernels_for_a_tiny_model_names_what_exists(less_engine):
+    with pytest.raises(InvalidCompressionError, match="no shipped kernels.*shipped:"):
+        find_shipped(signature(less_engine), "snapkv", 16)
+    with pytest.raises(InvalidCompressionError, match="no shipped kernels"):
+        less_engine.generate(PROMPT, max_new_tokens=2, compression="less:base=snapkv,budget=16,window=4")
+
+
+def test_folding_in_parts_equals_folding_at_once():
+    """Decode-time eviction folds entries one by one; the state is the same as one fold."""
+    sig = {"num_layers": 1, "num_query_heads": 2, "num_kv_heads": 1, "head_dim": 4}
+    kernels = LessKernels.initial(sig, rank=2, hidden=3, seed=1, scale=1.0)
+    keys, values = torch.randn(1, 1, 6, 4), torch.randn(1, 1, 6, 4)
+    whole, parts = LowRankState(kernels, torch.device("cpu")), LowRankState(kernels, torch.device("cpu"))
+    whole.fold(0, keys, values, torch.ones(1, 1, 6, dtype=torch.bool))
+    for j in range(6):
+        parts.fold(0, keys[:, :, j : j + 1], values[:, :, j : j + 1], torch.ones(1, 1, 1, dtype=torch.bool))
+    for a, b in zip(whole.layers[0], parts.layers[0]):
+        torch.testing.assert_close(a, b)
+    assert whole.folded_entries == parts.folded_entries == 6
+
+
+@pytest.mark.integration
+def test_shipped_kernels_run_on_the_embedded_model(embedded_engine):
+    """`less:base=snapkv,budget=256` works right after setup: the shipped kernels match the model."""
+    text = " ".join(f"Line {i}: the archive lists item {i * 7} under shelf {i % 13}." for i in range(60))
+    base = embedded_engine.generate(text, max_new_tokens=4, ignore_eos=True, compression="snapkv:budget=256")
+    less = embedded_engine.generate(text, max_new_tokens=4, ignore_eos=True, compression="less:base=snapkv,budget=256")
+    info = embedded_engine.info()
+    assert base.usage.prompt_tokens > 256
+    assert less.stats.kept_tokens_per_layer == base.stats.kept_tokens_per_layer == [256] * info.num_layers
+    assert less.stats.low_rank_state_bytes == info.num_layers * info.num_kv_heads * 8 * (info.head_dim + 1) * 4
+    assert less.stats.compression["kernels"] == "shipped"
+    with pytest.raises(InvalidCompressionError, match="no shipped kernels for base=snapkv budget=300"):
+        embedded_engine.generate(text, max_new_tokens=1, compression="less:base=snapkv,budget=300")
+
+
+def test_less_through_the_cli_options_and_the_llama_index_connector(less_engine):
+    """A spec string works where a policy is taken: CLI generation options and the connector."""
+    from snapkv_rag.cli import _gen_kwargs, build_parser
+
+    args = build_parser().parse_args(["generate", "hi", "--compression", "less:base=snapkv,budget=256,window=16"])
+    policy = _gen_kwargs(args)["compression"]
+    assert isinstance(policy, LESS) and policy.base == SnapKV(window_size=16, max_capacity_prompt=256)
+    connector = pytest.importorskip("llama_index.llms.snapkv")
+    llm = connector.SnapKVLLM(less_engine, compression=LESS(base=BASE, kernels=active_kernels(less_engine)), max_new_tokens=4)
+    raw = llm.complete(PROMPT).raw
+    assert raw["stats"]["low_rank_state_bytes"] > 0 and raw["stats"]["compression"]["method"] == "less"

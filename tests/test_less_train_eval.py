@@ -1,0 +1,146 @@
+"""LESS training (tiny model, tiny run) and the held-out fidelity rows."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from conftest import tiny_engine
+from snapkv_rag.cli import build_parser
+from snapkv_rag.compression import LESS, SnapKV
+from snapkv_rag.evaluation.heldout import expand_methods, run_heldout_fidelity, state_tokens
+from snapkv_rag.evaluation.report import gap_closed, summarize_fidelity, write_report
+from snapkv_rag.evaluation.runner import Method, method_grid
+from snapkv_rag.less.corpus import corpus_text, split_of
+from snapkv_rag.less.kernels import LessKernels, load_kernels, model_signature
+from snapkv_rag.less.train import TrainConfig, train
+
+BASE_SPEC = "snapkv:window=4,kernel=3"
+
+
+@pytest.fixture(scope="module")
+def engine(tokenizer):
+    return tiny_engine("llama", tokenizer, seed=5)
+
+
+def small_config(**overrides) -> TrainConfig:
+    settings = dict(base=BASE_SPEC, budgets=[16], prompt_tokens=48, continuation_tokens=8, sequences=6, val_sequences=2, epochs=6, batch=2, hidden=8, rank=4, shard=4)
+    return TrainConfig(**{**settings, **overrides})
+
+
+def test_corpus_splits_are_disjoint_and_nonempty():
+    from pydoc_data.topics import topics
+
+    held = {t for t in topics if split_of(t) == "heldout"}
+    assert held and len(held) < len(topics) / 2
+    train_text, held_text = corpus_text("train"), corpus_text("heldout")
+    for topic in held:
+        assert topics[topic].strip() in held_text and topics[topic].strip() not in train_text
+
+
+def test_training_is_resumable_deterministic_and_lowers_the_loss(engine, tmp_path):
+    config = small_config()
+    (path,) = train(engine, config, tmp_path / "work", tmp_path / "out", model_tag="tiny", progress=False)
+    kernels = load_kernels(path)
+    header = kernels.header
+    assert header["base"] == "snapkv" and header["budget"] == 16 and header["rank"] == 4
+    assert header["data"]["license"].startswith("PSF") and header["data"]["sequences"] == 6
+    assert header["model"] == model_signature(engine.model) and header["training"]["seed"] == 0
+    assert header["training"]["capture_seconds"] > 0 and header["training"]["train_seconds"] > 0
+    for stats in header["validation"].values():
+        assert stats["val_mse_less"] < stats["val_mse_base"]  # the state helps on held-out windows
+    # Resume: drop one layer's checkpoint; only it is retrained, to the same tensors.
+    (tmp_path / "work" / "kernels-b16" / "layer001.safetensors").unlink()
+    (again,) = train(engine, config, tmp_path / "work", tmp_path / "out2", model_tag="tiny", progress=False)
+    for name, tensor in kernels.tensors().items():
+        assert torch.equal(load_kernels(again).tensors()[name], tensor), name
+    with pytest.raises(ValueError, match="other settings"):
+        train(engine, small_config(epochs=7), tmp_path / "work", tmp_path / "out3", model_tag="tiny", progress=False)
+    # The trained file drives the engine.
+    policy = LESS(base=SnapKV(window_size=4, kernel_size=3, max_capacity_prompt=16), kernels=str(path))
+    result = engine.generate("The quick brown fox jumps over the lazy dog. " * 8, max_new_tokens=3, compression=policy)
+    assert result.stats.low_rank_state_bytes > 0
+
+
+def test_less_train_cli_parses():
+    args = build_parser().parse_args(["less", "train", "--budgets", "64,256", "--base", "h2o", "--threads", "1"])
+    assert args.budgets == [64, 256] and args.base == "h2o" and args.func.__name__ == "cmd_less_train"
+
+
+def test_heldout_fidelity_rows_and_gap_closed(engine, tmp_path):
+    kernels = LessKernels.initial(model_signature(engine.model), rank=4, hidden=8, seed=0, scale=1.0)
+    less = Method("less", LESS(base=SnapKV(window_size=4, kernel_size=3, max_capacity_prompt=16), kernels=kernels), 16)
+    runs = expand_methods([less], engine)
+    extra = state_tokens(engine, less.policy)
+    assert extra == 3  # 2 layers x 2 heads x 4 x 17 fp32 = 1088 B; a token is 512 B
+    assert [(m.label, role, m.policy.max_capacity_prompt) for m, role in runs] == [("snapkv", "base", 16), ("snapkv+", "baseline+", 19), ("less", "less", 16)]
+    records = run_heldout_fidelity(engine, [less], [40], continuation_tokens=6, decode_tokens=3, progress=False)
+    roles = [r["role"] for r in records]
+    assert roles == ["full", "base", "baseline+", "less"]
+    full, base, plus, low = records
+    assert full["kl_mean"] == 0.0 and base["kl_mean"] > 0 and base["kept_tokens"] == 16 and plus["kept_tokens"] == 19
+    assert low["low_rank_state_bytes"] == 1088 and low["low_rank_ms_per_step"] > 0 and base["low_rank_ms_per_step"] is None
+    table = summarize_fidelity(records)
+    closed = gap_closed(low["kl_mean"], base["kl_mean"], 0.0)
+    assert f"{closed:.3f}" in table and "baseline+" in table
+    paths = write_report("fidelity", records, tmp_path, "snapkv-rag eval fidelity --text heldout")
+    text = paths["markdown"].read_text()
+    assert text.count("| 40 | snapkv | 16 | 1 | 3 |") == 1 and text.count("| all | snapkv | 16 | 1 | 3 |") == 1
+    assert json.loads(paths["jsonl"].read_text().splitlines()[-1])["role"] == "less"
+
+
+def test_gap_closed_definition():
+    assert gap_closed(less=0.6, base=1.0, full=0.0) == pytest.approx(0.4)
+    assert gap_closed(less=12.0, base=14.0, full=10.0) == pytest.approx(0.5)
+
+
+def test_method_grid_takes_less_specs():
+    methods = method_grid(["less:base=snapkv"], [64, 256])
+    assert [m.policy.max_capacity_prompt for m in methods] == [64, 256]
+    assert all(isinstance(m.policy, LESS) and m.policy.base.name == "snapkv" for m in methods)
+
+
+def test_training_objective_is_the_inference_computation(engine):
+    """What a layer is trained on (captured data, training formula) is what inference computes.
+
+    Layer 0's inputs do not depend on compression, so its LESS output during a compressed
+    teacher-forced run must equal the training formula applied to the full-model capture.
+    """
+    from snapkv_rag.compression.runtime import capturing
+    from snapkv_rag.generation import DecodeRun
+    from snapkv_rag.less import train as T
+    from snapkv_rag.less.state import LowRankState, combine, fold
+    from snapkv_rag.sampling import GenerationParams
+
+    tokens = engine.tokenizer("The quick brown fox jumps over the lazy dog. The capital of France is Paris. " * 4)["input_ids"]
+    prompt, cont = tokens[:40], tokens[40:52]
+    policy = SnapKV(window_size=4, kernel_size=3, max_capacity_prompt=16)
+    kernels = LessKernels.initial(model_signature(engine.model), rank=4, hidden=8, seed=0, scale=1.0)
+    seen = {}
+    original = LowRankState.attend
+
+    def spy(self, layer_idx, query, key, mask, output, scaling):
+        out = original(self, layer_idx, query, key, mask, output, scaling)
+        if layer_idx == 0:
+            seen["base"], seen["less"] = output.clone(), out.clone()
+        return out
+
+    LowRankState.attend = spy
+    try:
+        DecodeRun(engine.model, [prompt], GenerationParams(max_new_tokens=12), LESS(base=policy, kernels=kernels), engine._pad_id).teacher_force(cont)
+    finally:
+        LowRankState.attend = original
+    grab = T.Capture({16: policy}, len(prompt))
+    with torch.inference_mode(), capturing(grab):
+        engine.model(input_ids=torch.tensor([prompt + cont]), use_cache=False, logits_to_keep=1)
+    data = T._prepare({k: torch.stack(v) for k, v in grab.layers[0].items()}, 16, len(prompt), grab.meta[0]["scaling"])
+    layer = kernels.layers[0]
+    H, z = fold(layer, data["k"][:, :, : len(prompt)], data["v"][:, :, : len(prompt)], data["evicted"])
+    b, hkv, g, c, d = data["sparse"].shape
+    merged = combine(data["sparse"], data["lse"], layer.query_features(data["q"]).reshape(b, hkv, g, c, -1), H[:, :, None], z[:, :, None])
+    as_inference = lambda t: t.reshape(b, hkv * g, c, d).permute(0, 2, 1, 3)[:, : c - 1]  # noqa: E731
+    torch.testing.assert_close(as_inference(data["sparse"]), seen["base"], atol=2e-3, rtol=1e-2)  # fp16 capture
+    torch.testing.assert_close(as_inference(merged), seen["less"], atol=2e-3, rtol=1e-2)
+    assert (seen["less"] - seen["base"]).abs().max() > 1e-2  # the state matters here
