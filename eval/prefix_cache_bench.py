@@ -29,6 +29,7 @@ import torch
 
 from snapkv_rag import Engine, __version__
 from snapkv_rag.compression import SnapKV
+from snapkv_rag.errors import PromptTooLongError
 from snapkv_rag.memory import current_rss_bytes
 
 FIRST = ["Maria", "Jonas", "Aiko", "Pedro", "Lena", "Omar", "Greta", "Ravi", "Nora", "Tomas"]
@@ -138,7 +139,12 @@ def agent_session(engine: Engine, turns: int, new_tokens: int, budget: int, reco
         measure_without = turn == 1 or turn == turns or (turn - 1) % without_every == 0
         for mode in ("without", "with") if measure_without else ("with",):
             start = time.perf_counter()
-            result = engine.generate(messages, max_new_tokens=new_tokens, compression=policy, prefix_cache=(mode == "with"))
+            try:
+                result = engine.generate(messages, max_new_tokens=new_tokens, compression=policy, prefix_cache=(mode == "with"))
+            except PromptTooLongError as exc:  # the history outgrew the model's context: the session ends here
+                print(f"turn {turn}: stopped, {exc}", file=sys.stderr, flush=True)
+                records.append({"task": "agent", "stopped_at_turn": turn, "reason": str(exc)})
+                return records
             wall = time.perf_counter() - start
             s = result.stats
             row[mode] = {
@@ -195,7 +201,8 @@ def summarize(records: list[dict], settings: dict) -> str:
                 f"{sum(bool(r['same_answer']) for r in compared)}/{len(compared)} |"
             )
         lines.append("")
-    agent = [r for r in records if r["task"] == "agent"]
+    agent = [r for r in records if r["task"] == "agent" and "turn" in r]
+    stopped = [r for r in records if r["task"] == "agent" and "stopped_at_turn" in r]
     if agent:
         lines += [f"### Agent-like session: {len(agent)} turns, 300-800-token tool log per turn", ""]
         lines.append("| turn | prompt tokens | prefilled with reuse | TTFT s without | TTFT s with | speed-up | peak RSS MiB without / with | prefix cache MiB | same answer |")
@@ -218,6 +225,8 @@ def summarize(records: list[dict], settings: dict) -> str:
                 f"{total_w:.1f} s with ({total_o / total_w:.1f}x). Max peak RSS {max(r['without']['peak_rss_bytes'] for r in agent if 'without' in r) / 2**20:.0f} MiB "
                 f"without (turns run so), {max(r['with']['peak_rss_bytes'] for r in agent) / 2**20:.0f} MiB with.",
             ]
+        for r in stopped:
+            lines += ["", f"The session stopped at turn {r['stopped_at_turn']}: {r['reason']}"]
     return "\n".join(lines) + "\n"
 
 
