@@ -138,7 +138,7 @@ def capture(engine, config: TrainConfig, work: Path, progress: bool = True) -> d
     bar.close()
     if grab.meta:
         torch.save(grab.meta, directory / "meta.pt")
-    return {"train_tokens": len(tokens), "sequences": len(seqs), "sequence_tokens": length, "capture_seconds": round(spent, 1)}
+    return {"train_tokens": len(tokens), "sequences": len(seqs), "sequence_tokens": length, "capture_seconds": round(spent, 3)}
 
 
 def _load_layer(work: Path, layer_idx: int) -> dict[str, torch.Tensor]:
@@ -288,7 +288,7 @@ def train(engine, config: TrainConfig, work: Path, out_dir: Path, *, model_tag: 
             "rank": config.rank,
             "hidden": config.hidden,
             "data": {"source": SOURCE, "license": LICENSE, "split": "train", **data_info, "validation_sequences": config.val_sequences},
-            "training": {**settings, "capture_seconds": round(capture_seconds, 1), "train_seconds": round(seconds, 1), "threads": torch.get_num_threads()},
+            "training": {**settings, "capture_seconds": round(capture_seconds, 3), "train_seconds": round(seconds, 3), "threads": torch.get_num_threads()},
             "validation": report,
         }
         paths.append(LessKernels(trained, header).save(out_dir / kernel_name(model_tag, base_name, budget)))
