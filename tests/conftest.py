@@ -107,7 +107,12 @@ def embedded_engine():
 
 @pytest.fixture(scope="session")
 def smollm_tokenizer():
-    """The real SmolLM2 tokenizer (49K byte-level BPE), loaded offline from the embedded model."""
+    return load_smollm_tokenizer()
+
+
+def load_smollm_tokenizer():
+    """The real SmolLM2 tokenizer (49K byte-level BPE), loaded offline from the embedded model
+    (skips the test when the embedded model is not installed)."""
     from transformers import AutoTokenizer
 
     from snapkv_rag.errors import ModelNotFoundError

@@ -34,16 +34,7 @@ def tiny_engine():
 
 @pytest.fixture(scope="session")
 def smollm_tokenizer():
-    from transformers import AutoTokenizer
-
-    from snapkv_rag.errors import ModelNotFoundError
-    from snapkv_rag.loading import converted_gguf_dir, embedded_gguf_path
-
-    try:
-        path = converted_gguf_dir(embedded_gguf_path())
-    except ModelNotFoundError as exc:
-        pytest.skip(f"the embedded model is not installed: {exc}")
-    return AutoTokenizer.from_pretrained(path, local_files_only=True)
+    return _root_helpers().load_smollm_tokenizer()
 
 
 @pytest.fixture(scope="session")

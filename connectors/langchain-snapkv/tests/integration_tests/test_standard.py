@@ -12,40 +12,17 @@ import pytest
 from langchain_tests.integration_tests import ChatModelIntegrationTests, RetrieversIntegrationTests
 
 from langchain_snapkv import ChatSnapKV, SnapKVStuffingRetriever
+from tests.capabilities import SnapKVChatCapabilities
 
 pytestmark = pytest.mark.integration
 
 
-class TestChatSnapKVIntegration(ChatModelIntegrationTests):
-    @property
-    def chat_model_class(self) -> type[ChatSnapKV]:
-        return ChatSnapKV
-
+class TestChatSnapKVIntegration(SnapKVChatCapabilities, ChatModelIntegrationTests):
     @property
     def chat_model_params(self) -> dict:
         # This langchain-tests release passes no standard parameters to integration models, so
         # give the ones the suite is documented to use (ChatSnapKV's own default is 256 tokens).
         return {"model": "default", "temperature": 0, "max_tokens": 100, "timeout": 60, "stop": [], "max_retries": 2}
-
-    @property
-    def has_tool_calling(self) -> bool:
-        return True
-
-    @property
-    def has_tool_choice(self) -> bool:
-        return True
-
-    @property
-    def has_structured_output(self) -> bool:
-        return True
-
-    @property
-    def supports_json_mode(self) -> bool:
-        return True
-
-    @property
-    def returns_usage_metadata(self) -> bool:
-        return True
 
     @property
     def supported_usage_metadata_details(self) -> dict:
