@@ -95,6 +95,24 @@ class JsonlList(list):
             fh.write(json.dumps(record) + "\n")
 
 
+def measure(engine: Engine, messages: list, new_tokens: int, policy, reuse: bool):
+    """One call with or without the prefix cache: the result and its timing record."""
+    start = time.perf_counter()
+    result = engine.generate(messages, max_new_tokens=new_tokens, compression=policy, prefix_cache=reuse)
+    wall = time.perf_counter() - start
+    s = result.stats
+    return result, {
+        "ttft_s": s.prefill_seconds,
+        "wall_s": wall,
+        "prompt_tokens": result.usage.prompt_tokens,
+        "reused_prompt_tokens": s.reused_prompt_tokens,
+        "prefilled_prompt_tokens": s.prefilled_prompt_tokens,
+        "decode_ms_per_token": s.decode_ms_per_token,
+        "peak_rss_bytes": s.peak_memory_bytes,
+        "text": result.text,
+    }
+
+
 def doc_qa(engine: Engine, doc_tokens: int, new_tokens: int, budget: int, records: list, without_questions: int = 10) -> list[dict]:
     document = build_document(engine.tokenizer, doc_tokens)
     _, questions = facts_and_questions()
@@ -105,20 +123,7 @@ def doc_qa(engine: Engine, doc_tokens: int, new_tokens: int, budget: int, record
             row = {"task": "doc_qa", "method": label, "question": i + 1}
             modes = ("without", "with") if i < without_questions else ("with",)
             for mode in modes:  # interleaved per question
-                start = time.perf_counter()
-                result = engine.generate(messages, max_new_tokens=new_tokens, compression=policy, prefix_cache=(mode == "with"))
-                wall = time.perf_counter() - start
-                s = result.stats
-                row[mode] = {
-                    "ttft_s": s.prefill_seconds,
-                    "wall_s": wall,
-                    "prompt_tokens": result.usage.prompt_tokens,
-                    "reused_prompt_tokens": s.reused_prompt_tokens,
-                    "prefilled_prompt_tokens": s.prefilled_prompt_tokens,
-                    "decode_ms_per_token": s.decode_ms_per_token,
-                    "peak_rss_bytes": s.peak_memory_bytes,
-                    "text": result.text,
-                }
+                _, row[mode] = measure(engine, messages, new_tokens, policy, reuse=(mode == "with"))
             row["same_answer"] = row["with"]["text"] == row["without"]["text"] if "without" in row else None
             row["prefix_cache_bytes"] = engine.prefix_cache.nbytes
             records.append(row)
@@ -138,24 +143,12 @@ def agent_session(engine: Engine, turns: int, new_tokens: int, budget: int, reco
         row = {"task": "agent", "method": f"snapkv@{budget}", "turn": turn}
         measure_without = turn == 1 or turn == turns or (turn - 1) % without_every == 0
         for mode in ("without", "with") if measure_without else ("with",):
-            start = time.perf_counter()
             try:
-                result = engine.generate(messages, max_new_tokens=new_tokens, compression=policy, prefix_cache=(mode == "with"))
+                result, row[mode] = measure(engine, messages, new_tokens, policy, reuse=(mode == "with"))
             except PromptTooLongError as exc:  # the history outgrew the model's context: the session ends here
                 print(f"turn {turn}: stopped, {exc}", file=sys.stderr, flush=True)
                 records.append({"task": "agent", "stopped_at_turn": turn, "reason": str(exc)})
                 return records
-            wall = time.perf_counter() - start
-            s = result.stats
-            row[mode] = {
-                "ttft_s": s.prefill_seconds,
-                "wall_s": wall,
-                "prompt_tokens": result.usage.prompt_tokens,
-                "reused_prompt_tokens": s.reused_prompt_tokens,
-                "prefilled_prompt_tokens": s.prefilled_prompt_tokens,
-                "peak_rss_bytes": s.peak_memory_bytes,
-                "text": result.text,
-            }
         row["same_answer"] = row["with"]["text"] == row["without"]["text"] if "without" in row else None
         row["prefix_cache_bytes"] = engine.prefix_cache.nbytes
         row["rss_after_bytes"] = current_rss_bytes()
