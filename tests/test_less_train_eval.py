@@ -26,7 +26,7 @@ def engine(tokenizer):
 
 
 def small_config(**overrides) -> TrainConfig:
-    settings = dict(base=BASE_SPEC, budgets=[16], prompt_tokens=48, continuation_tokens=8, sequences=6, val_sequences=2, epochs=6, batch=2, hidden=8, rank=4, shard=4)
+    settings = dict(base=BASE_SPEC, budgets=[16], prompt_tokens=48, continuation_tokens=8, sequences=6, val_sequences=2, epochs=6, batch=2, hidden=8, rank=4, shard=4, distill_epochs=0)
     return TrainConfig(**{**settings, **overrides})
 
 
@@ -144,3 +144,83 @@ def test_training_objective_is_the_inference_computation(engine):
     torch.testing.assert_close(as_inference(data["sparse"]), seen["base"], atol=2e-3, rtol=1e-2)  # fp16 capture
     torch.testing.assert_close(as_inference(merged), seen["less"], atol=2e-3, rtol=1e-2)
     assert (seen["less"] - seen["base"]).abs().max() > 1e-2  # the state matters here
+
+
+def test_distillation_trains_on_the_inference_computation(engine, tmp_path):
+    """Stage 2 rebuilds a compressed run from recorded data; its log-probs must be the engine's own."""
+    from snapkv_rag.generation import DecodeRun
+    from snapkv_rag.less.distill import collect, less_log_probs
+    from snapkv_rag.sampling import GenerationParams
+
+    train_paths, val_paths = collect(engine, BASE_SPEC, [16], 48, 8, 3, 1, tmp_path, progress=False)
+    assert len(train_paths) == 3 and len(val_paths) == 1
+    sample = torch.load(train_paths[1])
+    tokens = sample["tokens"].tolist()
+    kernels = LessKernels.initial(model_signature(engine.model), rank=4, hidden=8, seed=0, scale=1.0)
+    policy = LESS(base=SnapKV(window_size=4, kernel_size=3, max_capacity_prompt=16), kernels=kernels)
+    run = DecodeRun(engine.model, [tokens[:48]], GenerationParams(max_new_tokens=8), policy, engine._pad_id)
+    expected = run.teacher_force(tokens[48:]).float().log_softmax(-1)[1:]
+    rebuilt = less_log_probs(engine, policy, kernels, sample, 16)
+    torch.testing.assert_close(rebuilt, expected, atol=2e-3, rtol=1e-3)  # the recorded K/V are fp16
+    base = DecodeRun(engine.model, [tokens[:48]], GenerationParams(max_new_tokens=8), policy.base, engine._pad_id)
+    assert (base.teacher_force(tokens[48:]).float().log_softmax(-1)[1:] - expected).abs().max() > 1e-2  # the state matters
+    full = DecodeRun(engine.model, [tokens[:48]], GenerationParams(max_new_tokens=8), None, engine._pad_id)
+    torch.testing.assert_close(sample["log_probs"].float(), full.teacher_force(tokens[48:]).float().log_softmax(-1)[1:], atol=2e-2, rtol=1e-2)
+
+
+def test_two_stage_training_distils_resumes_and_leaves_the_model_alone(engine, tmp_path):
+    weights = {n: p.detach().clone() for n, p in engine.model.named_parameters()}
+    config = small_config(distill_epochs=3, distill_sequences=6, distill_lr=1e-2)
+    (path,) = train(engine, config, tmp_path / "work", tmp_path / "out", model_tag="tiny", progress=False)
+    report = load_kernels(path).header["distill"]
+    assert report["windows"] == {"train": 6, "val": 2} and report["collect_seconds"] > 0
+    history = report["history"]
+    assert [h["epoch"] for h in history] == [0, 1, 2, 3] and report["best_epoch"] in (0, 1, 2, 3)
+    assert report["val_kl"] == min(h["val_kl"] for h in history)
+    assert report["val_kl_base"] > 0
+    for name, p in engine.model.named_parameters():
+        assert torch.equal(p, weights[name]), name
+    # Calibration (the default) moves only the output biases and the key scales.
+    stage1, distilled = load_kernels(tmp_path / "work" / "kernels-b16" / "layer000.safetensors").layers[0], load_kernels(path).layers[0]
+    for part in ("phi", "psi"):
+        for name in ("w1", "b1", "w2"):
+            assert torch.equal(getattr(distilled, part)[name], getattr(stage1, part)[name]), (part, name)
+
+    # Resume: the distilled checkpoint is reused as it is.
+    (again,) = train(engine, config, tmp_path / "work", tmp_path / "out2", model_tag="tiny", progress=False)
+    for name, tensor in load_kernels(path).tensors().items():
+        assert torch.equal(load_kernels(again).tensors()[name], tensor), name
+
+
+def test_less_distill_cli_runs_stage_two_on_a_stage_one_file(engine, tmp_path, monkeypatch):
+    from snapkv_rag.less import cli as less_cli
+
+    (stage1,) = train(engine, small_config(distill_epochs=0), tmp_path / "work", tmp_path / "out", model_tag="tiny", progress=False)
+    assert "distill" not in load_kernels(stage1).header
+    monkeypatch.setattr(less_cli, "load_engine", lambda args: engine)
+    args = build_parser().parse_args(["less", "distill", str(stage1), "--out", str(tmp_path / "d.safetensors"), "--epochs", "1", "--sequences", "4", "--work-dir", str(tmp_path / "dw"), "--no-progress"])
+    assert args.func(args) == 0
+    header = load_kernels(tmp_path / "d.safetensors").header
+    assert header["distill"]["windows"] == {"train": 4, "val": 2} and header["training"]["distill_epochs"] == 1
+    args = build_parser().parse_args(["less", "distill", str(tmp_path / "d.safetensors"), "--work-dir", str(tmp_path / "dw")])
+    with pytest.raises(ValueError, match="already distilled"):
+        args.func(args)
+
+
+@pytest.mark.parametrize("params", ["calibration", "all"])
+def test_distillation_lowers_the_end_to_end_kl(engine, tmp_path, params):
+    from snapkv_rag.less.distill import DistillConfig, collect, distill
+
+    train_paths, val_paths = collect(engine, BASE_SPEC, [16], 48, 8, 4, 1, tmp_path, progress=False)
+    start = LessKernels.initial(model_signature(engine.model), rank=4, hidden=8, seed=0, scale=1.0, base_spec=BASE_SPEC + ",budget=16")
+    before = {i: {n: t.clone() for n, t in layer.phi.items()} for i, layer in start.layers.items()}
+    best, report = distill(engine, start, train_paths, val_paths, 16, DistillConfig(epochs=4, lr=3e-2, scale_lr=3e-2, params=params), progress=False)
+    history = report["history"]
+    assert history[-1]["train_kl"] < 0.5 * history[1]["train_kl"]
+    assert report["val_kl"] < 0.5 * report["val_kl_stage1"] and report["val_kl_stage1"] < report["val_kl_base"]
+    for i, layer in start.layers.items():  # the caller's kernels are copied, not trained in place
+        assert all(torch.equal(layer.phi[n], t) for n, t in before[i].items())
+    moved = {n for n in ("w1", "b2") if not torch.equal(best.layers[0].phi[n], start.layers[0].phi[n])}
+    assert moved == ({"b2"} if params == "calibration" else {"w1", "b2"})
+    with pytest.raises(ValueError, match="collected for budgets"):
+        collect(engine, BASE_SPEC, [16, 20], 48, 8, 4, 1, tmp_path, progress=False)

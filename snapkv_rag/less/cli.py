@@ -30,6 +30,10 @@ def add_less_parser(sub) -> None:
     p.add_argument("--epochs", type=int, default=20)
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--distill-epochs", type=int, default=2, help="stage 2: epochs of all layers together on the end-to-end KL (0: stage 1 only)")
+    p.add_argument("--distill-sequences", type=int, default=120, help="stage 2: overlapping training windows")
+    p.add_argument("--distill-lr", type=float, default=1e-2)
+    p.add_argument("--distill-params", choices=("calibration", "all"), default="calibration", help="stage 2 trains the output biases and key scales only, or every kernel tensor")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
     p.add_argument("--work-dir", type=Path, default=Path("less-train"), help="capture shards and per-layer checkpoints (resume from here)")
@@ -37,6 +41,20 @@ def add_less_parser(sub) -> None:
     p.add_argument("--model-tag", default=None, help="file-name tag of the model (default: smollm2-135m for the embedded model)")
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=cmd_less_train)
+
+    d = tasks.add_parser("distill", help="stage 2 alone: fine-tune a stage-1 kernel file on the end-to-end KL")
+    add_model_args(d)
+    d.add_argument("kernels", type=Path, help="a kernel file made by `less train --distill-epochs 0`")
+    d.add_argument("--out", type=Path, default=None, help="output file (default: overwrite the input)")
+    d.add_argument("--epochs", type=int, default=2)
+    d.add_argument("--sequences", type=int, default=120, help="overlapping training windows")
+    d.add_argument("--lr", type=float, default=1e-2)
+    d.add_argument("--params", choices=("calibration", "all"), default="calibration", help="train the output biases and key scales only, or every kernel tensor")
+    d.add_argument("--seed", type=int, default=0)
+    d.add_argument("--threads", type=int, default=2, help="torch CPU threads (default 2)")
+    d.add_argument("--work-dir", type=Path, default=Path("less-train"), help="collected sequences and the distilled checkpoint (resume from here)")
+    d.add_argument("--no-progress", action="store_true")
+    d.set_defaults(func=cmd_less_distill)
 
 
 def cmd_less_train(args: argparse.Namespace) -> int:
@@ -60,6 +78,10 @@ def cmd_less_train(args: argparse.Namespace) -> int:
         batch=args.batch,
         lr=args.lr,
         seed=args.seed,
+        distill_epochs=args.distill_epochs,
+        distill_sequences=args.distill_sequences,
+        distill_lr=args.distill_lr,
+        distill_params=args.distill_params,
     )
     config.check()
     torch.set_num_threads(args.threads)
@@ -69,4 +91,24 @@ def cmd_less_train(args: argparse.Namespace) -> int:
     paths = train(engine, config, args.work_dir, args.out, model_tag=tag, progress=not args.no_progress)
     summary = {"kernels": [str(p) for p in paths], "seconds": round(time.perf_counter() - start, 1), "threads": args.threads}
     print(json.dumps(summary, indent=None if args.json else 2))
+    return 0
+
+
+def cmd_less_distill(args: argparse.Namespace) -> int:
+    import json
+    import time
+
+    import torch
+
+    from .train import distill_file
+
+    if args.epochs < 1 or args.sequences < 1:
+        raise SystemExit("--epochs and --sequences must be positive")
+    torch.set_num_threads(args.threads)
+    engine = load_engine(args)
+    start = time.perf_counter()
+    out = distill_file(
+        engine, args.kernels, args.out or args.kernels, args.work_dir, epochs=args.epochs, sequences=args.sequences, lr=args.lr, params=args.params, seed=args.seed, progress=not args.no_progress
+    )
+    print(json.dumps({"kernels": str(out), "seconds": round(time.perf_counter() - start, 1), "threads": args.threads}))
     return 0

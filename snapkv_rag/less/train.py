@@ -31,6 +31,7 @@ from tqdm.auto import tqdm
 
 from ..compression import CompressionPolicy, parse_compression
 from .corpus import LICENSE, SOURCE, corpus_tokens, windows
+from .distill import DistillConfig, collect, distill
 from .kernels import FORMAT, LayerKernels, LessKernels, load_kernels, model_signature
 from .state import combine, fold
 
@@ -52,6 +53,11 @@ class TrainConfig:
     init_scale: float = 1e-4
     seed: int = 0
     shard: int = 8  # sequences per capture shard
+    # stage 2 (:mod:`.distill`): all layers together on the end-to-end KL; 0 epochs skips it
+    distill_epochs: int = 2
+    distill_sequences: int = 120  # overlapping training windows (the validation windows are the stage's own)
+    distill_lr: float = 1e-2
+    distill_params: str = "calibration"  # or "all" (every kernel tensor; overfits 120 windows, see distill.py)
 
     def check(self) -> None:
         if self.sequences <= self.val_sequences or self.val_sequences < 1:
@@ -59,6 +65,10 @@ class TrainConfig:
         for name in ("prompt_tokens", "continuation_tokens", "rank", "hidden", "epochs", "batch", "shard"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be positive")
+        if self.distill_epochs < 0 or (self.distill_epochs and self.distill_sequences < 1):
+            raise ValueError("distill_epochs must be >= 0, and distill_sequences positive when distilling")
+        if self.distill_params not in ("calibration", "all"):
+            raise ValueError(f"distill_params must be 'calibration' or 'all', got {self.distill_params!r}")
         for budget in self.budgets:
             if budget >= self.prompt_tokens:
                 raise ValueError(f"budget {budget} must be below prompt_tokens {self.prompt_tokens}")
@@ -254,6 +264,12 @@ def train(engine, config: TrainConfig, work: Path, out_dir: Path, *, model_tag: 
     meta = torch.load(work / "capture" / "meta.pt")
     signature = model_signature(engine.model)
     base_name = parse_compression(config.base).name
+    if config.distill_epochs:
+        start = time.perf_counter()
+        distill_train, distill_val = collect(
+            engine, config.base, config.budgets, config.prompt_tokens, config.continuation_tokens, config.distill_sequences, config.val_sequences, work, progress
+        )
+        distill_collect_seconds = time.perf_counter() - start
     paths = []
     for budget in config.budgets:
         layers_dir = work / f"kernels-b{budget}"
@@ -291,5 +307,46 @@ def train(engine, config: TrainConfig, work: Path, out_dir: Path, *, model_tag: 
             "training": {**settings, "capture_seconds": round(capture_seconds, 3), "train_seconds": round(seconds, 3), "threads": torch.get_num_threads()},
             "validation": report,
         }
+        if config.distill_epochs:
+            trained, header["distill"] = _stage2(engine, LessKernels(trained, header), distill_train, distill_val, budget, config, work, progress)
+            header["distill"]["collect_seconds"] = round(distill_collect_seconds, 3)
         paths.append(LessKernels(trained, header).save(out_dir / kernel_name(model_tag, base_name, budget)))
     return paths
+
+
+def _stage2(engine, stage1: LessKernels, train_paths, val_paths, budget: int, config: TrainConfig, work: Path, progress: bool):
+    """Distil stage 1's kernels on the end-to-end KL, or load the result of an earlier run."""
+    path = work / f"distilled-b{budget}.safetensors"
+    if path.exists():
+        done = load_kernels(path)
+        return done.layers, done.header["distill"]
+    settings = DistillConfig(epochs=config.distill_epochs, lr=config.distill_lr, scale_lr=config.distill_lr, seed=config.seed, params=config.distill_params)
+    kernels, report = distill(engine, stage1, train_paths, val_paths, budget, settings, progress)
+    report["windows"] = {"train": len(train_paths), "val": len(val_paths)}
+    LessKernels(kernels.layers, {**stage1.header, "distill": report}).save(path)
+    return kernels.layers, report
+
+
+def distill_file(
+    engine, kernels_path: Path, out_path: Path, work: Path, *, epochs: int, sequences: int, lr: float, params: str = "calibration", seed: int = 0, progress: bool = True
+) -> Path:
+    """Run stage 2 alone on a stage-1 kernel file (its header says how it was trained) and save the result."""
+    stage1 = load_kernels(kernels_path)
+    stage1.check_model(model_signature(engine.model), str(kernels_path))
+    header, done = stage1.header, stage1.header["training"]
+    if "distill" in header:
+        raise ValueError(f"{kernels_path} is already distilled; start from a stage-1 file")
+    config = TrainConfig(
+        base=done["base"], budgets=[header["budget"]], prompt_tokens=done["prompt_tokens"], continuation_tokens=done["continuation_tokens"],
+        val_sequences=done["val_sequences"], seed=seed, distill_epochs=epochs, distill_sequences=sequences, distill_lr=lr, distill_params=params,
+    )
+    config.check()
+    work.mkdir(parents=True, exist_ok=True)
+    start = time.perf_counter()
+    train_paths, val_paths = collect(engine, config.base, config.budgets, config.prompt_tokens, config.continuation_tokens, sequences, config.val_sequences, work, progress)
+    collect_seconds = time.perf_counter() - start
+    stage = LessKernels(stage1.layers, header)
+    layers, report = _stage2(engine, stage, train_paths, val_paths, header["budget"], config, work, progress)
+    report["collect_seconds"] = round(collect_seconds, 3)
+    training = {**done, "distill_epochs": epochs, "distill_sequences": sequences, "distill_lr": lr, "distill_params": params, "distill_threads": torch.get_num_threads()}
+    return LessKernels(layers, {**header, "training": training, "distill": report}).save(out_path)

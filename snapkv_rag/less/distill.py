@@ -1,0 +1,231 @@
+"""Stage 2 of LESS training: fine-tune all layers' kernels together on the model's own output.
+
+Stage 1 (:mod:`.train`) fits each layer alone to the full attention output, with the full
+model's activations as its inputs. At inference every layer sees the compressed model's
+activations and the layers' errors compound: stage 1 cuts each layer's error by 10-60% and
+still leaves the next-token KL about where the base policy has it. Stage 2 runs the
+compressed model the way inference does (kept entries in the cache, the evicted ones
+folded into the state, the continuation at its true positions, through the engine's own
+decode path) and minimises ``KL(full || LESS)`` of the next-token distributions over the
+continuation, the quantity the eval reports. The model stays frozen; gradients reach
+only the kernels.
+
+Data: per training sequence, one forward of the frozen model over ``prompt +
+continuation`` records every layer's prompt K/V, the base policy's selection per budget
+(exactly as :mod:`.train` selects) and the full model's next-token log-probabilities on
+the continuation. Sequences are the same windows of the training split as stage 1's; the
+last ``val_sequences`` are never trained on and choose the epoch that is kept.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm.auto import tqdm
+
+from ..compression import LESS, CompressionPolicy, parse_compression
+from ..compression.runtime import capturing
+from .corpus import corpus_tokens, windows
+from .kernels import LessKernels
+
+
+@dataclass
+class DistillConfig:
+    epochs: int = 2
+    lr: float = 1e-2
+    scale_lr: float = 1e-2
+    seed: int = 0
+    # "all": every kernel tensor; "calibration": only the output biases and the key scales,
+    # which set how much mass the state claims per head (a few thousand numbers; cannot memorise)
+    params: str = "calibration"
+
+
+CALIBRATION = ("b2",)
+
+
+class _PromptCapture:
+    """Attention-function callback: each layer's prompt K/V and the base policy's selections."""
+
+    def __init__(self, policies: dict[int, CompressionPolicy], prompt_tokens: int):
+        self.policies = policies
+        self.n = prompt_tokens
+        self.keys: dict[int, torch.Tensor] = {}
+        self.values: dict[int, torch.Tensor] = {}
+        self.kept: dict[int, dict[int, torch.Tensor]] = {b: {} for b in policies}
+
+    def __call__(self, module, query, key, value, output, scaling) -> None:
+        from .train import _select_prompt
+
+        n, layer = self.n, module.layer_idx
+        self.keys[layer] = key[0, :, :n].half().cpu()
+        self.values[layer] = value[0, :, :n].half().cpu()
+        for budget, policy in self.policies.items():
+            self.kept[budget][layer] = _select_prompt(policy, query, key, n, scaling)[0].to(torch.int16).cpu()
+
+
+def overlapping_windows(tokens: list[int], length: int, train: int, val: int) -> tuple[list[list[int]], list[list[int]]]:
+    """``train`` windows spread evenly over the text before the last ``val * length`` tokens
+    (they overlap, their continuations do not when the stride is at least the continuation),
+    and ``val`` non-overlapping windows of the tail, disjoint from every training window."""
+    tail = len(tokens) - val * length
+    if tail < length:
+        raise ValueError(f"the training split ({len(tokens)} tokens) is too short for {val} validation windows of {length}")
+    val_windows = windows(tokens[tail:], length, val)
+    stride = max(1, (tail - length) // max(1, train - 1))
+    train_windows = [tokens[s : s + length] for s in range(0, tail - length + 1, stride)][:train]
+    return train_windows, val_windows
+
+
+def collect(engine, base: str, budgets: list[int], prompt_tokens: int, continuation_tokens: int, sequences: int, val_sequences: int, work: Path, progress: bool = True) -> tuple[list[Path], list[Path]]:
+    """Write one file per sequence under ``work/distill`` (skipping those already there); returns (train, val) paths."""
+    policy = parse_compression(base)
+    policies = {b: policy.with_budget(b) for b in budgets}
+    length = prompt_tokens + continuation_tokens
+    train, val = overlapping_windows(corpus_tokens(engine.tokenizer, "train"), length, sequences, val_sequences)
+    seqs = train + val
+    settings = json.dumps([policy.spec(), prompt_tokens, continuation_tokens, sequences, val_sequences])
+    directory = work / f"distill-{hashlib.sha256(settings.encode()).hexdigest()[:12]}"  # one directory per data setting
+    directory.mkdir(parents=True, exist_ok=True)
+    manifest = directory / "budgets.json"  # the budgets whose selections the files hold
+    if manifest.exists() and not set(budgets) <= set(json.loads(manifest.read_text())):
+        raise ValueError(f"{directory} was collected for budgets {json.loads(manifest.read_text())}, not {sorted(budgets)}; use another work dir")
+    if not manifest.exists():
+        manifest.write_text(json.dumps(sorted(budgets)))
+    paths = []
+    for i, seq in enumerate(tqdm(seqs, desc="distill data", disable=not progress)):
+        path = directory / f"seq{i:04d}.pt"
+        paths.append(path)
+        if path.exists():
+            continue
+        grab = _PromptCapture(policies, prompt_tokens)
+        with torch.inference_mode(), capturing(grab):
+            logits = engine.model(input_ids=torch.tensor([seq], device=engine.device), use_cache=False, logits_to_keep=continuation_tokens).logits
+        layers = sorted(grab.keys)
+        torch.save(
+            {
+                "tokens": torch.tensor(seq),
+                "keys": torch.stack([grab.keys[i] for i in layers]),
+                "values": torch.stack([grab.values[i] for i in layers]),
+                **{f"kept{b}": torch.stack([grab.kept[b][i] for i in layers]) for b in budgets},
+                # positions n .. n+c-2 predict continuation tokens 1 .. c-1 (row n-1 is the prefill's)
+                "log_probs": logits[0, :-1].float().log_softmax(-1).half().cpu(),
+            },
+            path,
+        )
+    return paths[: len(train)], paths[len(train) :]
+
+
+def less_log_probs(engine, policy: LESS, kernels: LessKernels, sample: dict[str, torch.Tensor], budget: int) -> torch.Tensor:
+    """Log-probabilities ``[c-1, vocab]`` of the continuation under LESS, differentiable in the kernels.
+
+    Rebuilds the state the compressed prefill would leave (kept K/V in the cache, evicted
+    K/V folded into the low-rank state) from the recorded prompt K/V and selection, then
+    runs the continuation through the engine's decode path (:class:`DecodeRun`).
+    """
+    from ..generation import DecodeRun
+    from ..sampling import GenerationParams
+    from .state import LowRankState
+
+    tokens = sample["tokens"].tolist()
+    n = sample["keys"].shape[2]
+    prompt, continuation = tokens[:n], tokens[n:]
+    run = DecodeRun(engine.model, [prompt], GenerationParams(max_new_tokens=len(continuation)), policy.with_budget(budget), engine._pad_id)
+    run.low_rank = LowRankState(kernels, run.device)
+    for layer_idx in range(sample["keys"].shape[0]):
+        keys = sample["keys"][layer_idx][None].to(run.device, torch.float32)
+        values = sample["values"][layer_idx][None].to(run.device, torch.float32)
+        kept = sample[f"kept{budget}"][layer_idx][None].to(run.device).long()
+        run.low_rank.fold_selection(layer_idx, keys, values, kept, None)
+        gather = kept.unsqueeze(-1).expand(-1, -1, -1, keys.shape[-1])
+        run.cache.update(keys.gather(2, gather).to(engine.model.dtype), values.gather(2, gather).to(engine.model.dtype), layer_idx)
+    run._last_position = torch.tensor([[n - 1]], device=run.device)
+    logits = run._extend(torch.tensor([continuation[:-1]], device=run.device), last_only=False)[0]
+    return logits.float().log_softmax(-1)
+
+
+def _kl(full_log_probs: torch.Tensor, log_probs: torch.Tensor) -> torch.Tensor:
+    full = full_log_probs.float()
+    return (full.exp() * (full - log_probs)).sum(-1).mean()
+
+
+def _trainable(kernels: LessKernels, params: str) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Detached leaf copies of the trained kernel tensors (in place in ``kernels``); the scales as logs."""
+    weights, log_scales = [], []
+    for layer in kernels.layers.values():
+        for part in (layer.phi, layer.psi):
+            for name in list(part):
+                if name == "scale" or (params == "calibration" and name not in CALIBRATION):
+                    continue
+                part[name] = part[name].detach().clone().requires_grad_()
+                weights.append(part[name])
+        log_scales.append(layer.psi["scale"].detach().abs().clamp_min(1e-12).log().requires_grad_())
+    return weights, log_scales
+
+
+def _apply_scales(kernels: LessKernels, log_scales: list[torch.Tensor]) -> None:
+    for layer, log_scale in zip(kernels.layers.values(), log_scales):
+        layer.psi["scale"] = log_scale.exp()
+
+
+def _frozen(kernels: LessKernels) -> LessKernels:
+    out = copy.copy(kernels)
+    out.layers = {i: type(k)({n: t.detach().clone() for n, t in k.phi.items()}, {n: t.detach().clone() for n, t in k.psi.items()}) for i, k in kernels.layers.items()}
+    return out
+
+
+def evaluate(engine, policy: LESS, kernels: LessKernels, samples: list[dict], budget: int) -> float:
+    with torch.no_grad():
+        return sum(float(_kl(s["log_probs"], less_log_probs(engine, policy, kernels, s, budget))) for s in samples) / len(samples)
+
+
+def distill(engine, kernels: LessKernels, train_paths: list[Path], val_paths: list[Path], budget: int, config: DistillConfig, progress: bool = True) -> tuple[LessKernels, dict[str, Any]]:
+    """Fine-tune ``kernels`` (stage 1's, a copy is trained) on the end-to-end KL; returns the best epoch's."""
+    for p in engine.model.parameters():
+        p.requires_grad_(False)
+    train = [torch.load(p) for p in train_paths]
+    val = [torch.load(p) for p in val_paths]
+    policy = LESS(base=parse_compression(kernels.header.get("base_spec", "snapkv")).with_budget(budget), kernels=kernels)
+    base_policy = policy.base
+    base_kl = evaluate(engine, policy, LessKernels.zeros(kernels.header["model"], rank=kernels.rank, hidden=1), val, budget)
+    trained = _frozen(kernels)
+    weights, log_scales = _trainable(trained, config.params)
+    optim = torch.optim.Adam([{"params": weights, "lr": config.lr}, {"params": log_scales, "lr": config.scale_lr}])
+    generator = torch.Generator().manual_seed(config.seed)
+    history = [{"epoch": 0, "val_kl": evaluate(engine, policy, _frozen(trained), val, budget)}]
+    best = (history[0]["val_kl"], _frozen(trained), 0)
+    start = time.perf_counter()
+    for epoch in range(1, config.epochs + 1):
+        order = torch.randperm(len(train), generator=generator).tolist()
+        total = 0.0
+        for i in tqdm(order, desc=f"distill b={budget} epoch {epoch}", disable=not progress, leave=False):
+            _apply_scales(trained, log_scales)
+            loss = _kl(train[i]["log_probs"], less_log_probs(engine, policy, trained, train[i], budget))
+            optim.zero_grad()
+            loss.backward()
+            optim.step()
+            total += float(loss.detach())
+        _apply_scales(trained, log_scales)
+        val_kl = evaluate(engine, policy, _frozen(trained), val, budget)
+        history.append({"epoch": epoch, "train_kl": total / len(train), "val_kl": val_kl})
+        if progress:
+            tqdm.write(json.dumps({"budget": budget, **history[-1], "base_val_kl": base_kl}))
+        if val_kl < best[0]:
+            best = (val_kl, _frozen(trained), epoch)
+    report = {
+        "base_spec": base_policy.spec(),
+        "val_kl_base": base_kl,
+        "val_kl_stage1": history[0]["val_kl"],
+        "val_kl": best[0],
+        "best_epoch": best[2],
+        "history": history,
+        "seconds": round(time.perf_counter() - start, 3),
+        "settings": asdict(config),
+    }
+    return best[1], report
