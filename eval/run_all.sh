@@ -21,7 +21,7 @@ for task in "${tasks[@]}"; do
     attribution) $CLI citation --context-tokens 1000 --max-new-tokens 32 --methods full --no-noise-floor --threads 1 --out $OUT/attribution ;;
     window) $CLI needle --lengths 1000,2000 --budgets 256,512 --methods snapkv 'snapkv:window=question' --threads 1 --out $OUT/window_needle ;;
     # LESS vs SnapKV vs baseline+ on held-out text (shipped kernels; train them with `snapkv-rag less train`)
-    less) $CLI fidelity --text heldout --lengths 2048,4096 --prompts-per-length 2 --continuation-tokens 64 --decode-tokens 16 --budgets 64,128,256,512 --methods less:base=snapkv --threads 1 --out $OUT/less ;;
+    less) $CLI fidelity --text heldout --lengths 2048,4096 --prompts-per-length 3 --continuation-tokens 64 --decode-tokens 16 --budgets 64,128,256,512 --methods less:base=snapkv --threads 2 --out $OUT/less ;;
     fidelity) $CLI fidelity --lengths 2000,4000 --seeds 0,1 --budgets 256,512,1024 --methods snapkv streamingllm h2o random --out $OUT/fidelity ;;
     *) echo "unknown task $task" >&2; exit 2 ;;
   esac
