@@ -50,6 +50,10 @@ class InvalidCompressionError(SnapKVRagError, ValueError):
     """A compression policy or its specification string is invalid."""
 
 
+class LessTrainingError(SnapKVRagError, ValueError):
+    """LESS training cannot run as asked: bad settings, too little text, a work dir or kernel file that does not fit."""
+
+
 class AgentMemoryError(SnapKVRagError, ValueError):
     """Agent memory misuse: a bad thread id, an invalid setting, a summariser that returned no text."""
 

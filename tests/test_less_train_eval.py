@@ -224,3 +224,15 @@ def test_distillation_lowers_the_end_to_end_kl(engine, tmp_path, params):
     assert moved == ({"b2"} if params == "calibration" else {"w1", "b2"})
     with pytest.raises(ValueError, match="collected for budgets"):
         collect(engine, BASE_SPEC, [16, 20], 48, 8, 4, 1, tmp_path, progress=False)
+
+
+def test_less_cli_bad_input_is_one_clear_error(tmp_path, capsys):
+    from snapkv_rag.cli import main
+    from snapkv_rag.errors import InvalidCompressionError
+
+    assert main(["less", "train", "--budgets", "4096"]) == 2
+    assert "budget 4096 must be below prompt_tokens 2048" in capsys.readouterr().err
+    broken = tmp_path / "broken.safetensors"
+    broken.write_bytes(b"not a kernel file")
+    with pytest.raises(InvalidCompressionError, match="not a readable safetensors file"):
+        load_kernels(broken)

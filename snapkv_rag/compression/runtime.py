@@ -79,6 +79,13 @@ def sliding_layers(config) -> list[bool]:
     return [False] * text.num_hidden_layers
 
 
+def select_for_prompt(policy: CompressionPolicy, query: torch.Tensor, key: torch.Tensor, mask: torch.Tensor | None, scaling) -> torch.Tensor:
+    """``policy``'s kept indices over a prompt's keys; a windowed policy votes with the prompt's last queries."""
+    window = policy.query_window
+    queries = query if window is None else query[:, :, query.shape[2] - window :]
+    return policy.select(queries, key, mask, scaling=scaling)
+
+
 class PrefillCompression:
     """State of one compressed prefill: the policy, the cache it shrinks, what was kept.
 
@@ -109,11 +116,6 @@ class PrefillCompression:
         # LESS: the state that what each layer's selection evicts is folded into
         self.low_rank = low_rank
 
-    def _select(self, policy: CompressionPolicy, query, key, mask, scaling) -> torch.Tensor:
-        window = policy.query_window
-        queries = query if window is None else query[:, :, query.shape[2] - window :]
-        return policy.select(queries, key, mask, scaling=scaling)
-
     def compress_layer(self, module, query: torch.Tensor, key: torch.Tensor, scaling: float | None) -> None:
         layer_idx = module.layer_idx
         n = key.shape[2]
@@ -124,25 +126,29 @@ class PrefillCompression:
             layer = self.cache.layers[layer_idx]
             self.full_kv[layer_idx] = (layer.keys, layer.values)
         if self.row_policies is None:
-            indices = self._select(self.policy, query, key, self.attention_mask, scaling)
+            indices = select_for_prompt(self.policy, query, key, self.attention_mask, scaling)
         else:
             mask = self.attention_mask
             indices = torch.cat(
                 [
-                    self._select(p, query[i : i + 1], key[i : i + 1], None if mask is None else mask[i : i + 1], scaling)
+                    select_for_prompt(p, query[i : i + 1], key[i : i + 1], None if mask is None else mask[i : i + 1], scaling)
                     for i, p in enumerate(self.row_policies)
                 ]
             )
         self.kept_indices[layer_idx] = indices
         if indices.shape[-1] < n:
-            layer = self.cache.layers[layer_idx]
-            if self.low_rank is not None:
-                self.low_rank.fold_selection(layer_idx, layer.keys, layer.values, indices, self.attention_mask)
-            gather = indices.unsqueeze(-1).expand(-1, -1, -1, layer.keys.shape[-1])
-            layer.keys = layer.keys.gather(2, gather)
-            layer.values = layer.values.gather(2, gather)
-            if self.attention_mask is not None and self.kept_attention_mask is None:
-                self.kept_attention_mask = self.attention_mask.gather(1, indices[:, 0])
+            self.keep(layer_idx, indices)
+
+    def keep(self, layer_idx: int, indices: torch.Tensor) -> None:
+        """Shrink the layer's cache entry to ``indices [batch, kv_heads, k]``; LESS folds the rest."""
+        layer = self.cache.layers[layer_idx]
+        if self.low_rank is not None:
+            self.low_rank.fold_selection(layer_idx, layer.keys, layer.values, indices, self.attention_mask)
+        gather = indices.unsqueeze(-1).expand(-1, -1, -1, layer.keys.shape[-1])
+        layer.keys = layer.keys.gather(2, gather)
+        layer.values = layer.values.gather(2, gather)
+        if self.attention_mask is not None and self.kept_attention_mask is None:
+            self.kept_attention_mask = self.attention_mask.gather(1, indices[:, 0])
 
 
 @dataclass(frozen=True)

@@ -10,16 +10,15 @@ decode path) and minimises ``KL(full || LESS)`` of the next-token distributions 
 continuation, the quantity the eval reports. The model stays frozen; gradients reach
 only the kernels.
 
-Data: per training sequence, one forward of the frozen model over ``prompt +
-continuation`` records every layer's prompt K/V, the base policy's selection per budget
-(exactly as :mod:`.train` selects) and the full model's next-token log-probabilities on
-the continuation. Sequences are the same windows of the training split as stage 1's; the
-last ``val_sequences`` are never trained on and choose the epoch that is kept.
+Data: per window, one forward of the frozen model over ``prompt + continuation`` records
+every layer's prompt K/V, the base policy's selection per budget (the selection inference
+makes) and the full model's next-token log-probabilities on the continuation. Training
+windows overlap, spread over the training split (:func:`overlapping_windows`); the
+validation windows are disjoint from them and choose the epoch that is kept.
 """
 
 from __future__ import annotations
 
-import copy
 import hashlib
 import json
 import time
@@ -30,10 +29,11 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
+from ..errors import LessTrainingError
 from ..compression import LESS, CompressionPolicy, parse_compression
-from ..compression.runtime import capturing
+from ..compression.runtime import PrefillCompression, capturing, select_for_prompt
 from .corpus import corpus_tokens, windows
-from .kernels import LessKernels
+from .kernels import LayerKernels, LessKernels
 
 
 @dataclass
@@ -61,13 +61,11 @@ class _PromptCapture:
         self.kept: dict[int, dict[int, torch.Tensor]] = {b: {} for b in policies}
 
     def __call__(self, module, query, key, value, output, scaling) -> None:
-        from .train import _select_prompt
-
         n, layer = self.n, module.layer_idx
         self.keys[layer] = key[0, :, :n].half().cpu()
         self.values[layer] = value[0, :, :n].half().cpu()
         for budget, policy in self.policies.items():
-            self.kept[budget][layer] = _select_prompt(policy, query, key, n, scaling)[0].to(torch.int16).cpu()
+            self.kept[budget][layer] = select_for_prompt(policy, query[:, :, :n], key[:, :, :n], None, scaling)[0].to(torch.int16).cpu()
 
 
 def overlapping_windows(tokens: list[int], length: int, train: int, val: int) -> tuple[list[list[int]], list[list[int]]]:
@@ -76,7 +74,7 @@ def overlapping_windows(tokens: list[int], length: int, train: int, val: int) ->
     and ``val`` non-overlapping windows of the tail, disjoint from every training window."""
     tail = len(tokens) - val * length
     if tail < length:
-        raise ValueError(f"the training split ({len(tokens)} tokens) is too short for {val} validation windows of {length}")
+        raise LessTrainingError(f"the training split ({len(tokens)} tokens) is too short for {val} validation windows of {length}")
     val_windows = windows(tokens[tail:], length, val)
     stride = max(1, (tail - length) // max(1, train - 1))
     train_windows = [tokens[s : s + length] for s in range(0, tail - length + 1, stride)][:train]
@@ -84,7 +82,9 @@ def overlapping_windows(tokens: list[int], length: int, train: int, val: int) ->
 
 
 def collect(engine, base: str, budgets: list[int], prompt_tokens: int, continuation_tokens: int, sequences: int, val_sequences: int, work: Path, progress: bool = True) -> tuple[list[Path], list[Path]]:
-    """Write one file per sequence under ``work/distill`` (skipping those already there); returns (train, val) paths."""
+    """Write one file per window under ``work/distill-<settings hash>`` (skipping those already
+    there; the collection time, summed over resumed runs, is in its ``seconds.json``);
+    returns (train, val) paths."""
     policy = parse_compression(base)
     policies = {b: policy.with_budget(b) for b in budgets}
     length = prompt_tokens + continuation_tokens
@@ -95,15 +95,17 @@ def collect(engine, base: str, budgets: list[int], prompt_tokens: int, continuat
     directory.mkdir(parents=True, exist_ok=True)
     manifest = directory / "budgets.json"  # the budgets whose selections the files hold
     if manifest.exists() and not set(budgets) <= set(json.loads(manifest.read_text())):
-        raise ValueError(f"{directory} was collected for budgets {json.loads(manifest.read_text())}, not {sorted(budgets)}; use another work dir")
+        raise LessTrainingError(f"{directory} was collected for budgets {json.loads(manifest.read_text())}, not {sorted(budgets)}; use another work dir")
     if not manifest.exists():
         manifest.write_text(json.dumps(sorted(budgets)))
+    timing_path = directory / "seconds.json"
     paths = []
     for i, seq in enumerate(tqdm(seqs, desc="distill data", disable=not progress)):
         path = directory / f"seq{i:04d}.pt"
         paths.append(path)
         if path.exists():
             continue
+        start = time.perf_counter()
         grab = _PromptCapture(policies, prompt_tokens)
         with torch.inference_mode(), capturing(grab):
             logits = engine.model(input_ids=torch.tensor([seq], device=engine.device), use_cache=False, logits_to_keep=continuation_tokens).logits
@@ -119,7 +121,15 @@ def collect(engine, base: str, budgets: list[int], prompt_tokens: int, continuat
             },
             path,
         )
+        spent = collection_seconds(directory) + time.perf_counter() - start
+        timing_path.write_text(json.dumps({"seconds": spent}))
     return paths[: len(train)], paths[len(train) :]
+
+
+def collection_seconds(directory: Path) -> float:
+    """Seconds spent collecting the windows in ``directory`` (a collect directory), over all runs."""
+    path = directory / "seconds.json"
+    return json.loads(path.read_text())["seconds"] if path.exists() else 0.0
 
 
 def less_log_probs(engine, policy: LESS, kernels: LessKernels, sample: dict[str, torch.Tensor], budget: int) -> torch.Tensor:
@@ -138,13 +148,12 @@ def less_log_probs(engine, policy: LESS, kernels: LessKernels, sample: dict[str,
     prompt, continuation = tokens[:n], tokens[n:]
     run = DecodeRun(engine.model, [prompt], GenerationParams(max_new_tokens=len(continuation)), policy.with_budget(budget), engine._pad_id)
     run.low_rank = LowRankState(kernels, run.device)
+    session = PrefillCompression(run.policy, run.cache, None, run.sliding, run.low_rank)
+    dtype = engine.model.dtype
     for layer_idx in range(sample["keys"].shape[0]):
-        keys = sample["keys"][layer_idx][None].to(run.device, torch.float32)
-        values = sample["values"][layer_idx][None].to(run.device, torch.float32)
-        kept = sample[f"kept{budget}"][layer_idx][None].to(run.device).long()
-        run.low_rank.fold_selection(layer_idx, keys, values, kept, None)
-        gather = kept.unsqueeze(-1).expand(-1, -1, -1, keys.shape[-1])
-        run.cache.update(keys.gather(2, gather).to(engine.model.dtype), values.gather(2, gather).to(engine.model.dtype), layer_idx)
+        keys, values = (sample[name][layer_idx][None].to(run.device, dtype) for name in ("keys", "values"))
+        run.cache.update(keys, values, layer_idx)
+        session.keep(layer_idx, sample[f"kept{budget}"][layer_idx][None].to(run.device).long())
     run._last_position = torch.tensor([[n - 1]], device=run.device)
     logits = run._extend(torch.tensor([continuation[:-1]], device=run.device), last_only=False)[0]
     return logits.float().log_softmax(-1)
@@ -175,9 +184,12 @@ def _apply_scales(kernels: LessKernels, log_scales: list[torch.Tensor]) -> None:
 
 
 def _frozen(kernels: LessKernels) -> LessKernels:
-    out = copy.copy(kernels)
-    out.layers = {i: type(k)({n: t.detach().clone() for n, t in k.phi.items()}, {n: t.detach().clone() for n, t in k.psi.items()}) for i, k in kernels.layers.items()}
-    return out
+    """A detached copy (a snapshot of the kernels being trained)."""
+
+    def copy(params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {name: t.detach().clone() for name, t in params.items()}
+
+    return LessKernels({i: LayerKernels(copy(k.phi), copy(k.psi)) for i, k in kernels.layers.items()}, kernels.header)
 
 
 def evaluate(engine, policy: LESS, kernels: LessKernels, samples: list[dict], budget: int) -> float:
@@ -186,12 +198,23 @@ def evaluate(engine, policy: LESS, kernels: LessKernels, samples: list[dict], bu
 
 
 def distill(engine, kernels: LessKernels, train_paths: list[Path], val_paths: list[Path], budget: int, config: DistillConfig, progress: bool = True) -> tuple[LessKernels, dict[str, Any]]:
-    """Fine-tune ``kernels`` (stage 1's, a copy is trained) on the end-to-end KL; returns the best epoch's."""
-    for p in engine.model.parameters():
+    """Fine-tune ``kernels`` (stage 1's, a copy is trained) on the end-to-end KL; returns the best epoch's.
+
+    The model's parameters are frozen for the run and given back their ``requires_grad`` after."""
+    trainable = [p for p in engine.model.parameters() if p.requires_grad]
+    for p in trainable:
         p.requires_grad_(False)
+    try:
+        return _distill(engine, kernels, train_paths, val_paths, budget, config, progress)
+    finally:
+        for p in trainable:
+            p.requires_grad_(True)
+
+
+def _distill(engine, kernels: LessKernels, train_paths, val_paths, budget: int, config: DistillConfig, progress: bool) -> tuple[LessKernels, dict[str, Any]]:
     train = [torch.load(p) for p in train_paths]
     val = [torch.load(p) for p in val_paths]
-    policy = LESS(base=parse_compression(kernels.header.get("base_spec", "snapkv")).with_budget(budget), kernels=kernels)
+    policy = LESS(base=parse_compression(kernels.header["base_spec"]).with_budget(budget), kernels=kernels)
     base_policy = policy.base
     base_kl = evaluate(engine, policy, LessKernels.zeros(kernels.header["model"], rank=kernels.rank, hidden=1), val, budget)
     trained = _frozen(kernels)

@@ -175,8 +175,11 @@ class LessKernels:
 def read_header(path: str | Path) -> dict[str, Any]:
     from safetensors import safe_open
 
-    with safe_open(str(path), framework="pt") as f:
-        meta = f.metadata() or {}
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            meta = f.metadata() or {}
+    except Exception as exc:  # safetensors raises its own error type for unreadable files
+        raise InvalidCompressionError(f"LESS: {path} is not a readable safetensors file ({exc})") from exc
     if "less" not in meta:
         raise InvalidCompressionError(f"LESS: {path} has no 'less' header; not a LESS kernel file")
     return json.loads(meta["less"])

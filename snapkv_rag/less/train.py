@@ -16,10 +16,14 @@
 
 The continuation queries are what the kernels serve at inference: decode steps (and
 teacher-forced tokens) after a compressed prompt.
+
+3. Distil (stage 2, :mod:`.distill`, unless ``distill_epochs`` is 0): all layers together on
+   the end-to-end KL of the next-token distributions.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import time
 from dataclasses import asdict, dataclass, field
@@ -29,9 +33,11 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
+from ..errors import LessTrainingError
 from ..compression import CompressionPolicy, parse_compression
+from ..compression.runtime import select_for_prompt
 from .corpus import LICENSE, SOURCE, corpus_tokens, windows
-from .distill import DistillConfig, collect, distill
+from .distill import DistillConfig, collect, collection_seconds, distill
 from .kernels import FORMAT, LayerKernels, LessKernels, load_kernels, model_signature
 from .state import combine, fold
 
@@ -61,24 +67,17 @@ class TrainConfig:
 
     def check(self) -> None:
         if self.sequences <= self.val_sequences or self.val_sequences < 1:
-            raise ValueError(f"need more sequences ({self.sequences}) than validation sequences ({self.val_sequences}), and at least one of those")
+            raise LessTrainingError(f"need more sequences ({self.sequences}) than validation sequences ({self.val_sequences}), and at least one of those")
         for name in ("prompt_tokens", "continuation_tokens", "rank", "hidden", "epochs", "batch", "shard"):
             if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be positive")
+                raise LessTrainingError(f"{name} must be positive")
         if self.distill_epochs < 0 or (self.distill_epochs and self.distill_sequences < 1):
-            raise ValueError("distill_epochs must be >= 0, and distill_sequences positive when distilling")
+            raise LessTrainingError("distill_epochs must be >= 0, and distill_sequences positive when distilling")
         if self.distill_params not in ("calibration", "all"):
-            raise ValueError(f"distill_params must be 'calibration' or 'all', got {self.distill_params!r}")
+            raise LessTrainingError(f"distill_params must be 'calibration' or 'all', got {self.distill_params!r}")
         for budget in self.budgets:
             if budget >= self.prompt_tokens:
-                raise ValueError(f"budget {budget} must be below prompt_tokens {self.prompt_tokens}")
-
-
-def _select_prompt(policy: CompressionPolicy, query: torch.Tensor, key: torch.Tensor, n: int, scaling) -> torch.Tensor:
-    window = policy.query_window
-    prompt_q = query[:, :, :n]
-    queries = prompt_q if window is None else prompt_q[:, :, n - window :]
-    return policy.select(queries, key[:, :, :n], None, scaling=scaling)
+                raise LessTrainingError(f"budget {budget} must be below prompt_tokens {self.prompt_tokens}")
 
 
 class Capture:
@@ -98,11 +97,11 @@ class Capture:
         layer["v"].append(value[0].half().cpu())
         layer["out"].append(output[0, n:].half().cpu())  # [c, q_heads, d]
         for budget, policy in self.policies.items():
-            layer[f"kept{budget}"].append(_select_prompt(policy, query, key, n, scaling)[0].to(torch.int16).cpu())
+            layer[f"kept{budget}"].append(select_for_prompt(policy, query[:, :, :n], key[:, :, :n], None, scaling)[0].to(torch.int16).cpu())
         if module.layer_idx not in self.meta:
             o_proj = getattr(module, "o_proj", None)
             if o_proj is None:
-                raise ValueError("LESS training needs the attention module's output projection (o_proj)")
+                raise LessTrainingError("LESS training needs the attention module's output projection (o_proj)")
             self.meta[module.layer_idx] = {"scaling": scaling, "o_proj": o_proj.weight.detach().float().cpu().clone()}
 
     def save(self, directory: Path, shard: int) -> None:
@@ -123,7 +122,7 @@ def capture(engine, config: TrainConfig, work: Path, progress: bool = True) -> d
     tokens = corpus_tokens(engine.tokenizer, "train")
     seqs = windows(tokens, length, config.sequences)
     if len(seqs) < config.sequences:
-        raise ValueError(f"the training split has {len(tokens)} tokens: only {len(seqs)} windows of {length}, {config.sequences} asked for")
+        raise LessTrainingError(f"the training split has {len(tokens)} tokens: only {len(seqs)} windows of {length}, {config.sequences} asked for")
     directory = work / "capture"
     directory.mkdir(parents=True, exist_ok=True)
     timing_path = directory / "seconds.json"  # capture time so far, across resumed runs
@@ -257,7 +256,7 @@ def train(engine, config: TrainConfig, work: Path, out_dir: Path, *, model_tag: 
     settings_path = work / "config.json"
     settings = asdict(config)
     if settings_path.exists() and json.loads(settings_path.read_text()) != settings:
-        raise ValueError(f"{work} holds a run with other settings ({settings_path}); use another --work-dir or delete it")
+        raise LessTrainingError(f"{work} holds a run with other settings ({settings_path}); use another --work-dir or delete it")
     settings_path.write_text(json.dumps(settings, indent=2))
     data_info = capture(engine, config, work, progress)
     capture_seconds = data_info.pop("capture_seconds")
@@ -265,11 +264,9 @@ def train(engine, config: TrainConfig, work: Path, out_dir: Path, *, model_tag: 
     signature = model_signature(engine.model)
     base_name = parse_compression(config.base).name
     if config.distill_epochs:
-        start = time.perf_counter()
         distill_train, distill_val = collect(
             engine, config.base, config.budgets, config.prompt_tokens, config.continuation_tokens, config.distill_sequences, config.val_sequences, work, progress
         )
-        distill_collect_seconds = time.perf_counter() - start
     paths = []
     for budget in config.budgets:
         layers_dir = work / f"kernels-b{budget}"
@@ -308,21 +305,23 @@ def train(engine, config: TrainConfig, work: Path, out_dir: Path, *, model_tag: 
             "validation": report,
         }
         if config.distill_epochs:
-            trained, header["distill"] = _stage2(engine, LessKernels(trained, header), distill_train, distill_val, budget, config, work, progress)
-            header["distill"]["collect_seconds"] = round(distill_collect_seconds, 3)
+            trained, header["distill"] = _stage2(engine, LessKernels(trained, header), distill_train, distill_val, budget, config, progress)
         paths.append(LessKernels(trained, header).save(out_dir / kernel_name(model_tag, base_name, budget)))
     return paths
 
 
-def _stage2(engine, stage1: LessKernels, train_paths, val_paths, budget: int, config: TrainConfig, work: Path, progress: bool):
-    """Distil stage 1's kernels on the end-to-end KL, or load the result of an earlier run."""
-    path = work / f"distilled-b{budget}.safetensors"
+def _stage2(engine, stage1: LessKernels, train_paths, val_paths, budget: int, config: TrainConfig, progress: bool):
+    """Distil stage 1's kernels on the end-to-end KL, or load the result of an earlier run with
+    the same stage-1 kernels, settings and data (checkpointed beside the collected windows)."""
+    settings = DistillConfig(epochs=config.distill_epochs, lr=config.distill_lr, scale_lr=config.distill_lr, seed=config.seed, params=config.distill_params)
+    key = hashlib.sha256(json.dumps([asdict(settings), stage1.header], sort_keys=True).encode()).hexdigest()[:12]
+    path = train_paths[0].parent / f"distilled-b{budget}-{key}.safetensors"
     if path.exists():
         done = load_kernels(path)
         return done.layers, done.header["distill"]
-    settings = DistillConfig(epochs=config.distill_epochs, lr=config.distill_lr, scale_lr=config.distill_lr, seed=config.seed, params=config.distill_params)
     kernels, report = distill(engine, stage1, train_paths, val_paths, budget, settings, progress)
     report["windows"] = {"train": len(train_paths), "val": len(val_paths)}
+    report["collect_seconds"] = round(collection_seconds(train_paths[0].parent), 3)  # shared by every budget
     LessKernels(kernels.layers, {**stage1.header, "distill": report}).save(path)
     return kernels.layers, report
 
@@ -335,18 +334,14 @@ def distill_file(
     stage1.check_model(model_signature(engine.model), str(kernels_path))
     header, done = stage1.header, stage1.header["training"]
     if "distill" in header:
-        raise ValueError(f"{kernels_path} is already distilled; start from a stage-1 file")
+        raise LessTrainingError(f"{kernels_path} is already distilled; start from a stage-1 file")
     config = TrainConfig(
         base=done["base"], budgets=[header["budget"]], prompt_tokens=done["prompt_tokens"], continuation_tokens=done["continuation_tokens"],
         val_sequences=done["val_sequences"], seed=seed, distill_epochs=epochs, distill_sequences=sequences, distill_lr=lr, distill_params=params,
     )
     config.check()
     work.mkdir(parents=True, exist_ok=True)
-    start = time.perf_counter()
     train_paths, val_paths = collect(engine, config.base, config.budgets, config.prompt_tokens, config.continuation_tokens, sequences, config.val_sequences, work, progress)
-    collect_seconds = time.perf_counter() - start
-    stage = LessKernels(stage1.layers, header)
-    layers, report = _stage2(engine, stage, train_paths, val_paths, header["budget"], config, work, progress)
-    report["collect_seconds"] = round(collect_seconds, 3)
+    layers, report = _stage2(engine, stage1, train_paths, val_paths, header["budget"], config, progress)
     training = {**done, "distill_epochs": epochs, "distill_sequences": sequences, "distill_lr": lr, "distill_params": params, "distill_threads": torch.get_num_threads()}
     return LessKernels(layers, {**header, "training": training, "distill": report}).save(out_path)
