@@ -232,6 +232,8 @@ def test_less_cli_bad_input_is_one_clear_error(tmp_path, capsys):
 
     assert main(["less", "train", "--budgets", "4096"]) == 2
     assert "budget 4096 must be below prompt_tokens 2048" in capsys.readouterr().err
+    assert main(["less", "distill", str(tmp_path / "any.safetensors"), "--epochs", "0"]) == 2
+    assert "--epochs and --sequences must be positive" in capsys.readouterr().err
     broken = tmp_path / "broken.safetensors"
     broken.write_bytes(b"not a kernel file")
     with pytest.raises(InvalidCompressionError, match="not a readable safetensors file"):

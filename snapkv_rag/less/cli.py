@@ -100,10 +100,11 @@ def cmd_less_distill(args: argparse.Namespace) -> int:
 
     import torch
 
+    from ..errors import LessTrainingError
     from .train import distill_file
 
     if args.epochs < 1 or args.sequences < 1:
-        raise SystemExit("--epochs and --sequences must be positive")
+        raise LessTrainingError("--epochs and --sequences must be positive")
     torch.set_num_threads(args.threads)
     engine = load_engine(args)
     start = time.perf_counter()
