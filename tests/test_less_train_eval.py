@@ -64,9 +64,46 @@ def test_training_is_resumable_deterministic_and_lowers_the_loss(engine, tmp_pat
     assert result.stats.low_rank_state_bytes > 0
 
 
+def test_overlapping_windows_keep_every_length_out_of_the_validation_tail():
+    from snapkv_rag.less.corpus import overlapping_windows
+
+    tokens = list(range(1000))
+    for length in (50, 100):
+        train_windows, val = overlapping_windows(tokens, length, 8, 2, tail=2 * 100)
+        assert len(train_windows) == 8 and len(val) == 2 and all(len(w) == length for w in train_windows + val)
+        assert max(max(w) for w in train_windows) < 800 and [w[0] for w in val] == [800, 800 + length]
+    with pytest.raises(ValueError, match="cannot hold"):
+        overlapping_windows(tokens, 150, 8, 2, tail=200)
+
+
+def test_training_on_several_prompt_lengths(engine, tmp_path):
+    config = small_config(prompt_tokens=[40, 56], sequences=[6, 5], distill_epochs=1, distill_sequences=[3, 2])
+    (path,) = train(engine, config, tmp_path / "work", tmp_path / "out", model_tag="tiny", progress=False)
+    header = load_kernels(path).header
+    assert header["data"]["sequences_per_prompt_length"] == {"40": 6, "56": 5} and header["data"]["sequences"] == 11
+    assert header["training"]["prompt_tokens"] == [40, 56] and header["distill"]["windows"] == {"train": 5, "val": 4}
+    for n, count in ((40, 6), (56, 5)):
+        keys = torch.cat([torch.load(p)["k"] for p in sorted((tmp_path / "work" / "capture" / f"p{n}" / "layer000").glob("shard*.pt"))])
+        assert keys.shape[0] == count and keys.shape[-2] == n + 8
+    for stats in header["validation"].values():
+        assert stats["val_mse_less"] < stats["val_mse_base"]
+
+
+def test_window_counts_per_prompt_length():
+    assert TrainConfig(prompt_tokens=[2048, 4096], sequences=10).sequences == [10, 10]
+    default = TrainConfig()
+    assert default.prompt_tokens == [2048, 4096] and default.sequences == [40, 20] and default.distill_sequences == [120, 60]
+    assert default.validation_tail == 4 * (4096 + 128)
+    with pytest.raises(ValueError, match="one count per prompt length"):
+        TrainConfig(prompt_tokens=[2048, 4096], sequences=[10, 10, 10]).check()
+    with pytest.raises(ValueError, match="distinct positive"):
+        TrainConfig(prompt_tokens=[2048, 2048]).check()
+
+
 def test_less_train_cli_parses():
-    args = build_parser().parse_args(["less", "train", "--budgets", "64,256", "--base", "h2o", "--threads", "1"])
+    args = build_parser().parse_args(["less", "train", "--budgets", "64,256", "--base", "h2o", "--threads", "1", "--prompt-tokens", "2048,3072"])
     assert args.budgets == [64, 256] and args.base == "h2o" and args.func.__name__ == "cmd_less_train"
+    assert args.prompt_tokens == [2048, 3072] and args.sequences is None
 
 
 def test_heldout_fidelity_rows_and_gap_closed(engine, tmp_path):

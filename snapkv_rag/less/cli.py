@@ -21,9 +21,9 @@ def add_less_parser(sub) -> None:
     add_model_args(p)
     p.add_argument("--base", default="snapkv", help="base policy spec, e.g. snapkv or 'h2o' (its budget is set by --budgets)")
     p.add_argument("--budgets", type=_ints, default=[256], help="comma-separated budgets, one kernel file each")
-    p.add_argument("--prompt-tokens", type=int, default=2048)
+    p.add_argument("--prompt-tokens", type=_ints, default=[2048, 4096], help="comma-separated prompt lengths trained on")
     p.add_argument("--continuation-tokens", type=int, default=128)
-    p.add_argument("--sequences", type=int, default=40, help="training windows (the last --val-sequences validate)")
+    p.add_argument("--sequences", type=_ints, default=None, help="windows per prompt length, --val-sequences of each validate (one number: every length; default: about 80K prompt tokens each, 40 at 2048)")
     p.add_argument("--val-sequences", type=int, default=4)
     p.add_argument("--rank", type=int, default=8)
     p.add_argument("--hidden", type=int, default=32)
@@ -31,7 +31,7 @@ def add_less_parser(sub) -> None:
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--distill-epochs", type=int, default=2, help="stage 2: epochs of all layers together on the end-to-end KL (0: stage 1 only)")
-    p.add_argument("--distill-sequences", type=int, default=120, help="stage 2: overlapping training windows")
+    p.add_argument("--distill-sequences", type=_ints, default=None, help="stage 2: overlapping training windows per prompt length (default: about 240K prompt tokens each, 120 at 2048)")
     p.add_argument("--distill-lr", type=float, default=1e-2)
     p.add_argument("--distill-params", choices=("calibration", "all"), default="calibration", help="stage 2 trains the output biases and key scales only, or every kernel tensor")
     p.add_argument("--seed", type=int, default=0)
@@ -47,7 +47,7 @@ def add_less_parser(sub) -> None:
     d.add_argument("kernels", type=Path, help="a kernel file made by `less train --distill-epochs 0`")
     d.add_argument("--out", type=Path, default=None, help="output file (default: overwrite the input)")
     d.add_argument("--epochs", type=int, default=2)
-    d.add_argument("--sequences", type=int, default=120, help="overlapping training windows")
+    d.add_argument("--sequences", type=_ints, default=None, help="overlapping training windows per prompt length of the file (default: about 240K prompt tokens each, 120 at 2048)")
     d.add_argument("--lr", type=float, default=1e-2)
     d.add_argument("--params", choices=("calibration", "all"), default="calibration", help="train the output biases and key scales only, or every kernel tensor")
     d.add_argument("--seed", type=int, default=0)
@@ -103,7 +103,7 @@ def cmd_less_distill(args: argparse.Namespace) -> int:
     from ..errors import LessTrainingError
     from .train import distill_file
 
-    if args.epochs < 1 or args.sequences < 1:
+    if args.epochs < 1 or (args.sequences is not None and min(args.sequences, default=0) < 1):
         raise LessTrainingError("--epochs and --sequences must be positive")
     torch.set_num_threads(args.threads)
     engine = load_engine(args)

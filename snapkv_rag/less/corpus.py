@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import hashlib
 
+from ..errors import LessTrainingError
+
 SOURCE = "pydoc_data.topics (Python Language Reference topics, CPython standard library)"
 LICENSE = "PSF-2.0 (Python Software Foundation License Version 2)"
 HELDOUT_EVERY = 5
@@ -42,3 +44,20 @@ def windows(tokens: list[int], length: int, count: int | None = None) -> list[li
     """Consecutive non-overlapping windows of ``length`` tokens (at most ``count``)."""
     out = [tokens[i : i + length] for i in range(0, len(tokens) - length + 1, length)]
     return out if count is None else out[:count]
+
+
+def overlapping_windows(tokens: list[int], length: int, train: int, val: int, tail: int | None = None) -> tuple[list[list[int]], list[list[int]]]:
+    """``train`` windows spread evenly over the text before the last ``tail`` tokens (default
+    ``val * length``; training on several window lengths passes the longest length's tail to
+    every length, so no training window of any length reaches a validation window), and
+    ``val`` non-overlapping windows at the start of that tail."""
+    tail = val * length if tail is None else tail
+    if tail < val * length:
+        raise LessTrainingError(f"a validation tail of {tail} tokens cannot hold {val} windows of {length}")
+    start = len(tokens) - tail
+    if start < length:
+        raise LessTrainingError(f"the training split ({len(tokens)} tokens) is too short for windows of {length} before a {tail}-token validation tail")
+    val_windows = windows(tokens[start:], length, val)
+    stride = max(1, (start - length) // max(1, train - 1))
+    train_windows = [tokens[s : s + length] for s in range(0, start - length + 1, stride)][:train]
+    return train_windows, val_windows

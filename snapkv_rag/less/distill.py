@@ -12,9 +12,11 @@ only the kernels.
 
 Data: per window, one forward of the frozen model over ``prompt + continuation`` records
 every layer's prompt K/V, the base policy's selection per budget (the selection inference
-makes) and the full model's next-token log-probabilities on the continuation. Training
-windows overlap, spread over the training split (:func:`overlapping_windows`); the
-validation windows are disjoint from them and choose the epoch that is kept.
+makes) and the full model's next-token log-probabilities on the continuation. Windows of
+every prompt length trained on (:func:`collect_lengths`) overlap, spread over the training
+split (:func:`~.corpus.overlapping_windows`); the validation windows, in a tail no training
+window reaches, choose the epoch that is kept. Training windows are read from disk one at a
+time.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from tqdm.auto import tqdm
 from ..errors import LessTrainingError
 from ..compression import LESS, CompressionPolicy, parse_compression
 from ..compression.runtime import PrefillCompression, capturing, select_for_prompt
-from .corpus import corpus_tokens, windows
+from .corpus import corpus_tokens, overlapping_windows
 from .kernels import LayerKernels, LessKernels
 
 
@@ -68,29 +70,32 @@ class _PromptCapture:
             self.kept[budget][layer] = select_for_prompt(policy, query[:, :, :n], key[:, :, :n], None, scaling)[0].to(torch.int16).cpu()
 
 
-def overlapping_windows(tokens: list[int], length: int, train: int, val: int) -> tuple[list[list[int]], list[list[int]]]:
-    """``train`` windows spread evenly over the text before the last ``val * length`` tokens
-    (they overlap, their continuations do not when the stride is at least the continuation),
-    and ``val`` non-overlapping windows of the tail, disjoint from every training window."""
-    tail = len(tokens) - val * length
-    if tail < length:
-        raise LessTrainingError(f"the training split ({len(tokens)} tokens) is too short for {val} validation windows of {length}")
-    val_windows = windows(tokens[tail:], length, val)
-    stride = max(1, (tail - length) // max(1, train - 1))
-    train_windows = [tokens[s : s + length] for s in range(0, tail - length + 1, stride)][:train]
-    return train_windows, val_windows
+def collect_lengths(
+    engine, base: str, budgets: list[int], prompt_tokens: list[int], continuation_tokens: int, sequences: list[int], val_sequences: int, work: Path, progress: bool = True
+) -> tuple[list[Path], list[Path]]:
+    """:func:`collect` for each prompt length (``sequences[i]`` training windows of ``prompt_tokens[i]``),
+    every length's validation windows in the tail the longest length needs; returns all (train, val) paths."""
+    tail = val_sequences * (max(prompt_tokens) + continuation_tokens)
+    train, val = [], []
+    for n, count in zip(prompt_tokens, sequences):
+        t, v = collect(engine, base, budgets, n, continuation_tokens, count, val_sequences, work, progress, tail=tail)
+        train += t
+        val += v
+    return train, val
 
 
-def collect(engine, base: str, budgets: list[int], prompt_tokens: int, continuation_tokens: int, sequences: int, val_sequences: int, work: Path, progress: bool = True) -> tuple[list[Path], list[Path]]:
+def collect(
+    engine, base: str, budgets: list[int], prompt_tokens: int, continuation_tokens: int, sequences: int, val_sequences: int, work: Path, progress: bool = True, tail: int | None = None
+) -> tuple[list[Path], list[Path]]:
     """Write one file per window under ``work/distill-<settings hash>`` (skipping those already
     there; the collection time, summed over resumed runs, is in its ``seconds.json``);
-    returns (train, val) paths."""
+    returns (train, val) paths. ``tail``: see :func:`~.corpus.overlapping_windows`."""
     policy = parse_compression(base)
     policies = {b: policy.with_budget(b) for b in budgets}
     length = prompt_tokens + continuation_tokens
-    train, val = overlapping_windows(corpus_tokens(engine.tokenizer, "train"), length, sequences, val_sequences)
+    train, val = overlapping_windows(corpus_tokens(engine.tokenizer, "train"), length, sequences, val_sequences, tail)
     seqs = train + val
-    settings = json.dumps([policy.spec(), prompt_tokens, continuation_tokens, sequences, val_sequences])
+    settings = json.dumps([policy.spec(), prompt_tokens, continuation_tokens, sequences, val_sequences] + ([] if tail is None else [tail]))
     directory = work / f"distill-{hashlib.sha256(settings.encode()).hexdigest()[:12]}"  # one directory per data setting
     directory.mkdir(parents=True, exist_ok=True)
     manifest = directory / "budgets.json"  # the budgets whose selections the files hold
@@ -212,8 +217,7 @@ def distill(engine, kernels: LessKernels, train_paths: list[Path], val_paths: li
 
 
 def _distill(engine, kernels: LessKernels, train_paths, val_paths, budget: int, config: DistillConfig, progress: bool) -> tuple[LessKernels, dict[str, Any]]:
-    train = [torch.load(p) for p in train_paths]
-    val = [torch.load(p) for p in val_paths]
+    val = [torch.load(p) for p in val_paths]  # training windows are read one at a time (several GB in all)
     policy = LESS(base=parse_compression(kernels.header["base_spec"]).with_budget(budget), kernels=kernels)
     base_policy = policy.base
     base_kl = evaluate(engine, policy, LessKernels.zeros(kernels.header["model"], rank=kernels.rank, hidden=1), val, budget)
@@ -225,18 +229,19 @@ def _distill(engine, kernels: LessKernels, train_paths, val_paths, budget: int, 
     best = (history[0]["val_kl"], _frozen(trained), 0)
     start = time.perf_counter()
     for epoch in range(1, config.epochs + 1):
-        order = torch.randperm(len(train), generator=generator).tolist()
+        order = torch.randperm(len(train_paths), generator=generator).tolist()
         total = 0.0
         for i in tqdm(order, desc=f"distill b={budget} epoch {epoch}", disable=not progress, leave=False):
             _apply_scales(trained, log_scales)
-            loss = _kl(train[i]["log_probs"], less_log_probs(engine, policy, trained, train[i], budget))
+            sample = torch.load(train_paths[i])
+            loss = _kl(sample["log_probs"], less_log_probs(engine, policy, trained, sample, budget))
             optim.zero_grad()
             loss.backward()
             optim.step()
             total += float(loss.detach())
         _apply_scales(trained, log_scales)
         val_kl = evaluate(engine, policy, _frozen(trained), val, budget)
-        history.append({"epoch": epoch, "train_kl": total / len(train), "val_kl": val_kl})
+        history.append({"epoch": epoch, "train_kl": total / len(train_paths), "val_kl": val_kl})
         if progress:
             tqdm.write(json.dumps({"budget": budget, **history[-1], "base_val_kl": base_kl}))
         if val_kl < best[0]:

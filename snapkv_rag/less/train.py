@@ -1,7 +1,8 @@
 """Train LESS kernels for a frozen model, one layer at a time (``snapkv-rag less train``).
 
-1. Capture. Each training sequence is ``prompt_tokens + continuation_tokens`` tokens of the
-   training split (:mod:`.corpus`). One forward of the frozen model runs through the
+1. Capture. Each training sequence is ``n + continuation_tokens`` tokens of the training split
+   (:mod:`.corpus`), for each prompt length ``n`` in ``prompt_tokens`` (several lengths, so the
+   kernels see the evicted-set sizes and key positions of every prompt length they serve). One forward of the frozen model runs through the
    engine's registered attention function, which hands every layer's post-RoPE Q, K, V and
    its full-attention output (before ``o_proj``) to :class:`Capture`. The base policy selects
    over the *prompt* exactly as at inference (SnapKV: its observation window is the end of the
@@ -36,8 +37,8 @@ from tqdm.auto import tqdm
 from ..errors import LessTrainingError
 from ..compression import CompressionPolicy, parse_compression
 from ..compression.runtime import select_for_prompt
-from .corpus import LICENSE, SOURCE, corpus_tokens, windows
-from .distill import DistillConfig, collect, collection_seconds, distill
+from .corpus import LICENSE, SOURCE, corpus_tokens, overlapping_windows
+from .distill import DistillConfig, collect_lengths, collection_seconds, distill
 from .kernels import FORMAT, LayerKernels, LessKernels, load_kernels, model_signature
 from .state import combine, fold
 
@@ -46,9 +47,11 @@ from .state import combine, fold
 class TrainConfig:
     base: str = "snapkv"  # base policy spec; its budget is replaced by each of ``budgets``
     budgets: list[int] = field(default_factory=lambda: [256])
-    prompt_tokens: int = 2048
+    # prompt lengths trained on, and windows of each (``val_sequences`` of each validate); a
+    # single number applies to every length; None: about 80K prompt tokens per length
+    prompt_tokens: list[int] = field(default_factory=lambda: [2048, 4096])
     continuation_tokens: int = 128
-    sequences: int = 40  # training windows; the last ``val_sequences`` of them validate
+    sequences: list[int] | None = None
     val_sequences: int = 4
     rank: int = 8
     hidden: int = 32
@@ -61,23 +64,51 @@ class TrainConfig:
     shard: int = 8  # sequences per capture shard
     # stage 2 (:mod:`.distill`): all layers together on the end-to-end KL; 0 epochs skips it
     distill_epochs: int = 2
-    distill_sequences: int = 120  # overlapping training windows (the validation windows are the stage's own)
+    distill_sequences: list[int] | None = None  # training windows per prompt length; None: about 240K prompt tokens per length
     distill_lr: float = 1e-2
     distill_params: str = "calibration"  # or "all" (every kernel tensor; overfits 120 windows, see distill.py)
 
+    def __post_init__(self) -> None:
+        self.prompt_tokens = _as_list(self.prompt_tokens)
+        self.sequences = _per_length(self.sequences, self.prompt_tokens, 40 * 2048)
+        self.distill_sequences = _per_length(self.distill_sequences, self.prompt_tokens, 120 * 2048)
+
     def check(self) -> None:
-        if self.sequences <= self.val_sequences or self.val_sequences < 1:
+        for name in ("sequences", "distill_sequences"):
+            if len(getattr(self, name)) != len(self.prompt_tokens):
+                raise LessTrainingError(f"{name} {getattr(self, name)} needs one count per prompt length {self.prompt_tokens} (or a single count)")
+        if min(self.sequences) <= self.val_sequences or self.val_sequences < 1:
             raise LessTrainingError(f"need more sequences ({self.sequences}) than validation sequences ({self.val_sequences}), and at least one of those")
-        for name in ("prompt_tokens", "continuation_tokens", "rank", "hidden", "epochs", "batch", "shard"):
+        if not self.prompt_tokens or min(self.prompt_tokens) < 1 or len(set(self.prompt_tokens)) != len(self.prompt_tokens):
+            raise LessTrainingError(f"prompt_tokens must be distinct positive lengths, got {self.prompt_tokens}")
+        for name in ("continuation_tokens", "rank", "hidden", "epochs", "batch", "shard"):
             if getattr(self, name) < 1:
                 raise LessTrainingError(f"{name} must be positive")
-        if self.distill_epochs < 0 or (self.distill_epochs and self.distill_sequences < 1):
+        if self.distill_epochs < 0 or (self.distill_epochs and min(self.distill_sequences) < 1):
             raise LessTrainingError("distill_epochs must be >= 0, and distill_sequences positive when distilling")
         if self.distill_params not in ("calibration", "all"):
             raise LessTrainingError(f"distill_params must be 'calibration' or 'all', got {self.distill_params!r}")
         for budget in self.budgets:
-            if budget >= self.prompt_tokens:
-                raise LessTrainingError(f"budget {budget} must be below prompt_tokens {self.prompt_tokens}")
+            if budget >= min(self.prompt_tokens):
+                raise LessTrainingError(f"budget {budget} must be below prompt_tokens {min(self.prompt_tokens)}")
+
+    @property
+    def validation_tail(self) -> int:
+        """Tokens at the end of the training split kept for validation windows (of every length)."""
+        return self.val_sequences * (max(self.prompt_tokens) + self.continuation_tokens)
+
+
+def _as_list(value: int | list[int]) -> list[int]:
+    return [value] if isinstance(value, int) else [int(v) for v in value]
+
+
+def _per_length(value: int | list[int] | None, lengths: list[int], default_tokens: int) -> list[int]:
+    """One window count per prompt length: a single count is used for every length; None gives
+    each length about ``default_tokens`` prompt tokens."""
+    if value is None:
+        return [max(8, round(default_tokens / max(n, 1))) for n in lengths]
+    counts = _as_list(value)
+    return counts * len(lengths) if len(counts) == 1 else counts
 
 
 class Capture:
@@ -113,45 +144,61 @@ class Capture:
 
 
 def capture(engine, config: TrainConfig, work: Path, progress: bool = True) -> dict[str, Any]:
-    """Write the capture shards under ``work/capture`` (skipping shards already there)."""
+    """Write the capture shards under ``work/capture/p<prompt length>`` (skipping shards already there).
+
+    Per prompt length, ``sequences - val_sequences`` overlapping training windows spread over the
+    split before the validation tail, then ``val_sequences`` validation windows in the tail."""
     from ..compression.runtime import capturing
 
     base = parse_compression(config.base)
     policies = {b: base.with_budget(b) for b in config.budgets}
-    length = config.prompt_tokens + config.continuation_tokens
     tokens = corpus_tokens(engine.tokenizer, "train")
-    seqs = windows(tokens, length, config.sequences)
-    if len(seqs) < config.sequences:
-        raise LessTrainingError(f"the training split has {len(tokens)} tokens: only {len(seqs)} windows of {length}, {config.sequences} asked for")
-    directory = work / "capture"
-    directory.mkdir(parents=True, exist_ok=True)
-    timing_path = directory / "seconds.json"  # capture time so far, across resumed runs
+    root = work / "capture"
+    root.mkdir(parents=True, exist_ok=True)
+    timing_path = root / "seconds.json"  # capture time so far, across resumed runs
     spent = json.loads(timing_path.read_text())["seconds"] if timing_path.exists() else 0.0
     layers = engine.info().num_layers
-    grab = Capture(policies, config.prompt_tokens)
-    shards = range(0, len(seqs), config.shard)
-    bar = tqdm(total=len(seqs), desc="capture", disable=not progress)
-    for s, lo in enumerate(shards):
-        chunk = seqs[lo : lo + config.shard]
-        if all((directory / f"layer{i:03d}" / f"shard{s:04d}.pt").exists() for i in range(layers)):
-            bar.update(len(chunk))
-            continue
-        start = time.perf_counter()
-        for seq in chunk:
-            with torch.inference_mode(), capturing(grab):
-                engine.model(input_ids=torch.tensor([seq], device=engine.device), use_cache=False, logits_to_keep=1)
-            bar.update()
-        grab.save(directory, s)
-        spent += time.perf_counter() - start
-        timing_path.write_text(json.dumps({"seconds": spent}))
-    bar.close()
-    if grab.meta:
-        torch.save(grab.meta, directory / "meta.pt")
-    return {"train_tokens": len(tokens), "sequences": len(seqs), "sequence_tokens": length, "capture_seconds": round(spent, 3)}
+    counts = {}
+    meta = None
+    for n, count in zip(config.prompt_tokens, config.sequences):
+        length = n + config.continuation_tokens
+        train_seqs, val_seqs = overlapping_windows(tokens, length, count - config.val_sequences, config.val_sequences, config.validation_tail)
+        seqs = train_seqs + val_seqs
+        if len(seqs) < count:
+            raise LessTrainingError(f"the training split has {len(tokens)} tokens: only {len(seqs)} windows of {length}, {count} asked for")
+        directory = root / f"p{n}"
+        grab = Capture(policies, n)
+        bar = tqdm(total=len(seqs), desc=f"capture {n}", disable=not progress)
+        for s, lo in enumerate(range(0, len(seqs), config.shard)):
+            chunk = seqs[lo : lo + config.shard]
+            if all((directory / f"layer{i:03d}" / f"shard{s:04d}.pt").exists() for i in range(layers)):
+                bar.update(len(chunk))
+                continue
+            start = time.perf_counter()
+            for seq in chunk:
+                with torch.inference_mode(), capturing(grab):
+                    engine.model(input_ids=torch.tensor([seq], device=engine.device), use_cache=False, logits_to_keep=1)
+                bar.update()
+            grab.save(directory, s)
+            spent += time.perf_counter() - start
+            timing_path.write_text(json.dumps({"seconds": spent}))
+        bar.close()
+        meta = grab.meta or meta
+        counts[str(n)] = len(seqs)
+    if meta:
+        torch.save(meta, root / "meta.pt")
+    return {
+        "train_tokens": len(tokens),
+        "sequences": sum(counts.values()),
+        "sequences_per_prompt_length": counts,
+        "continuation_tokens": config.continuation_tokens,
+        "validation_tail_tokens": config.validation_tail,
+        "capture_seconds": round(spent, 3),
+    }
 
 
-def _load_layer(work: Path, layer_idx: int) -> dict[str, torch.Tensor]:
-    shards = sorted((work / "capture" / f"layer{layer_idx:03d}").glob("shard*.pt"))
+def _load_layer(work: Path, layer_idx: int, prompt_tokens: int) -> dict[str, torch.Tensor]:
+    shards = sorted((work / "capture" / f"p{prompt_tokens}" / f"layer{layer_idx:03d}").glob("shard*.pt"))
     parts = [torch.load(p) for p in shards]
     return {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
 
@@ -187,7 +234,7 @@ def _parameters(kernels: LayerKernels) -> tuple[list[torch.Tensor], torch.Tensor
     return params, log_scale
 
 
-def _layer_loss(kernels: LayerKernels, log_scale, data, idx, o_proj) -> torch.Tensor:
+def _layer_loss(kernels: LayerKernels, log_scale, data: dict[str, torch.Tensor], idx, o_proj) -> torch.Tensor:
     psi = dict(kernels.psi, scale=log_scale.exp())
     layer = LayerKernels(kernels.phi, psi)
     n = data["evicted"].shape[-1]
@@ -205,19 +252,23 @@ def _projected_mse(out: torch.Tensor, target: torch.Tensor, o_proj: torch.Tensor
     return ((flat - target.reshape(b, c, -1)) @ o_proj.T).pow(2).mean()
 
 
-def train_layer(data: dict[str, torch.Tensor], kernels: LayerKernels, o_proj: torch.Tensor, config: TrainConfig, seed: int) -> dict[str, float]:
-    """Fit one layer's kernels in place; returns validation MSEs (base policy alone vs LESS)."""
-    N = data["q"].shape[0]
-    train_n = N - config.val_sequences
-    val = torch.arange(train_n, N)
+def train_layer(groups: list[dict[str, torch.Tensor]], kernels: LayerKernels, o_proj: torch.Tensor, config: TrainConfig, seed: int) -> dict[str, float]:
+    """Fit one layer's kernels in place on ``groups`` (one per prompt length; a batch never mixes
+    lengths); returns the validation MSEs (base policy alone vs LESS), averaged over all
+    validation windows."""
+    splits = [(g["q"].shape[0] - config.val_sequences, g["q"].shape[0]) for g in groups]
     params, log_scale = _parameters(kernels)
     optim = torch.optim.Adam([{"params": params, "lr": config.lr}, {"params": [log_scale], "lr": config.scale_lr}])
     sched = torch.optim.lr_scheduler.MultiStepLR(optim, [config.epochs // 2, 3 * config.epochs // 4], gamma=0.3)
     generator = torch.Generator().manual_seed(seed)
     for _ in range(config.epochs):
-        order = torch.randperm(train_n, generator=generator)
-        for lo in range(0, train_n, config.batch):
-            loss = _layer_loss(kernels, log_scale, data, order[lo : lo + config.batch], o_proj)
+        batches = []
+        for g, (train_n, _) in enumerate(splits):
+            order = torch.randperm(train_n, generator=generator)
+            batches += [(g, order[lo : lo + config.batch]) for lo in range(0, train_n, config.batch)]
+        for b in torch.randperm(len(batches), generator=generator).tolist():
+            g, idx = batches[b]
+            loss = _layer_loss(kernels, log_scale, groups[g], idx, o_proj)
             optim.zero_grad()
             loss.backward()
             optim.step()
@@ -227,9 +278,12 @@ def train_layer(data: dict[str, torch.Tensor], kernels: LayerKernels, o_proj: to
         for part in (kernels.phi, kernels.psi):
             for name in part:
                 part[name] = part[name].detach()
-        base = _projected_mse(data["sparse"][val], data["target"][val], o_proj)
-        less = _layer_loss(kernels, kernels.psi["scale"].log(), data, val, o_proj)
-    return {"val_mse_base": float(base), "val_mse_less": float(less)}
+        base = less = 0.0
+        for group, (train_n, N) in zip(groups, splits):
+            val = torch.arange(train_n, N)
+            base += float(_projected_mse(group["sparse"][val], group["target"][val], o_proj)) / len(groups)
+            less += float(_layer_loss(kernels, kernels.psi["scale"].log(), group, val, o_proj)) / len(groups)
+    return {"val_mse_base": base, "val_mse_less": less}
 
 
 def _prepare(raw: dict[str, torch.Tensor], budget: int, n: int, scaling: float) -> dict[str, torch.Tensor]:
@@ -264,7 +318,7 @@ def train(engine, config: TrainConfig, work: Path, out_dir: Path, *, model_tag: 
     signature = model_signature(engine.model)
     base_name = parse_compression(config.base).name
     if config.distill_epochs:
-        distill_train, distill_val = collect(
+        distill_train, distill_val = collect_lengths(
             engine, config.base, config.budgets, config.prompt_tokens, config.continuation_tokens, config.distill_sequences, config.val_sequences, work, progress
         )
     paths = []
@@ -284,9 +338,9 @@ def train(engine, config: TrainConfig, work: Path, out_dir: Path, *, model_tag: 
                 continue
             t0 = time.perf_counter()
             torch.manual_seed(config.seed + layer_idx)
-            data = _prepare(_load_layer(work, layer_idx), budget, config.prompt_tokens, meta[layer_idx]["scaling"])
+            groups = [_prepare(_load_layer(work, layer_idx, n), budget, n, meta[layer_idx]["scaling"]) for n in config.prompt_tokens]
             kernels = template.layers[layer_idx]
-            stats = train_layer(data, kernels, meta[layer_idx]["o_proj"], config, config.seed + layer_idx)
+            stats = train_layer(groups, kernels, meta[layer_idx]["o_proj"], config, config.seed + layer_idx)
             elapsed = time.perf_counter() - t0
             LessKernels({layer_idx: kernels}, {"format": FORMAT, "model": signature, "validation": {str(layer_idx): stats}, "seconds": elapsed, "partial_layers_ok": True}).save(path)
             trained[layer_idx], report[str(layer_idx)] = kernels, stats
@@ -327,7 +381,7 @@ def _stage2(engine, stage1: LessKernels, train_paths, val_paths, budget: int, co
 
 
 def distill_file(
-    engine, kernels_path: Path, out_path: Path, work: Path, *, epochs: int, sequences: int, lr: float, params: str = "calibration", seed: int = 0, progress: bool = True
+    engine, kernels_path: Path, out_path: Path, work: Path, *, epochs: int, sequences: int | list[int] | None, lr: float, params: str = "calibration", seed: int = 0, progress: bool = True
 ) -> Path:
     """Run stage 2 alone on a stage-1 kernel file (its header says how it was trained) and save the result."""
     stage1 = load_kernels(kernels_path)
@@ -335,13 +389,16 @@ def distill_file(
     header, done = stage1.header, stage1.header["training"]
     if "distill" in header:
         raise LessTrainingError(f"{kernels_path} is already distilled; start from a stage-1 file")
+    lengths = _as_list(done["prompt_tokens"])
     config = TrainConfig(
-        base=done["base"], budgets=[header["budget"]], prompt_tokens=done["prompt_tokens"], continuation_tokens=done["continuation_tokens"],
+        base=done["base"], budgets=[header["budget"]], prompt_tokens=lengths, continuation_tokens=done["continuation_tokens"], sequences=done["sequences"],
         val_sequences=done["val_sequences"], seed=seed, distill_epochs=epochs, distill_sequences=sequences, distill_lr=lr, distill_params=params,
     )
     config.check()
     work.mkdir(parents=True, exist_ok=True)
-    train_paths, val_paths = collect(engine, config.base, config.budgets, config.prompt_tokens, config.continuation_tokens, sequences, config.val_sequences, work, progress)
+    train_paths, val_paths = collect_lengths(
+        engine, config.base, config.budgets, config.prompt_tokens, config.continuation_tokens, config.distill_sequences, config.val_sequences, work, progress
+    )
     layers, report = _stage2(engine, stage1, train_paths, val_paths, header["budget"], config, progress)
-    training = {**done, "distill_epochs": epochs, "distill_sequences": sequences, "distill_lr": lr, "distill_params": params, "distill_threads": torch.get_num_threads()}
+    training = {**done, "distill_epochs": epochs, "distill_sequences": config.distill_sequences, "distill_lr": lr, "distill_params": params, "distill_threads": torch.get_num_threads()}
     return LessKernels(layers, {**header, "training": training, "distill": report}).save(out_path)
