@@ -98,6 +98,8 @@ def test_window_counts_per_prompt_length():
         TrainConfig(prompt_tokens=[2048, 4096], sequences=[10, 10, 10]).check()
     with pytest.raises(ValueError, match="distinct positive"):
         TrainConfig(prompt_tokens=[2048, 2048]).check()
+    with pytest.raises(ValueError, match="distinct positive"):
+        TrainConfig(prompt_tokens=[]).check()
 
 
 def test_less_train_cli_parses():

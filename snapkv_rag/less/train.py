@@ -74,13 +74,13 @@ class TrainConfig:
         self.distill_sequences = _per_length(self.distill_sequences, self.prompt_tokens, 120 * 2048)
 
     def check(self) -> None:
+        if not self.prompt_tokens or min(self.prompt_tokens) < 1 or len(set(self.prompt_tokens)) != len(self.prompt_tokens):
+            raise LessTrainingError(f"prompt_tokens must be distinct positive lengths, got {self.prompt_tokens}")
         for name in ("sequences", "distill_sequences"):
             if len(getattr(self, name)) != len(self.prompt_tokens):
                 raise LessTrainingError(f"{name} {getattr(self, name)} needs one count per prompt length {self.prompt_tokens} (or a single count)")
         if min(self.sequences) <= self.val_sequences or self.val_sequences < 1:
             raise LessTrainingError(f"need more sequences ({self.sequences}) than validation sequences ({self.val_sequences}), and at least one of those")
-        if not self.prompt_tokens or min(self.prompt_tokens) < 1 or len(set(self.prompt_tokens)) != len(self.prompt_tokens):
-            raise LessTrainingError(f"prompt_tokens must be distinct positive lengths, got {self.prompt_tokens}")
         for name in ("continuation_tokens", "rank", "hidden", "epochs", "batch", "shard"):
             if getattr(self, name) < 1:
                 raise LessTrainingError(f"{name} must be positive")
@@ -375,7 +375,7 @@ def _stage2(engine, stage1: LessKernels, train_paths, val_paths, budget: int, co
         return done.layers, done.header["distill"]
     kernels, report = distill(engine, stage1, train_paths, val_paths, budget, settings, progress)
     report["windows"] = {"train": len(train_paths), "val": len(val_paths)}
-    report["collect_seconds"] = round(collection_seconds(train_paths[0].parent), 3)  # shared by every budget
+    report["collect_seconds"] = round(sum(collection_seconds(d) for d in {p.parent for p in train_paths}), 3)  # shared by every budget
     LessKernels(kernels.layers, {**stage1.header, "distill": report}).save(path)
     return kernels.layers, report
 
