@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
 # Reproduce eval/results/ on the embedded model (speed, needle, sensitivity, fidelity: about an hour on 2 CPU cores;
 # citation, attribution and window took 38, 16 and 24 minutes on the shared machine under load 10+).
-# Usage: bash eval/run_all.sh [task ...]   (default: speed batch needle sensitivity citation attribution window fidelity less)
+# Usage: bash eval/run_all.sh [task ...]   (default: speed batch needle sensitivity citation attribution window fidelity less less-h2o)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 OUT=eval/results
 CLI=".venv/bin/snapkv-rag eval"
 tasks=("$@")
-[ ${#tasks[@]} -gt 0 ] || tasks=(speed batch needle sensitivity citation attribution window fidelity less)
+[ ${#tasks[@]} -gt 0 ] || tasks=(speed batch needle sensitivity citation attribution window fidelity less less-h2o)
 for task in "${tasks[@]}"; do
   case "$task" in
     speed) $CLI speed --lengths 1000,2000,4000,8000 --budgets 1024 --methods snapkv streamingllm h2o random --repeats 2 --out $OUT/speed ;;
@@ -22,6 +22,8 @@ for task in "${tasks[@]}"; do
     window) $CLI needle --lengths 1000,2000 --budgets 256,512 --methods snapkv 'snapkv:window=question' --threads 1 --out $OUT/window_needle ;;
     # LESS vs SnapKV vs baseline+ on held-out text (shipped kernels; train them with `snapkv-rag less train`)
     less) $CLI fidelity --text heldout --lengths 2048,4096 --prompts-per-length 3 --continuation-tokens 64 --decode-tokens 16 --budgets 64,128,256,512 --methods less:base=snapkv --threads 2 --out $OUT/less ;;
+    # the same for the H2O-base kernels (budget 256, stage 1 only)
+    less-h2o) $CLI fidelity --text heldout --lengths 2048,4096 --prompts-per-length 3 --continuation-tokens 64 --decode-tokens 16 --budgets 256 --methods less:base=h2o --threads 2 --out $OUT/less_h2o ;;
     fidelity) $CLI fidelity --lengths 2000,4000 --seeds 0,1 --budgets 256,512,1024 --methods snapkv streamingllm h2o random --out $OUT/fidelity ;;
     *) echo "unknown task $task" >&2; exit 2 ;;
   esac
