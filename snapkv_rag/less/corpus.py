@@ -46,6 +46,12 @@ def windows(tokens: list[int], length: int, count: int | None = None) -> list[li
     return out if count is None else out[:count]
 
 
+def validation_tail(val: int, prompt_lengths: list[int], continuation_tokens: int) -> int:
+    """Tokens at the end of the training split that hold the validation windows of every prompt
+    length (room for ``val`` windows of the longest); both training stages use the same tail."""
+    return val * (max(prompt_lengths) + continuation_tokens)
+
+
 def overlapping_windows(tokens: list[int], length: int, train: int, val: int, tail: int | None = None) -> tuple[list[list[int]], list[list[int]]]:
     """``train`` windows spread evenly over the text before the last ``tail`` tokens (default
     ``val * length``; training on several window lengths passes the longest length's tail to

@@ -34,7 +34,7 @@ from tqdm.auto import tqdm
 from ..errors import LessTrainingError
 from ..compression import LESS, CompressionPolicy, parse_compression
 from ..compression.runtime import PrefillCompression, capturing, select_for_prompt
-from .corpus import corpus_tokens, overlapping_windows
+from .corpus import corpus_tokens, overlapping_windows, validation_tail
 from .kernels import LayerKernels, LessKernels
 
 
@@ -75,7 +75,7 @@ def collect_lengths(
 ) -> tuple[list[Path], list[Path]]:
     """:func:`collect` for each prompt length (``sequences[i]`` training windows of ``prompt_tokens[i]``),
     every length's validation windows in the tail the longest length needs; returns all (train, val) paths."""
-    tail = val_sequences * (max(prompt_tokens) + continuation_tokens)
+    tail = validation_tail(val_sequences, prompt_tokens, continuation_tokens)
     train, val = [], []
     for n, count in zip(prompt_tokens, sequences):
         t, v = collect(engine, base, budgets, n, continuation_tokens, count, val_sequences, work, progress, tail=tail)

@@ -37,7 +37,7 @@ from tqdm.auto import tqdm
 from ..errors import LessTrainingError
 from ..compression import CompressionPolicy, parse_compression
 from ..compression.runtime import select_for_prompt
-from .corpus import LICENSE, SOURCE, corpus_tokens, overlapping_windows
+from .corpus import LICENSE, SOURCE, corpus_tokens, overlapping_windows, validation_tail
 from .distill import DistillConfig, collect_lengths, collection_seconds, distill
 from .kernels import FORMAT, LayerKernels, LessKernels, load_kernels, model_signature
 from .state import combine, fold
@@ -95,7 +95,7 @@ class TrainConfig:
     @property
     def validation_tail(self) -> int:
         """Tokens at the end of the training split kept for validation windows (of every length)."""
-        return self.val_sequences * (max(self.prompt_tokens) + self.continuation_tokens)
+        return validation_tail(self.val_sequences, self.prompt_tokens, self.continuation_tokens)
 
 
 def _as_list(value: int | list[int]) -> list[int]:
