@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
 # Reproduce eval/results/ on the embedded model (speed, needle, sensitivity, fidelity: about an hour on 2 CPU cores;
 # citation, attribution and window took 38, 16 and 24 minutes on the shared machine under load 10+).
-# Usage: bash eval/run_all.sh [task ...]   (default: speed batch needle sensitivity citation attribution window fidelity less less-h2o)
+# Usage: bash eval/run_all.sh [task ...]   (default: speed batch needle sensitivity citation attribution window fidelity less less-h2o less-gap)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 OUT=eval/results
 CLI=".venv/bin/snapkv-rag eval"
 tasks=("$@")
-[ ${#tasks[@]} -gt 0 ] || tasks=(speed batch needle sensitivity citation attribution window fidelity less less-h2o)
+[ ${#tasks[@]} -gt 0 ] || tasks=(speed batch needle sensitivity citation attribution window fidelity less less-h2o less-gap)
 for task in "${tasks[@]}"; do
   case "$task" in
     speed) $CLI speed --lengths 1000,2000,4000,8000 --budgets 1024 --methods snapkv streamingllm h2o random --repeats 2 --out $OUT/speed ;;
@@ -24,6 +24,8 @@ for task in "${tasks[@]}"; do
     less) $CLI fidelity --text heldout --lengths 2048,4096 --prompts-per-length 3 --continuation-tokens 64 --decode-tokens 16 --budgets 64,128,256,512 --methods less:base=snapkv --threads 2 --out $OUT/less ;;
     # the same for the H2O-base kernels (budget 256, stage 1 only)
     less-h2o) $CLI fidelity --text heldout --lengths 2048,4096 --prompts-per-length 3 --continuation-tokens 64 --decode-tokens 16 --budgets 256 --methods less:base=h2o --threads 2 --out $OUT/less_h2o ;;
+    # where the remaining gap sits: learned vs exact mass and value of the evicted entries, per layer (8x at 2K and at 4K)
+    less-gap) for b in 256 512; do .venv/bin/snapkv-rag less gap --compression less:base=snapkv,budget=$b --lengths 2048,4096 --prompts-per-length 3 --no-progress --out $OUT/less_gap_b$b; done ;;
     fidelity) $CLI fidelity --lengths 2000,4000 --seeds 0,1 --budgets 256,512,1024 --methods snapkv streamingllm h2o random --out $OUT/fidelity ;;
     *) echo "unknown task $task" >&2; exit 2 ;;
   esac

@@ -50,8 +50,9 @@ def test_spec_strings_wrap_the_base_policy():
 
 
 # ------------------------------------------------------------------------- equivalence
-def test_zero_kernels_give_the_base_policy_exactly(less_engine):
-    zero = LESS(base=BASE, kernels=LessKernels.zeros(signature(less_engine)))
+@pytest.mark.parametrize("features", ["mlp", "exp"])
+def test_zero_kernels_give_the_base_policy_exactly(less_engine, features):
+    zero = LESS(base=BASE, kernels=LessKernels.zeros(signature(less_engine), features=features))
     base = less_engine.generate(PROMPT, max_new_tokens=8, compression=BASE, ignore_eos=True)
     less = less_engine.generate(PROMPT, max_new_tokens=8, compression=zero, ignore_eos=True)
     assert less.token_ids == base.token_ids
@@ -116,10 +117,11 @@ def reference_attention(q, k_kept, v_kept, visible, k_evicted, v_evicted, phi, p
     return math.exp(lse_s - lse) * softmax_v + math.exp(-lse) * (fq @ H)
 
 
-def test_state_attention_matches_the_formula():
+@pytest.mark.parametrize("features", ["mlp", "exp"])
+def test_state_attention_matches_the_formula(features):
     torch.manual_seed(0)
     sig = {"num_layers": 1, "num_query_heads": 4, "num_kv_heads": 2, "head_dim": 8}
-    kernels = LessKernels.initial(sig, rank=3, hidden=5, seed=4, scale=0.5)
+    kernels = LessKernels.initial(sig, rank=3, hidden=5, seed=4, scale=0.5, features=features)
     layer = kernels.layers[0]
     b, hq, hkv, d, n, t = 2, 4, 2, 8, 12, 3
     keys, values = torch.randn(b, hkv, n, d), torch.randn(b, hkv, n, d)
@@ -179,12 +181,14 @@ def test_stats_report_the_real_state_and_cache(less_engine):
 
 
 # --------------------------------------------------------------------------- kernels
-def test_kernel_files_round_trip_and_refuse_other_models(less_engine, tokenizer, tmp_path):
-    kernels = active_kernels(less_engine)
+@pytest.mark.parametrize("features", ["mlp", "exp"])
+def test_kernel_files_round_trip_and_refuse_other_models(less_engine, tokenizer, tmp_path, features):
+    kernels = LessKernels.initial(signature(less_engine), rank=4, hidden=8, seed=0, scale=1.0, features=features)
     kernels.header.update(base="snapkv", budget=16)
     path = kernels.save(tmp_path / "k.safetensors")
     loaded = load_kernels(path)
     assert loaded.header["budget"] == 16 and loaded.rank == 4
+    assert loaded.header["features"] == features and all(layer.kind == features for layer in loaded.layers.values())
     for name, tensor in kernels.tensors().items():
         assert torch.equal(loaded.tensors()[name], tensor)
     by_path = LESS(base=BASE, kernels=str(path))
@@ -196,6 +200,9 @@ def test_kernel_files_round_trip_and_refuse_other_models(less_engine, tokenizer,
     other_shape = tiny_engine("qwen3", tokenizer)
     with pytest.raises(InvalidCompressionError, match="do not fit"):
         other_shape.generate(PROMPT, max_new_tokens=2, compression=by_path)
+    unknown = LessKernels(kernels.layers, {**kernels.header, "features": "relu"}).save(tmp_path / "u.safetensors")
+    with pytest.raises(InvalidCompressionError, match="feature kind 'relu'"):
+        load_kernels(unknown)
 
 
 def test_no_shipped_kernels_for_a_tiny_model_names_what_exists(less_engine):
@@ -205,10 +212,11 @@ def test_no_shipped_kernels_for_a_tiny_model_names_what_exists(less_engine):
         less_engine.generate(PROMPT, max_new_tokens=2, compression="less:base=snapkv,budget=16,window=4")
 
 
-def test_folding_in_parts_equals_folding_at_once():
+@pytest.mark.parametrize("features", ["mlp", "exp"])
+def test_folding_in_parts_equals_folding_at_once(features):
     """Decode-time eviction folds entries one by one; the state is the same as one fold."""
     sig = {"num_layers": 1, "num_query_heads": 2, "num_kv_heads": 1, "head_dim": 4}
-    kernels = LessKernels.initial(sig, rank=2, hidden=3, seed=1, scale=1.0)
+    kernels = LessKernels.initial(sig, rank=2, hidden=3, seed=1, scale=1.0, features=features)
     keys, values = torch.randn(1, 1, 6, 4), torch.randn(1, 1, 6, 4)
     whole, parts = LowRankState(kernels, torch.device("cpu")), LowRankState(kernels, torch.device("cpu"))
     whole.fold(0, keys, values, torch.ones(1, 1, 6, dtype=torch.bool))

@@ -40,12 +40,14 @@ def test_corpus_splits_are_disjoint_and_nonempty():
         assert topics[topic].strip() in held_text and topics[topic].strip() not in train_text
 
 
-def test_training_is_resumable_deterministic_and_lowers_the_loss(engine, tmp_path):
-    config = small_config()
+@pytest.mark.parametrize("features", ["exp", "mlp"])
+def test_training_is_resumable_deterministic_and_lowers_the_loss(engine, tmp_path, features):
+    config = small_config(features=features)
     (path,) = train(engine, config, tmp_path / "work", tmp_path / "out", model_tag="tiny", progress=False)
     kernels = load_kernels(path)
     header = kernels.header
-    assert header["base"] == "snapkv" and header["budget"] == 16 and header["rank"] == 4
+    assert header["base"] == "snapkv" and header["budget"] == 16 and header["rank"] == 4 and header["features"] == features
+    assert header["training"]["lr"] == (1e-2 if features == "exp" else 3e-3)
     assert header["data"]["license"].startswith("PSF") and header["data"]["sequences"] == 6
     assert header["model"] == model_signature(engine.model) and header["training"]["seed"] == 0
     assert header["training"]["capture_seconds"] > 0 and header["training"]["train_seconds"] > 0
@@ -57,7 +59,7 @@ def test_training_is_resumable_deterministic_and_lowers_the_loss(engine, tmp_pat
     for name, tensor in kernels.tensors().items():
         assert torch.equal(load_kernels(again).tensors()[name], tensor), name
     with pytest.raises(ValueError, match="other settings"):
-        train(engine, small_config(epochs=7), tmp_path / "work", tmp_path / "out3", model_tag="tiny", progress=False)
+        train(engine, small_config(epochs=7, features=features), tmp_path / "work", tmp_path / "out3", model_tag="tiny", progress=False)
     # The trained file drives the engine.
     policy = LESS(base=SnapKV(window_size=4, kernel_size=3, max_capacity_prompt=16), kernels=str(path))
     result = engine.generate("The quick brown fox jumps over the lazy dog. " * 8, max_new_tokens=3, compression=policy)
@@ -100,12 +102,17 @@ def test_window_counts_per_prompt_length():
         TrainConfig(prompt_tokens=[2048, 2048]).check()
     with pytest.raises(ValueError, match="distinct positive"):
         TrainConfig(prompt_tokens=[]).check()
+    assert default.features == "exp" and default.lr == 1e-2 and TrainConfig(features="mlp").lr == 3e-3
+    with pytest.raises(ValueError, match="features must be one of exp, mlp"):
+        TrainConfig(features="relu").check()
 
 
 def test_less_train_cli_parses():
     args = build_parser().parse_args(["less", "train", "--budgets", "64,256", "--base", "h2o", "--threads", "1", "--prompt-tokens", "2048,3072"])
     assert args.budgets == [64, 256] and args.base == "h2o" and args.func.__name__ == "cmd_less_train"
     assert args.prompt_tokens == [2048, 3072] and args.sequences is None
+    assert args.features == "exp" and args.lr is None
+    assert build_parser().parse_args(["less", "train", "--features", "mlp"]).features == "mlp"
 
 
 def test_heldout_fidelity_rows_and_gap_closed(engine, tmp_path):
@@ -219,11 +226,12 @@ def test_two_stage_training_distils_resumes_and_leaves_the_model_alone(engine, t
     assert report["val_kl_base"] > 0
     for name, p in engine.model.named_parameters():
         assert torch.equal(p, weights[name]), name
-    # Calibration (the default) moves only the output biases and the key scales.
+    # Calibration (the default) moves only the biases of the (default, exp) feature maps.
     stage1, distilled = load_kernels(tmp_path / "work" / "kernels-b16" / "layer000.safetensors").layers[0], load_kernels(path).layers[0]
+    assert distilled.kind == stage1.kind == "exp"
     for part in ("phi", "psi"):
-        for name in ("w1", "b1", "w2"):
-            assert torch.equal(getattr(distilled, part)[name], getattr(stage1, part)[name]), (part, name)
+        assert torch.equal(getattr(distilled, part)["w"], getattr(stage1, part)["w"]), part
+    assert not torch.equal(distilled.psi["b"], stage1.psi["b"]) or report["best_epoch"] == 0
 
     # Resume: the distilled checkpoint is reused as it is.
     (again,) = train(engine, config, tmp_path / "work", tmp_path / "out2", model_tag="tiny", progress=False)

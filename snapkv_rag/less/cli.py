@@ -1,4 +1,4 @@
-"""``snapkv-rag less train``: train LESS kernels for a model on the offline corpus."""
+"""``snapkv-rag less``: train LESS kernels for a model on the offline corpus, and analyse their remaining gap."""
 
 from __future__ import annotations
 
@@ -26,10 +26,11 @@ def add_less_parser(sub) -> None:
     p.add_argument("--sequences", type=_ints, default=None, help="windows per prompt length, --val-sequences of each validate (one number: every length; default: about 80K prompt tokens each, 40 at 2048)")
     p.add_argument("--val-sequences", type=int, default=4)
     p.add_argument("--rank", type=int, default=8)
-    p.add_argument("--hidden", type=int, default=32)
+    p.add_argument("--features", choices=("exp", "mlp"), default="exp", help="feature maps: exponential (default) or less.md's MLPs")
+    p.add_argument("--hidden", type=int, default=32, help="hidden width of the mlp feature maps")
     p.add_argument("--epochs", type=int, default=20)
     p.add_argument("--batch", type=int, default=4)
-    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--lr", type=float, default=None, help="stage-1 learning rate (default: 1e-2 for exp features, 3e-3 for mlp)")
     p.add_argument("--distill-epochs", type=int, default=2, help="stage 2: epochs of all layers together on the end-to-end KL (0: stage 1 only)")
     p.add_argument("--distill-sequences", type=_ints, default=None, help="stage 2: overlapping training windows per prompt length (default: about 240K prompt tokens each, 120 at 2048)")
     p.add_argument("--distill-lr", type=float, default=1e-2)
@@ -56,6 +57,18 @@ def add_less_parser(sub) -> None:
     d.add_argument("--no-progress", action="store_true")
     d.set_defaults(func=cmd_less_distill)
 
+    g = tasks.add_parser("gap", help="where LESS's remaining KL gap comes from: learned vs exact mass and value of the evicted entries, per layer")
+    add_model_args(g)
+    g.add_argument("--compression", default="less:base=snapkv,budget=512", help="a LESS spec (default: less:base=snapkv,budget=512)")
+    g.add_argument("--lengths", type=_ints, default=[2048, 4096], help="comma-separated prompt lengths (held-out split)")
+    g.add_argument("--prompts-per-length", type=int, default=3)
+    g.add_argument("--continuation-tokens", type=int, default=64)
+    g.add_argument("--no-per-layer", action="store_true", help="skip the exact-value-in-one-layer runs (one per layer and prompt)")
+    g.add_argument("--threads", type=int, default=2, help="torch CPU threads (default 2)")
+    g.add_argument("--out", type=Path, default=Path("eval/results/less_gap"))
+    g.add_argument("--no-progress", action="store_true")
+    g.set_defaults(func=cmd_less_gap)
+
 
 def cmd_less_train(args: argparse.Namespace) -> int:
     import json
@@ -73,6 +86,7 @@ def cmd_less_train(args: argparse.Namespace) -> int:
         sequences=args.sequences,
         val_sequences=args.val_sequences,
         rank=args.rank,
+        features=args.features,
         hidden=args.hidden,
         epochs=args.epochs,
         batch=args.batch,
@@ -112,4 +126,32 @@ def cmd_less_distill(args: argparse.Namespace) -> int:
         engine, args.kernels, args.out or args.kernels, args.work_dir, epochs=args.epochs, sequences=args.sequences, lr=args.lr, params=args.params, seed=args.seed, progress=not args.no_progress
     )
     print(json.dumps({"kernels": str(out), "seconds": round(time.perf_counter() - start, 1), "threads": args.threads}))
+    return 0
+
+
+def cmd_less_gap(args: argparse.Namespace) -> int:
+    import json
+    import shlex
+    import sys
+
+    import torch
+
+    from ..compression import LESS, parse_compression
+    from ..errors import InvalidCompressionError
+    from ..evaluation.rag_citation import EvalInputError
+    from .gap import gap_analysis, write_gap_report
+
+    policy = parse_compression(args.compression)
+    if not isinstance(policy, LESS):
+        raise InvalidCompressionError(f"less gap analyses a LESS policy (less:base=...,budget=N), not {args.compression!r}")
+    if args.prompts_per_length < 1 or args.continuation_tokens < 2 or not args.lengths or min(args.lengths) < 1:
+        raise EvalInputError("--prompts-per-length and --lengths must be positive and --continuation-tokens at least 2")
+    torch.set_num_threads(args.threads)
+    engine = load_engine(args)
+    rows = gap_analysis(
+        engine, policy, args.lengths, per_length=args.prompts_per_length, continuation_tokens=args.continuation_tokens, per_layer=not args.no_per_layer, progress=not args.no_progress
+    )
+    command = "snapkv-rag " + shlex.join(sys.argv[1:]) if sys.argv[1:3] == ["less", "gap"] else None
+    report = write_gap_report(rows, args.out, spec=policy.spec(), command=command)
+    print(json.dumps({"out": str(args.out), **report}, indent=None if args.json else 1))
     return 0

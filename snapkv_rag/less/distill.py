@@ -26,7 +26,7 @@ import json
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from tqdm.auto import tqdm
@@ -37,6 +37,9 @@ from ..compression.runtime import PrefillCompression, capturing, select_for_prom
 from .corpus import corpus_tokens, overlapping_windows, validation_tail
 from .kernels import LayerKernels, LessKernels
 
+if TYPE_CHECKING:
+    from .state import LowRankState
+
 
 @dataclass
 class DistillConfig:
@@ -44,12 +47,12 @@ class DistillConfig:
     lr: float = 1e-2
     scale_lr: float = 1e-2
     seed: int = 0
-    # "all": every kernel tensor; "calibration": only the output biases and the key scales,
-    # which set how much mass the state claims per head (a few thousand numbers; cannot memorise)
+    # "all": every kernel tensor; "calibration": only the biases (mlp: the output biases and the
+    # key scales), which set how much mass the state claims per head (a few thousand numbers; cannot memorise)
     params: str = "calibration"
 
 
-CALIBRATION = ("b2",)
+CALIBRATION = {"mlp": ("b2",), "exp": ("b",)}  # per feature kind: the output (mlp) or only (exp) biases
 
 
 class _PromptCapture:
@@ -111,24 +114,27 @@ def collect(
         if path.exists():
             continue
         start = time.perf_counter()
-        grab = _PromptCapture(policies, prompt_tokens)
-        with torch.inference_mode(), capturing(grab):
-            logits = engine.model(input_ids=torch.tensor([seq], device=engine.device), use_cache=False, logits_to_keep=continuation_tokens).logits
-        layers = sorted(grab.keys)
-        torch.save(
-            {
-                "tokens": torch.tensor(seq),
-                "keys": torch.stack([grab.keys[i] for i in layers]),
-                "values": torch.stack([grab.values[i] for i in layers]),
-                **{f"kept{b}": torch.stack([grab.kept[b][i] for i in layers]) for b in budgets},
-                # positions n .. n+c-2 predict continuation tokens 1 .. c-1 (row n-1 is the prefill's)
-                "log_probs": logits[0, :-1].float().log_softmax(-1).half().cpu(),
-            },
-            path,
-        )
+        torch.save(record_window(engine, policies, seq, prompt_tokens, continuation_tokens), path)
         spent = collection_seconds(directory) + time.perf_counter() - start
         timing_path.write_text(json.dumps({"seconds": spent}))
     return paths[: len(train)], paths[len(train) :]
+
+
+def record_window(engine, policies: dict[int, CompressionPolicy], tokens: list[int], prompt_tokens: int, continuation_tokens: int) -> dict[str, torch.Tensor]:
+    """One forward of the frozen model over ``tokens`` (prompt + continuation): every layer's prompt
+    K/V (fp16), each budget's selection and the full model's continuation log-probabilities."""
+    grab = _PromptCapture(policies, prompt_tokens)
+    with torch.inference_mode(), capturing(grab):
+        logits = engine.model(input_ids=torch.tensor([tokens], device=engine.device), use_cache=False, logits_to_keep=continuation_tokens).logits
+    layers = sorted(grab.keys)
+    return {
+        "tokens": torch.tensor(tokens),
+        "keys": torch.stack([grab.keys[i] for i in layers]),
+        "values": torch.stack([grab.values[i] for i in layers]),
+        **{f"kept{b}": torch.stack([grab.kept[b][i] for i in layers]) for b in policies},
+        # positions n .. n+c-2 predict continuation tokens 1 .. c-1 (row n-1 is the prefill's)
+        "log_probs": logits[0, :-1].float().log_softmax(-1).half().cpu(),
+    }
 
 
 def collection_seconds(directory: Path) -> float:
@@ -137,12 +143,13 @@ def collection_seconds(directory: Path) -> float:
     return json.loads(path.read_text())["seconds"] if path.exists() else 0.0
 
 
-def less_log_probs(engine, policy: LESS, kernels: LessKernels, sample: dict[str, torch.Tensor], budget: int) -> torch.Tensor:
+def less_log_probs(engine, policy: LESS, kernels: LessKernels, sample: dict[str, torch.Tensor], budget: int, state: "LowRankState | None" = None) -> torch.Tensor:
     """Log-probabilities ``[c-1, vocab]`` of the continuation under LESS, differentiable in the kernels.
 
     Rebuilds the state the compressed prefill would leave (kept K/V in the cache, evicted
     K/V folded into the low-rank state) from the recorded prompt K/V and selection, then
-    runs the continuation through the engine's decode path (:class:`DecodeRun`).
+    runs the continuation through the engine's decode path (:class:`DecodeRun`). ``state``:
+    an empty state to fold into instead of ``LowRankState(kernels)`` (the gap analysis's).
     """
     from ..generation import DecodeRun
     from ..sampling import GenerationParams
@@ -152,7 +159,7 @@ def less_log_probs(engine, policy: LESS, kernels: LessKernels, sample: dict[str,
     n = sample["keys"].shape[2]
     prompt, continuation = tokens[:n], tokens[n:]
     run = DecodeRun(engine.model, [prompt], GenerationParams(max_new_tokens=len(continuation)), policy.with_budget(budget), engine._pad_id)
-    run.low_rank = LowRankState(kernels, run.device)
+    run.low_rank = state if state is not None else LowRankState(kernels, run.device)
     session = PrefillCompression(run.policy, run.cache, None, run.sliding, run.low_rank)
     dtype = engine.model.dtype
     for layer_idx in range(sample["keys"].shape[0]):
@@ -170,21 +177,22 @@ def _kl(full_log_probs: torch.Tensor, log_probs: torch.Tensor) -> torch.Tensor:
 
 
 def _trainable(kernels: LessKernels, params: str) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """Detached leaf copies of the trained kernel tensors (in place in ``kernels``); the scales as logs."""
+    """Detached leaf copies of the trained kernel tensors (in place in ``kernels``); mlp key scales as logs."""
     weights, log_scales = [], []
     for layer in kernels.layers.values():
         for part in (layer.phi, layer.psi):
             for name in list(part):
-                if name == "scale" or (params == "calibration" and name not in CALIBRATION):
+                if name == "scale" or (params == "calibration" and name not in CALIBRATION[layer.kind]):
                     continue
                 part[name] = part[name].detach().clone().requires_grad_()
                 weights.append(part[name])
-        log_scales.append(layer.psi["scale"].detach().abs().clamp_min(1e-12).log().requires_grad_())
+        if "scale" in layer.psi:
+            log_scales.append(layer.psi["scale"].detach().abs().clamp_min(1e-12).log().requires_grad_())
     return weights, log_scales
 
 
 def _apply_scales(kernels: LessKernels, log_scales: list[torch.Tensor]) -> None:
-    for layer, log_scale in zip(kernels.layers.values(), log_scales):
+    for layer, log_scale in zip([k for k in kernels.layers.values() if "scale" in k.psi], log_scales):
         layer.psi["scale"] = log_scale.exp()
 
 
@@ -194,7 +202,7 @@ def _frozen(kernels: LessKernels) -> LessKernels:
     def copy(params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return {name: t.detach().clone() for name, t in params.items()}
 
-    return LessKernels({i: LayerKernels(copy(k.phi), copy(k.psi)) for i, k in kernels.layers.items()}, kernels.header)
+    return LessKernels({i: LayerKernels(copy(k.phi), copy(k.psi), k.kind) for i, k in kernels.layers.items()}, kernels.header)
 
 
 def evaluate(engine, policy: LESS, kernels: LessKernels, samples: list[dict], budget: int) -> float:
@@ -223,7 +231,7 @@ def _distill(engine, kernels: LessKernels, train_paths, val_paths, budget: int, 
     base_kl = evaluate(engine, policy, LessKernels.zeros(kernels.header["model"], rank=kernels.rank, hidden=1), val, budget)
     trained = _frozen(kernels)
     weights, log_scales = _trainable(trained, config.params)
-    optim = torch.optim.Adam([{"params": weights, "lr": config.lr}, {"params": log_scales, "lr": config.scale_lr}])
+    optim = torch.optim.Adam([{"params": weights, "lr": config.lr}] + ([{"params": log_scales, "lr": config.scale_lr}] if log_scales else []))
     generator = torch.Generator().manual_seed(config.seed)
     history = [{"epoch": 0, "val_kl": evaluate(engine, policy, _frozen(trained), val, budget)}]
     best = (history[0]["val_kl"], _frozen(trained), 0)

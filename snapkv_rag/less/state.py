@@ -11,6 +11,8 @@ its GQA group's state. Attention over the kept entries ``S`` plus the state:
 which is less.md's ``exp(lse_S - lse) * softmax(s) V_S + exp(-lse) * phi(q)H`` written so
 that no factor overflows. The sparse part is the registered base attention's own output
 (SDPA, flash), so with zero features (``mass = 0``) the result *is* the base output.
+Exponential-feature kernels keep the same numbers in the log domain (``mu = H / z`` per
+feature and ``log z``; :mod:`.kernels`), and give ``log(mass)`` and ``phi(q)H / mass`` directly.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import time
 
 import torch
 
-from .kernels import LayerKernels, LessKernels
+from .kernels import LayerKernels, LessKernels, low_rank_estimate
 
 
 def combine(sparse_out: torch.Tensor, lse_sparse: torch.Tensor, features: torch.Tensor, H: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
@@ -28,19 +30,21 @@ def combine(sparse_out: torch.Tensor, lse_sparse: torch.Tensor, features: torch.
     ``sparse_out [..., t, d]``, ``lse_sparse [..., t]``, ``features [..., t, R]``,
     ``H [..., R, d]``, ``z [..., R]`` (leading dims broadcast); fp32 in, fp32 out.
     """
-    mass = (features * z.unsqueeze(-2)).sum(-1)  # [..., t]
-    log_mass = mass.log()  # -inf where nothing was evicted or the features are zero
+    return merge(sparse_out, lse_sparse, *low_rank_estimate(features, H, z))
+
+
+def merge(sparse_out: torch.Tensor, lse_sparse: torch.Tensor, log_mass: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """Kept entries' attention (``sparse_out``, ``lse_sparse``) and the evicted entries' (``log_mass``,
+    ``value``, exact or estimated) under one softmax normaliser."""
     lse = torch.logaddexp(lse_sparse, log_mass)
     w_sparse = torch.exp(lse_sparse - lse).nan_to_num(0.0)
     w_low = torch.exp(log_mass - lse).nan_to_num(0.0)
-    low = (features @ H) / mass.clamp_min(torch.finfo(mass.dtype).tiny).unsqueeze(-1)
-    return w_sparse.unsqueeze(-1) * sparse_out + w_low.unsqueeze(-1) * low
+    return w_sparse.unsqueeze(-1) * sparse_out + w_low.unsqueeze(-1) * value
 
 
 def fold(kernels: LayerKernels, keys: torch.Tensor, values: torch.Tensor, evicted: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(H [b, kv_heads, R, d], z [b, kv_heads, R])`` of the entries where ``evicted [b, kv_heads, n]``."""
-    features = kernels.key_features(keys) * evicted.unsqueeze(-1).to(torch.float32)
-    return torch.einsum("bhnr,bhnd->bhrd", features, values.float()), features.sum(dim=2)
+    """The state of the entries where ``evicted [b, kv_heads, n]`` (:meth:`LayerKernels.fold`)."""
+    return kernels.fold(keys, values, evicted)
 
 
 def visible_keys(attention_mask: torch.Tensor | None, batch: int, t: int, m: int, device: torch.device) -> torch.Tensor:
@@ -66,7 +70,7 @@ class LowRankState:
 
     def __init__(self, kernels: LessKernels, device: torch.device):
         self.kernels = kernels.to(device)
-        self.layers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # layer -> (H, z)
+        self.layers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # layer -> (H, z), or (mu, log z) for exp kernels
         self.folded_entries = 0  # evicted (row, layer, KV head, position) entries folded so far
         self.attend_seconds = 0.0  # time spent in the low-rank part of attention, all layers
 
@@ -75,11 +79,10 @@ class LowRankState:
         kernels = self.kernels.layers.get(layer_idx)
         if kernels is None or not bool(evicted.any()):
             return
-        H, z = fold(kernels, keys, values, evicted)
+        state = kernels.fold(keys, values, evicted)
         if layer_idx in self.layers:
-            H0, z0 = self.layers[layer_idx]
-            H, z = H0 + H, z0 + z
-        self.layers[layer_idx] = (H, z)
+            state = kernels.merge_states(self.layers[layer_idx], state)
+        self.layers[layer_idx] = state
         self.folded_entries += int(evicted.sum())
 
     def fold_selection(self, layer_idx: int, keys: torch.Tensor, values: torch.Tensor, kept: torch.Tensor, attention_mask: torch.Tensor | None) -> None:
@@ -91,12 +94,14 @@ class LowRankState:
             evicted &= attention_mask[:, None, :n].bool()
         self.fold(layer_idx, keys, values, evicted)
 
+    def has_state(self, layer_idx: int) -> bool:
+        return layer_idx in self.layers
+
     def attend(self, layer_idx: int, query: torch.Tensor, key: torch.Tensor, attention_mask, output: torch.Tensor, scaling: float | None) -> torch.Tensor:
         """The base attention's ``output [b, t, q_heads, d]`` merged with this layer's state."""
-        if layer_idx not in self.layers:
+        if not self.has_state(layer_idx):
             return output
         start = time.perf_counter()
-        H, z = self.layers[layer_idx]
         b, hq, t, d = query.shape
         hkv, m = key.shape[1], key.shape[2]
         g = hq // hkv
@@ -107,11 +112,15 @@ class LowRankState:
         scores = scores.masked_fill(~visible[:, None, None], float("-inf"))
         lse_sparse = scores.logsumexp(dim=-1)
         sparse = output.float().permute(0, 2, 1, 3).reshape(b, hkv, g, t, d)
-        features = self.kernels.layers[layer_idx].query_features(query).reshape(b, hkv, g, t, -1)
-        merged = combine(sparse, lse_sparse, features, H[:, :, None], z[:, :, None])
+        merged = merge(sparse, lse_sparse, *self.estimate(layer_idx, query, scale))
         result = merged.reshape(b, hq, t, d).permute(0, 2, 1, 3).to(output.dtype).contiguous()
         self.attend_seconds += time.perf_counter() - start
         return result
+
+    def estimate(self, layer_idx: int, query: torch.Tensor, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(log mass, value)`` of this layer's evicted entries for ``query [b, q_heads, t, d]``,
+        each shaped ``[b, kv_heads, group, t(, d)]`` (:meth:`LayerKernels.estimate`)."""
+        return self.kernels.layers[layer_idx].estimate(query, self.layers[layer_idx])
 
     @property
     def nbytes(self) -> int:

@@ -10,8 +10,9 @@
    outputs, all keys and values and the kept indices are written to shards on disk.
 2. Train. Per layer (independent, so only one layer's data is in memory) and budget: the
    continuation queries attend exactly to the kept prompt entries plus the continuation
-   (causal), and through the state to the evicted prompt entries (:func:`~.state.combine`,
-   the same code as inference). Loss: MSE of ``o_proj(LESS output)`` against
+   (causal), and through the state to the evicted prompt entries (:meth:`~.kernels.LayerKernels.fold`,
+   :meth:`~.kernels.LayerKernels.estimate` and :func:`~.state.merge`, the same code as inference;
+   ``features`` picks the feature maps, exponential by default). Loss: MSE of ``o_proj(LESS output)`` against
    ``o_proj(full output)`` on the continuation positions (all past the budget). Adam, step
    decay, a fixed seed; each finished layer is saved, so an interrupted run resumes.
 
@@ -39,8 +40,8 @@ from ..compression import CompressionPolicy, parse_compression
 from ..compression.runtime import select_for_prompt
 from .corpus import LICENSE, SOURCE, corpus_tokens, overlapping_windows, validation_tail
 from .distill import DistillConfig, collect_lengths, collection_seconds, distill
-from .kernels import FORMAT, LayerKernels, LessKernels, load_kernels, model_signature
-from .state import combine, fold
+from .kernels import FEATURE_KINDS, FORMAT, LayerKernels, LessKernels, load_kernels, model_signature
+from .state import merge
 
 
 @dataclass
@@ -54,10 +55,11 @@ class TrainConfig:
     sequences: list[int] | None = None
     val_sequences: int = 4
     rank: int = 8
-    hidden: int = 32
+    features: str = "exp"  # feature maps (:mod:`.kernels`): "exp" (exponential, the default) or "mlp" (less.md's)
+    hidden: int = 32  # mlp features only
     epochs: int = 20
     batch: int = 4
-    lr: float = 3e-3
+    lr: float | None = None  # None: 1e-2 for exp features, 3e-3 for mlp
     scale_lr: float = 5e-2
     init_scale: float = 1e-4
     seed: int = 0
@@ -72,6 +74,8 @@ class TrainConfig:
         self.prompt_tokens = _as_list(self.prompt_tokens)
         self.sequences = _per_length(self.sequences, self.prompt_tokens, 40 * 2048)
         self.distill_sequences = _per_length(self.distill_sequences, self.prompt_tokens, 120 * 2048)
+        if self.lr is None:
+            self.lr = 1e-2 if self.features == "exp" else 3e-3
 
     def check(self) -> None:
         if not self.prompt_tokens or min(self.prompt_tokens) < 1 or len(set(self.prompt_tokens)) != len(self.prompt_tokens):
@@ -86,6 +90,8 @@ class TrainConfig:
                 raise LessTrainingError(f"{name} must be positive")
         if self.distill_epochs < 0 or (self.distill_epochs and min(self.distill_sequences) < 1):
             raise LessTrainingError("distill_epochs must be >= 0, and distill_sequences positive when distilling")
+        if self.features not in FEATURE_KINDS:
+            raise LessTrainingError(f"features must be one of {', '.join(FEATURE_KINDS)}, got {self.features!r}")
         if self.distill_params not in ("calibration", "all"):
             raise LessTrainingError(f"distill_params must be 'calibration' or 'all', got {self.distill_params!r}")
         for budget in self.budgets:
@@ -228,20 +234,18 @@ def sparse_attention(q, k, v, kept, n: int, scaling: float, chunk: int = 4):
     return torch.cat(outs), torch.cat(lses), evicted
 
 
-def _parameters(kernels: LayerKernels) -> tuple[list[torch.Tensor], torch.Tensor]:
+def _parameters(kernels: LayerKernels) -> tuple[list[torch.Tensor], torch.Tensor | None]:
+    """The tensors to train, and (mlp features) the key scales as logs, trained apart."""
     params = [t.requires_grad_() for part in (kernels.phi, kernels.psi) for name, t in part.items() if name != "scale"]
-    log_scale = kernels.psi["scale"].abs().log().requires_grad_()
+    log_scale = kernels.psi["scale"].abs().log().requires_grad_() if "scale" in kernels.psi else None
     return params, log_scale
 
 
 def _layer_loss(kernels: LayerKernels, log_scale, data: dict[str, torch.Tensor], idx, o_proj) -> torch.Tensor:
-    psi = dict(kernels.psi, scale=log_scale.exp())
-    layer = LayerKernels(kernels.phi, psi)
+    layer = kernels if log_scale is None else LayerKernels(kernels.phi, dict(kernels.psi, scale=log_scale.exp()), kernels.kind)
     n = data["evicted"].shape[-1]
-    H, z = fold(layer, data["k"][idx, :, :n], data["v"][idx, :, :n], data["evicted"][idx])
-    b, hkv, g, c, d = data["sparse"][idx].shape
-    feats = layer.query_features(data["q"][idx]).reshape(b, hkv, g, c, -1)
-    merged = combine(data["sparse"][idx], data["lse"][idx], feats, H[:, :, None], z[:, :, None])
+    state = layer.fold(data["k"][idx, :, :n], data["v"][idx, :, :n], data["evicted"][idx])
+    merged = merge(data["sparse"][idx], data["lse"][idx], *layer.estimate(data["q"][idx], state))
     return _projected_mse(merged, data["target"][idx], o_proj)
 
 
@@ -258,7 +262,8 @@ def train_layer(groups: list[dict[str, torch.Tensor]], kernels: LayerKernels, o_
     validation windows."""
     splits = [(g["q"].shape[0] - config.val_sequences, g["q"].shape[0]) for g in groups]
     params, log_scale = _parameters(kernels)
-    optim = torch.optim.Adam([{"params": params, "lr": config.lr}, {"params": [log_scale], "lr": config.scale_lr}])
+    groups_lr = [{"params": params, "lr": config.lr}] + ([{"params": [log_scale], "lr": config.scale_lr}] if log_scale is not None else [])
+    optim = torch.optim.Adam(groups_lr)
     sched = torch.optim.lr_scheduler.MultiStepLR(optim, [config.epochs // 2, 3 * config.epochs // 4], gamma=0.3)
     generator = torch.Generator().manual_seed(seed)
     for _ in range(config.epochs):
@@ -274,7 +279,8 @@ def train_layer(groups: list[dict[str, torch.Tensor]], kernels: LayerKernels, o_
             optim.step()
         sched.step()
     with torch.no_grad():
-        kernels.psi["scale"] = log_scale.exp().detach()
+        if log_scale is not None:
+            kernels.psi["scale"] = log_scale.exp().detach()
         for part in (kernels.phi, kernels.psi):
             for name in part:
                 part[name] = part[name].detach()
@@ -282,7 +288,7 @@ def train_layer(groups: list[dict[str, torch.Tensor]], kernels: LayerKernels, o_
         for group, (train_n, N) in zip(groups, splits):
             val = torch.arange(train_n, N)
             base += float(_projected_mse(group["sparse"][val], group["target"][val], o_proj)) / len(groups)
-            less += float(_layer_loss(kernels, kernels.psi["scale"].log(), group, val, o_proj)) / len(groups)
+            less += float(_layer_loss(kernels, None, group, val, o_proj)) / len(groups)
     return {"val_mse_base": base, "val_mse_less": less}
 
 
@@ -324,7 +330,7 @@ def train(engine, config: TrainConfig, work: Path, out_dir: Path, *, model_tag: 
     paths = []
     for budget in config.budgets:
         layers_dir = work / f"kernels-b{budget}"
-        template = LessKernels.initial(signature, rank=config.rank, hidden=config.hidden, seed=config.seed, scale=config.init_scale)
+        template = LessKernels.initial(signature, rank=config.rank, hidden=config.hidden, seed=config.seed, scale=config.init_scale, features=config.features)
         trained: dict[int, LayerKernels] = {}
         report: dict[str, dict[str, float]] = {}
         seconds = 0.0
@@ -342,7 +348,8 @@ def train(engine, config: TrainConfig, work: Path, out_dir: Path, *, model_tag: 
             kernels = template.layers[layer_idx]
             stats = train_layer(groups, kernels, meta[layer_idx]["o_proj"], config, config.seed + layer_idx)
             elapsed = time.perf_counter() - t0
-            LessKernels({layer_idx: kernels}, {"format": FORMAT, "model": signature, "validation": {str(layer_idx): stats}, "seconds": elapsed, "partial_layers_ok": True}).save(path)
+            checkpoint = {"format": FORMAT, "model": signature, "features": config.features, "validation": {str(layer_idx): stats}, "seconds": elapsed, "partial_layers_ok": True}
+            LessKernels({layer_idx: kernels}, checkpoint).save(path)
             trained[layer_idx], report[str(layer_idx)] = kernels, stats
             seconds += elapsed
         header = {
@@ -353,6 +360,7 @@ def train(engine, config: TrainConfig, work: Path, out_dir: Path, *, model_tag: 
             "base_spec": parse_compression(config.base).with_budget(budget).spec(),
             "budget": budget,
             "rank": config.rank,
+            "features": config.features,
             "hidden": config.hidden,
             "data": {"source": SOURCE, "license": LICENSE, "split": "train", **data_info, "validation_sequences": config.val_sequences},
             "training": {**settings, "capture_seconds": round(capture_seconds, 3), "train_seconds": round(seconds, 3), "threads": torch.get_num_threads()},
