@@ -157,7 +157,7 @@ def test_training_objective_is_the_inference_computation(engine):
     from snapkv_rag.compression.runtime import capturing
     from snapkv_rag.generation import DecodeRun
     from snapkv_rag.less import train as T
-    from snapkv_rag.less.state import LowRankState, combine, fold
+    from snapkv_rag.less.state import LowRankState
     from snapkv_rag.sampling import GenerationParams
 
     tokens = engine.tokenizer("The quick brown fox jumps over the lazy dog. The capital of France is Paris. " * 4)["input_ids"]
@@ -182,10 +182,8 @@ def test_training_objective_is_the_inference_computation(engine):
     with torch.inference_mode(), capturing(grab):
         engine.model(input_ids=torch.tensor([prompt + cont]), use_cache=False, logits_to_keep=1)
     data = T._prepare({k: torch.stack(v) for k, v in grab.layers[0].items()}, 16, len(prompt), grab.meta[0]["scaling"])
-    layer = kernels.layers[0]
-    H, z = fold(layer, data["k"][:, :, : len(prompt)], data["v"][:, :, : len(prompt)], data["evicted"])
     b, hkv, g, c, d = data["sparse"].shape
-    merged = combine(data["sparse"], data["lse"], layer.query_features(data["q"]).reshape(b, hkv, g, c, -1), H[:, :, None], z[:, :, None])
+    merged = T.layer_output(kernels.layers[0], data, torch.arange(b))
     as_inference = lambda t: t.reshape(b, hkv * g, c, d).permute(0, 2, 1, 3)[:, : c - 1]  # noqa: E731
     torch.testing.assert_close(as_inference(data["sparse"]), seen["base"], atol=2e-3, rtol=1e-2)  # fp16 capture
     torch.testing.assert_close(as_inference(merged), seen["less"], atol=2e-3, rtol=1e-2)

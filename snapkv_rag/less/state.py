@@ -21,16 +21,7 @@ import time
 
 import torch
 
-from .kernels import LayerKernels, LessKernels, low_rank_estimate
-
-
-def combine(sparse_out: torch.Tensor, lse_sparse: torch.Tensor, features: torch.Tensor, H: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-    """Exact attention over kept entries merged with the low-rank estimate, one normaliser.
-
-    ``sparse_out [..., t, d]``, ``lse_sparse [..., t]``, ``features [..., t, R]``,
-    ``H [..., R, d]``, ``z [..., R]`` (leading dims broadcast); fp32 in, fp32 out.
-    """
-    return merge(sparse_out, lse_sparse, *low_rank_estimate(features, H, z))
+from .kernels import LessKernels
 
 
 def merge(sparse_out: torch.Tensor, lse_sparse: torch.Tensor, log_mass: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
@@ -40,11 +31,6 @@ def merge(sparse_out: torch.Tensor, lse_sparse: torch.Tensor, log_mass: torch.Te
     w_sparse = torch.exp(lse_sparse - lse).nan_to_num(0.0)
     w_low = torch.exp(log_mass - lse).nan_to_num(0.0)
     return w_sparse.unsqueeze(-1) * sparse_out + w_low.unsqueeze(-1) * value
-
-
-def fold(kernels: LayerKernels, keys: torch.Tensor, values: torch.Tensor, evicted: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The state of the entries where ``evicted [b, kv_heads, n]`` (:meth:`LayerKernels.fold`)."""
-    return kernels.fold(keys, values, evicted)
 
 
 def visible_keys(attention_mask: torch.Tensor | None, batch: int, t: int, m: int, device: torch.device) -> torch.Tensor:

@@ -243,10 +243,15 @@ def _parameters(kernels: LayerKernels) -> tuple[list[torch.Tensor], torch.Tensor
 
 def _layer_loss(kernels: LayerKernels, log_scale, data: dict[str, torch.Tensor], idx, o_proj) -> torch.Tensor:
     layer = kernels if log_scale is None else LayerKernels(kernels.phi, dict(kernels.psi, scale=log_scale.exp()), kernels.kind)
+    return _projected_mse(layer_output(layer, data, idx), data["target"][idx], o_proj)
+
+
+def layer_output(layer: LayerKernels, data: dict[str, torch.Tensor], idx) -> torch.Tensor:
+    """LESS attention output ``[N, hkv, g, c, d]`` of the windows ``idx`` of prepared data: the
+    evicted prompt entries folded into the state, merged with the exact attention over the rest."""
     n = data["evicted"].shape[-1]
     state = layer.fold(data["k"][idx, :, :n], data["v"][idx, :, :n], data["evicted"][idx])
-    merged = merge(data["sparse"][idx], data["lse"][idx], *layer.estimate(data["q"][idx], state))
-    return _projected_mse(merged, data["target"][idx], o_proj)
+    return merge(data["sparse"][idx], data["lse"][idx], *layer.estimate(data["q"][idx], state))
 
 
 def _projected_mse(out: torch.Tensor, target: torch.Tensor, o_proj: torch.Tensor) -> torch.Tensor:
