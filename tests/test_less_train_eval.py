@@ -128,6 +128,7 @@ def test_heldout_fidelity_rows_and_gap_closed(engine, tmp_path):
     full, base, plus, low = records
     assert full["kl_mean"] == 0.0 and base["kl_mean"] > 0 and base["kept_tokens"] == 16 and plus["kept_tokens"] == 19
     assert low["low_rank_state_bytes"] == 1088 and low["low_rank_ms_per_step"] > 0 and base["low_rank_ms_per_step"] is None
+    assert {r["heldout_start"] for r in records} == {0}
     table = summarize_fidelity(records)
     closed = gap_closed(low["kl_mean"], base["kl_mean"], 0.0)
     assert f"{closed:.3f}" in table and "baseline+" in table
@@ -135,6 +136,27 @@ def test_heldout_fidelity_rows_and_gap_closed(engine, tmp_path):
     text = paths["markdown"].read_text()
     assert text.count("| 40 | snapkv | 16 | 1 | 3 |") == 1 and text.count("| all | snapkv | 16 | 1 | 3 |") == 1
     assert json.loads(paths["jsonl"].read_text().splitlines()[-1])["role"] == "less"
+    # A second kernel file for the same base and budget gets its own rows, not a blend of both.
+    other = dict(low, kl_mean=base["kl_mean"] / 2, settings=dict(low["settings"], kernels="other.safetensors"))
+    two = summarize_fidelity(records + [other])
+    assert "LESS kernels" in two and "LESS kernels" not in table
+    rows = [line for line in two.splitlines() if line.startswith("| 40 |")]
+    assert len(rows) == 2 and rows[0].endswith("| in-memory |") and rows[1].endswith("| other.safetensors |")
+    assert f"| {closed:.3f} |" in rows[0] and "| 0.500 |" in rows[1]
+
+
+def test_heldout_windows_are_consecutive_in_lengths_order(tokenizer):
+    from snapkv_rag.evaluation.heldout import heldout_prompts, heldout_starts
+    from snapkv_rag.less.corpus import corpus_tokens
+
+    assert heldout_starts([20, 40], 5, 2) == [0, 25, 50, 95]
+    assert heldout_starts([40], 5, 2) == [0, 45]  # so a length's prompts depend on the lengths before it
+    tokens = corpus_tokens(tokenizer, "heldout")
+    prompts = heldout_prompts(tokenizer, [20, 40], 5, 2)
+    for start, (length, prompt, continuation) in zip(heldout_starts([20, 40], 5, 2), prompts):
+        assert prompt == tokens[start : start + length] and continuation == tokens[start + length : start + length + 5]
+    with pytest.raises(ValueError, match="too short"):
+        heldout_prompts(tokenizer, [len(tokens)], 5, 1)
 
 
 def test_gap_closed_definition():

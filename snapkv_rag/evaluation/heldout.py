@@ -28,20 +28,31 @@ from ..sampling import GenerationParams
 from .runner import FULL, Method, Record, common_fields
 
 
+def heldout_starts(lengths: Sequence[int], continuation_tokens: int, per_length: int) -> list[int]:
+    """Where each prompt's window starts in the held-out split: windows are consecutive in
+    ``lengths`` order, so which text a length's prompts are depends on the lengths before it
+    (the 4,096-token prompts of ``--lengths 2048,4096`` are not those of ``--lengths 4096``)."""
+    starts, start = [], 0
+    for length in lengths:
+        for _ in range(per_length):
+            starts.append(start)
+            start += length + continuation_tokens
+    return starts
+
+
 def heldout_prompts(tokenizer, lengths: Sequence[int], continuation_tokens: int, per_length: int) -> list[tuple[int, list[int], list[int]]]:
     """``(length, prompt_ids, continuation_ids)`` from consecutive, non-overlapping held-out windows
-    (every prompt, of every length, is different text)."""
+    (every prompt, of every length, is different text; see :func:`heldout_starts`)."""
     from ..less.corpus import corpus_tokens
 
     tokens = corpus_tokens(tokenizer, "heldout")
-    out, start = [], 0
-    for length in lengths:
-        for _ in range(per_length):
-            end = start + length + continuation_tokens
-            if end > len(tokens):
-                raise ValueError(f"the held-out split ({len(tokens)} tokens) is too short for {per_length} prompts of each of {list(lengths)} (+{continuation_tokens}) tokens")
-            out.append((length, tokens[start : start + length], tokens[start + length : end]))
-            start = end
+    out = []
+    starts = heldout_starts(lengths, continuation_tokens, per_length)
+    for start, length in zip(starts, (n for n in lengths for _ in range(per_length))):
+        end = start + length + continuation_tokens
+        if end > len(tokens):
+            raise ValueError(f"the held-out split ({len(tokens)} tokens) is too short for {per_length} prompts of each of {list(lengths)} (+{continuation_tokens}) tokens")
+        out.append((length, tokens[start : start + length], tokens[start + length : end]))
     return out
 
 
@@ -93,6 +104,7 @@ def run_heldout_fidelity(
 ) -> list[Record]:
     runs = expand_methods(methods, engine)
     prompts = heldout_prompts(engine.tokenizer, lengths, continuation_tokens, per_length)
+    starts = heldout_starts(lengths, continuation_tokens, per_length)
     bar = tqdm(total=len(prompts) * (len(runs) + 1), desc="fidelity (held-out)", disable=not progress, leave=False)
     records: list[Record] = []
     pad = engine._pad_id
@@ -106,7 +118,7 @@ def run_heldout_fidelity(
 
         _, full_logits = teacher_force(None)
         full_ppl = _perplexity(full_logits, continuation)
-        records.append(_record(engine, FULL, "full", length, index, prompt, continuation, 0.0, full_ppl, full_ppl, None, {}))
+        records.append(_record(engine, FULL, "full", length, index, prompt, continuation, 0.0, full_ppl, full_ppl, None, {"heldout_start": starts[index]}))
         bar.update()
         for method, role in runs:
             run, logits = teacher_force(method.policy)
@@ -118,6 +130,7 @@ def run_heldout_fidelity(
                 "prompt_kv_bytes_kept": run.prompt_kv_bytes_kept,
                 "low_rank_state_bytes": run.row_low_rank_bytes(),
                 "kept_tokens": run.kept_tokens_per_layer[0],
+                "heldout_start": starts[index],
                 **timing,
             }
             records.append(_record(engine, method, role, length, index, prompt, continuation, float(kl.mean()), _perplexity(logits, continuation), full_ppl, run, extra))

@@ -188,10 +188,15 @@ def gap_closed(less: float, base: float, full: float) -> float:
 
 def summarize_heldout(records: Sequence[Record]) -> str:
     """LESS against its base policy and baseline+ (same memory): per prompt length, base and
-    budget, then over all lengths; means over prompts (decode times: medians)."""
+    budget, then over all lengths; means over prompts (decode times: medians). Several LESS
+    kernels for one base and budget get a row each, against the same base rows, and a
+    "LESS kernels" column."""
     by: dict[tuple[Any, str, int], dict[str, list[Record]]] = defaultdict(lambda: defaultdict(list))
     full: dict[Any, list[Record]] = defaultdict(list)
+    kernel_labels: list[str] = []
     for r in records:
+        if r["role"] == "less" and r["settings"]["kernels"] not in kernel_labels:
+            kernel_labels.append(r["settings"]["kernels"])
         for length in (r["target_tokens"], "all"):
             if r["role"] == "full":
                 full[length].append(r)
@@ -200,30 +205,34 @@ def summarize_heldout(records: Sequence[Record]) -> str:
             by[(length, base_name, r["budget"])][r["role"]].append(r)
     rows = []
     for (length, base_name, budget), roles in sorted(by.items(), key=lambda kv: (kv[0][0] == "all", str(kv[0][0]).zfill(8), kv[0][1], kv[0][2])):
+        labels = [label for label in kernel_labels if any(r["settings"]["kernels"] == label for r in roles.get("less", []))] or [None]
+        for label in labels:
+            group = dict(roles, less=[r for r in roles.get("less", []) if r["settings"]["kernels"] == label])
 
-        def m(role: str, field: str, how=_mean) -> float:
-            return how([r[field] for r in roles.get(role, []) if r.get(field) is not None])
+            def m(role: str, field: str, how=_mean) -> float:
+                return how([r[field] for r in group.get(role, []) if r.get(field) is not None])
 
-        kl = {role: m(role, "kl_mean") for role in ("base", "baseline+", "less")}
-        ppl = {role: m(role, "perplexity") for role in ("base", "baseline+", "less")}
-        full_ppl = _mean([r["perplexity"] for r in full[length]])
-        base_ms, less_ms, low_ms = m("base", "decode_ms_per_token", median), m("less", "decode_ms_per_token", median), m("less", "low_rank_ms_per_step", median)
-        plus = roles.get("baseline+", [])
-        extra = plus[0]["settings"]["max_capacity_prompt"] - budget if plus else math.nan
-        rows.append(
-            (
-                length, base_name, budget, len(roles.get("base", [])), extra,
-                kl["base"], kl["baseline+"], kl["less"], gap_closed(kl["less"], kl["base"], 0.0), gap_closed(kl["baseline+"], kl["base"], 0.0),
-                full_ppl, ppl["base"], ppl["baseline+"], ppl["less"], gap_closed(ppl["less"], ppl["base"], full_ppl),
-                base_ms, less_ms, low_ms,
+            kl = {role: m(role, "kl_mean") for role in ("base", "baseline+", "less")}
+            ppl = {role: m(role, "perplexity") for role in ("base", "baseline+", "less")}
+            full_ppl = _mean([r["perplexity"] for r in full[length]])
+            base_ms, less_ms, low_ms = m("base", "decode_ms_per_token", median), m("less", "decode_ms_per_token", median), m("less", "low_rank_ms_per_step", median)
+            plus = group.get("baseline+", [])
+            extra = plus[0]["settings"]["max_capacity_prompt"] - budget if plus else math.nan
+            rows.append(
+                (
+                    length, base_name, budget, len(group.get("base", [])), extra,
+                    kl["base"], kl["baseline+"], kl["less"], gap_closed(kl["less"], kl["base"], 0.0), gap_closed(kl["baseline+"], kl["base"], 0.0),
+                    full_ppl, ppl["base"], ppl["baseline+"], ppl["less"], gap_closed(ppl["less"], ppl["base"], full_ppl),
+                    base_ms, less_ms, low_ms,
+                )
+                + ((label,) if len(kernel_labels) > 1 else ())
             )
-        )
     header = [
         "prompt tokens", "base", "budget", "prompts", "baseline+ extra tokens",
         "KL base", "KL baseline+", "KL LESS", "KL gap closed (LESS)", "KL gap closed (baseline+)",
         "ppl full", "ppl base", "ppl baseline+", "ppl LESS", "ppl gap closed (LESS)",
         "decode ms/token base", "decode ms/token LESS", "low-rank part ms/step",
-    ]
+    ] + (["LESS kernels"] if len(kernel_labels) > 1 else [])
     return _table(header, rows)
 
 
