@@ -29,6 +29,14 @@ def signature(engine):
     return model_signature(engine.model)
 
 
+FEATURES = ["mlp", "exp", "exp+mass"]  # exp+mass: exponential features plus 2 mass-only features
+
+
+def make_kernels(sig, features: str, **options) -> LessKernels:
+    kind, _, mass = features.partition("+")
+    return LessKernels.initial(sig, features=kind, mass_rank=2 if mass else 0, **options)
+
+
 def active_kernels(engine, seed: int = 0) -> LessKernels:
     """Random kernels whose state matters (scale 1): the outputs move away from the base policy's."""
     return LessKernels.initial(signature(engine), rank=4, hidden=8, seed=seed, scale=1.0)
@@ -50,9 +58,10 @@ def test_spec_strings_wrap_the_base_policy():
 
 
 # ------------------------------------------------------------------------- equivalence
-@pytest.mark.parametrize("features", ["mlp", "exp"])
+@pytest.mark.parametrize("features", FEATURES)
 def test_zero_kernels_give_the_base_policy_exactly(less_engine, features):
-    zero = LESS(base=BASE, kernels=LessKernels.zeros(signature(less_engine), features=features))
+    kind, _, mass = features.partition("+")
+    zero = LESS(base=BASE, kernels=LessKernels.zeros(signature(less_engine), features=kind, mass_rank=2 if mass else 0))
     base = less_engine.generate(PROMPT, max_new_tokens=8, compression=BASE, ignore_eos=True)
     less = less_engine.generate(PROMPT, max_new_tokens=8, compression=zero, ignore_eos=True)
     assert less.token_ids == base.token_ids
@@ -103,25 +112,27 @@ def test_prefix_cache_reuse_folds_the_same_state(less_engine):
 
 
 # --------------------------------------------------------------------- the formula
-def reference_attention(q, k_kept, v_kept, visible, k_evicted, v_evicted, phi, psi, scaling):
-    """less.md written out per query: the slow loop the fast path must match."""
+def reference_attention(q, k_kept, v_kept, visible, k_evicted, v_evicted, phi, psi, scaling, mass_phi=None, mass_psi=None):
+    """less.md written out per query: the slow loop the fast path must match. With mass-only
+    features the evicted part's weight is ``mass_phi(q) . sum mass_psi(k)`` and its value still
+    ``phi(q) H / phi(q) z``."""
     s = [float(q @ k_kept[i]) * scaling for i in range(len(k_kept)) if visible[i]]
     vs = [v_kept[i] for i in range(len(k_kept)) if visible[i]]
     lse_s = math.log(sum(math.exp(x) for x in s))
     fq = phi(q)
     H = sum((torch.outer(psi(k), v) for k, v in zip(k_evicted, v_evicted)), torch.zeros(fq.numel(), q.numel()))
     z = sum((psi(k) for k in k_evicted), torch.zeros(fq.numel()))
-    lr = float(fq @ z)
+    lr = float(fq @ z) if mass_phi is None else float(mass_phi(q) @ sum(mass_psi(k) for k in k_evicted))
     lse = float(torch.logaddexp(torch.tensor(math.log(max(lr, 1e-30))), torch.tensor(lse_s)))
     softmax_v = sum(math.exp(x - lse_s) * v for x, v in zip(s, vs))
-    return math.exp(lse_s - lse) * softmax_v + math.exp(-lse) * (fq @ H)
+    return math.exp(lse_s - lse) * softmax_v + lr * math.exp(-lse) * (fq @ H) / float(fq @ z)
 
 
-@pytest.mark.parametrize("features", ["mlp", "exp"])
+@pytest.mark.parametrize("features", FEATURES)
 def test_state_attention_matches_the_formula(features):
     torch.manual_seed(0)
     sig = {"num_layers": 1, "num_query_heads": 4, "num_kv_heads": 2, "head_dim": 8}
-    kernels = LessKernels.initial(sig, rank=3, hidden=5, seed=4, scale=0.5, features=features)
+    kernels = make_kernels(sig, features, rank=3, hidden=5, seed=4, scale=0.5)
     layer = kernels.layers[0]
     b, hq, hkv, d, n, t = 2, 4, 2, 8, 12, 3
     keys, values = torch.randn(b, hkv, n, d), torch.randn(b, hkv, n, d)
@@ -153,8 +164,12 @@ def test_state_attention_matches_the_formula(features):
             evicted_total += len(evicted) if h % 2 == 0 else 0
             phi = lambda x, h=h: layer.query_features(x[None, None, None].expand(1, hq, 1, d))[0, h, 0]
             psi = lambda x, g=g: layer.key_features(x[None, None, None].expand(1, hkv, 1, d))[0, g, 0]
+            mass = {}
+            if layer.mass_rank:
+                mass["mass_phi"] = lambda x, h=h: layer._logits(layer.phi, x[None, None, None].expand(1, hq, 1, d), "wm", "bm").exp()[0, h, 0]
+                mass["mass_psi"] = lambda x, g=g: layer._logits(layer.psi, x[None, None, None].expand(1, hkv, 1, d), "wm", "bm").exp()[0, g, 0]
             for i in range(t):
-                want = reference_attention(q[row, h, i], k_kept[row, g], v_kept[row, g], mask[row, 0, i], keys[row, g, evicted], values[row, g, evicted], phi, psi, scaling)
+                want = reference_attention(q[row, h, i], k_kept[row, g], v_kept[row, g], mask[row, 0, i], keys[row, g, evicted], values[row, g, evicted], phi, psi, scaling, **mass)
                 torch.testing.assert_close(fast[row, i, h], want, rtol=1e-4, atol=1e-5)
     assert state.folded_entries == evicted_total
 
@@ -180,15 +195,29 @@ def test_stats_report_the_real_state_and_cache(less_engine):
     assert result.stats.compression["method"] == "less" and result.stats.compression["kernels"] == "in-memory"
 
 
+def test_mass_only_features_cost_one_number_each_and_count_in_baseline_plus(less_engine):
+    from snapkv_rag.evaluation.heldout import state_tokens
+
+    less = LESS(base=BASE, kernels=make_kernels(signature(less_engine), "exp+mass", rank=4, seed=0, scale=1.0))
+    result = less_engine.generate(PROMPT, max_new_tokens=3, ignore_eos=True, compression=less)
+    real = 2 * 2 * (4 * 17 + 2) * 4  # layers x KV heads x (R(d+1) + Rm) fp32
+    assert result.stats.low_rank_state_bytes == real
+    assert state_tokens(less_engine, less) == math.ceil(real / less_engine.info().kv_bytes_per_token)
+    with pytest.raises(InvalidCompressionError, match="mass-only features need exponential"):
+        LessKernels.zeros(signature(less_engine), features="mlp", mass_rank=2)
+
+
 # --------------------------------------------------------------------------- kernels
-@pytest.mark.parametrize("features", ["mlp", "exp"])
+@pytest.mark.parametrize("features", FEATURES)
 def test_kernel_files_round_trip_and_refuse_other_models(less_engine, tokenizer, tmp_path, features):
-    kernels = LessKernels.initial(signature(less_engine), rank=4, hidden=8, seed=0, scale=1.0, features=features)
+    kernels = make_kernels(signature(less_engine), features, rank=4, hidden=8, seed=0, scale=1.0)
     kernels.header.update(base="snapkv", budget=16)
     path = kernels.save(tmp_path / "k.safetensors")
     loaded = load_kernels(path)
     assert loaded.header["budget"] == 16 and loaded.rank == 4
-    assert loaded.header["features"] == features and all(layer.kind == features for layer in loaded.layers.values())
+    kind = features.partition("+")[0]
+    assert loaded.header["features"] == kind and all(layer.kind == kind for layer in loaded.layers.values())
+    assert all(layer.mass_rank == (2 if "mass" in features else 0) for layer in loaded.layers.values())
     for name, tensor in kernels.tensors().items():
         assert torch.equal(loaded.tensors()[name], tensor)
     by_path = LESS(base=BASE, kernels=str(path))
@@ -212,16 +241,17 @@ def test_no_shipped_kernels_for_a_tiny_model_names_what_exists(less_engine):
         less_engine.generate(PROMPT, max_new_tokens=2, compression="less:base=snapkv,budget=16,window=4")
 
 
-@pytest.mark.parametrize("features", ["mlp", "exp"])
+@pytest.mark.parametrize("features", FEATURES)
 def test_folding_in_parts_equals_folding_at_once(features):
     """Decode-time eviction folds entries one by one; the state is the same as one fold."""
     sig = {"num_layers": 1, "num_query_heads": 2, "num_kv_heads": 1, "head_dim": 4}
-    kernels = LessKernels.initial(sig, rank=2, hidden=3, seed=1, scale=1.0, features=features)
+    kernels = make_kernels(sig, features, rank=2, hidden=3, seed=1, scale=1.0)
     keys, values = torch.randn(1, 1, 6, 4), torch.randn(1, 1, 6, 4)
     whole, parts = LowRankState(kernels, torch.device("cpu")), LowRankState(kernels, torch.device("cpu"))
     whole.fold(0, keys, values, torch.ones(1, 1, 6, dtype=torch.bool))
     for j in range(6):
         parts.fold(0, keys[:, :, j : j + 1], values[:, :, j : j + 1], torch.ones(1, 1, 1, dtype=torch.bool))
+    assert len(whole.layers[0]) == len(parts.layers[0]) == (3 if "mass" in features else 2)
     for a, b in zip(whole.layers[0], parts.layers[0]):
         torch.testing.assert_close(a, b)
     assert whole.folded_entries == parts.folded_entries == 6
@@ -236,7 +266,7 @@ def test_shipped_kernels_run_on_the_embedded_model(embedded_engine):
     info = embedded_engine.info()
     assert base.usage.prompt_tokens > 256
     assert less.stats.kept_tokens_per_layer == base.stats.kept_tokens_per_layer == [256] * info.num_layers
-    assert less.stats.low_rank_state_bytes == info.num_layers * info.num_kv_heads * 8 * (info.head_dim + 1) * 4
+    assert less.stats.low_rank_state_bytes == info.num_layers * info.num_kv_heads * (8 * (info.head_dim + 1) + 32) * 4  # rank 8 plus 32 mass-only features
     assert less.stats.compression["kernels"] == "shipped"
     with pytest.raises(InvalidCompressionError, match="no shipped kernels for base=snapkv budget=300"):
         embedded_engine.generate(text, max_new_tokens=1, compression="less:base=snapkv,budget=300")

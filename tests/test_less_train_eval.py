@@ -40,13 +40,15 @@ def test_corpus_splits_are_disjoint_and_nonempty():
         assert topics[topic].strip() in held_text and topics[topic].strip() not in train_text
 
 
-@pytest.mark.parametrize("features", ["exp", "mlp"])
+@pytest.mark.parametrize("features", ["exp", "mlp", "exp+mass"])
 def test_training_is_resumable_deterministic_and_lowers_the_loss(engine, tmp_path, features):
-    config = small_config(features=features)
+    features, _, mass = features.partition("+")
+    config = small_config(features=features, mass_rank=3 if mass else 0)
     (path,) = train(engine, config, tmp_path / "work", tmp_path / "out", model_tag="tiny", progress=False)
     kernels = load_kernels(path)
     header = kernels.header
     assert header["base"] == "snapkv" and header["budget"] == 16 and header["rank"] == 4 and header["features"] == features
+    assert header.get("mass_rank", 0) == (3 if mass else 0) and all(layer.mass_rank == header.get("mass_rank", 0) for layer in kernels.layers.values())
     assert header["training"]["lr"] == (1e-2 if features == "exp" else 3e-3)
     assert header["data"]["license"].startswith("PSF") and header["data"]["sequences"] == 6
     assert header["model"] == model_signature(engine.model) and header["training"]["seed"] == 0
@@ -59,7 +61,7 @@ def test_training_is_resumable_deterministic_and_lowers_the_loss(engine, tmp_pat
     for name, tensor in kernels.tensors().items():
         assert torch.equal(load_kernels(again).tensors()[name], tensor), name
     with pytest.raises(ValueError, match="other settings"):
-        train(engine, small_config(epochs=7, features=features), tmp_path / "work", tmp_path / "out3", model_tag="tiny", progress=False)
+        train(engine, small_config(epochs=7, features=features, mass_rank=3 if mass else 0), tmp_path / "work", tmp_path / "out3", model_tag="tiny", progress=False)
     # The trained file drives the engine.
     policy = LESS(base=SnapKV(window_size=4, kernel_size=3, max_capacity_prompt=16), kernels=str(path))
     result = engine.generate("The quick brown fox jumps over the lazy dog. " * 8, max_new_tokens=3, compression=policy)
@@ -103,8 +105,11 @@ def test_window_counts_per_prompt_length():
     with pytest.raises(ValueError, match="distinct positive"):
         TrainConfig(prompt_tokens=[]).check()
     assert default.features == "exp" and default.lr == 1e-2 and TrainConfig(features="mlp").lr == 3e-3
+    assert default.mass_rank == 32 and TrainConfig(features="mlp").mass_rank == 0
     with pytest.raises(ValueError, match="features must be one of exp, mlp"):
         TrainConfig(features="relu").check()
+    with pytest.raises(ValueError, match="mass_rank must be >= 0, and needs features='exp'"):
+        TrainConfig(features="mlp", mass_rank=4).check()
 
 
 def test_less_train_cli_parses():
@@ -113,6 +118,7 @@ def test_less_train_cli_parses():
     assert args.prompt_tokens == [2048, 3072] and args.sequences is None
     assert args.features == "exp" and args.lr is None
     assert build_parser().parse_args(["less", "train", "--features", "mlp"]).features == "mlp"
+    assert args.mass_rank is None and build_parser().parse_args(["less", "train", "--mass-rank", "0"]).mass_rank == 0
 
 
 def test_heldout_fidelity_rows_and_gap_closed(engine, tmp_path):
@@ -272,6 +278,19 @@ def test_less_distill_cli_runs_stage_two_on_a_stage_one_file(engine, tmp_path, m
     args = build_parser().parse_args(["less", "distill", str(tmp_path / "d.safetensors"), "--work-dir", str(tmp_path / "dw")])
     with pytest.raises(ValueError, match="already distilled"):
         args.func(args)
+
+
+def test_calibration_trains_the_mass_only_biases_too(engine, tmp_path):
+    from snapkv_rag.less.distill import DistillConfig, collect, distill
+
+    train_paths, val_paths = collect(engine, BASE_SPEC, [16], 48, 8, 4, 1, tmp_path, progress=False)
+    start = LessKernels.initial(model_signature(engine.model), rank=4, seed=0, scale=1.0, features="exp", mass_rank=3, base_spec=BASE_SPEC + ",budget=16")
+    best, report = distill(engine, start, train_paths, val_paths, 16, DistillConfig(epochs=2, lr=3e-2, scale_lr=3e-2), progress=False)
+    assert report["history"][-1]["train_kl"] < report["history"][1]["train_kl"]
+    for part in ("phi", "psi"):
+        params = getattr(best.layers[0], part)
+        moved = {n for n, t in params.items() if not torch.equal(t, getattr(start.layers[0], part)[n])}
+        assert moved == {"b", "bm"}, (part, moved)
 
 
 @pytest.mark.parametrize("params", ["calibration", "all"])

@@ -82,9 +82,9 @@ def expand_methods(methods: Sequence[Method], engine) -> list[tuple[Method, str]
 def state_tokens(engine, policy: LESS) -> int:
     """The LESS state's memory per row, in cached tokens of ``engine``'s model, rounded up."""
     info = engine.info()
-    rank = policy.load_kernels(engine.model).rank
     dtype_bytes = 4  # the state is kept in fp32
-    state = info.num_layers * info.num_kv_heads * rank * (info.head_dim + 1) * dtype_bytes
+    layers = policy.load_kernels(engine.model).layers.values()
+    state = sum(layer.state_numbers(info.head_dim) for layer in layers) * info.num_kv_heads * dtype_bytes
     return math.ceil(state / info.kv_bytes_per_token)
 
 

@@ -27,6 +27,7 @@ def add_less_parser(sub) -> None:
     p.add_argument("--val-sequences", type=int, default=4)
     p.add_argument("--rank", type=int, default=8)
     p.add_argument("--features", choices=("exp", "mlp"), default="exp", help="feature maps: exponential (default) or less.md's MLPs")
+    p.add_argument("--mass-rank", type=int, default=None, help="exp features: extra features that estimate only the evicted mass, 1 state number each per KV head (default: 32 for exp, 0 for mlp)")
     p.add_argument("--hidden", type=int, default=32, help="hidden width of the mlp feature maps")
     p.add_argument("--epochs", type=int, default=20)
     p.add_argument("--batch", type=int, default=4)
@@ -87,6 +88,7 @@ def cmd_less_train(args: argparse.Namespace) -> int:
         val_sequences=args.val_sequences,
         rank=args.rank,
         features=args.features,
+        mass_rank=args.mass_rank,
         hidden=args.hidden,
         epochs=args.epochs,
         batch=args.batch,

@@ -52,7 +52,7 @@ class DistillConfig:
     params: str = "calibration"
 
 
-CALIBRATION = {"mlp": ("b2",), "exp": ("b",)}  # per feature kind: the output (mlp) or only (exp) biases
+CALIBRATION = {"mlp": ("b2",), "exp": ("b", "bm")}  # per feature kind: the output (mlp) or only (exp; and mass-only features') biases
 
 
 class _PromptCapture:

@@ -101,7 +101,7 @@ class LayerKernels:
     """One layer's ``phi`` (query heads) and ``psi`` (KV heads) parameters, fp32."""
 
     # mlp: w1 [heads, d, h], b1 [heads, h], w2 [heads, h, R], b2 [heads, R]; psi also mix [hkv, R, R], scale [hkv, R]
-    # exp: w [heads, d, R], b [heads, R]
+    # exp: w [heads, d, R], b [heads, R]; optionally mass-only features wm [heads, d, Rm], bm [heads, Rm]
     phi: dict[str, torch.Tensor]
     psi: dict[str, torch.Tensor]
     kind: str = "mlp"
@@ -110,13 +110,22 @@ class LayerKernels:
     def rank(self) -> int:
         return int(self.phi["w"].shape[-1] if self.kind == "exp" else self.phi["w2"].shape[-1])
 
+    @property
+    def mass_rank(self) -> int:
+        """Features that estimate only the evicted mass (0: the ``rank`` features estimate both)."""
+        return int(self.phi["wm"].shape[-1]) if "wm" in self.phi else 0
+
+    def state_numbers(self, head_dim: int) -> int:
+        """fp32 numbers of state per KV head: ``R x (d + 1)``, plus ``Rm`` for mass-only features."""
+        return self.rank * (head_dim + 1) + self.mass_rank
+
     def input_shapes(self) -> tuple[tuple[int, int], tuple[int, int]]:
         """``((query heads, d), (KV heads, d))`` the maps take."""
         name = _QUERY_WEIGHT[self.kind]
         return tuple(self.phi[name].shape[:2]), tuple(self.psi[name].shape[:2])
 
-    def _logits(self, params: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
-        return torch.einsum("bhnd,hdr->bhnr", x.float(), params["w"]) + params["b"][:, None, :]
+    def _logits(self, params: dict[str, torch.Tensor], x: torch.Tensor, w: str = "w", b: str = "b") -> torch.Tensor:
+        return torch.einsum("bhnd,hdr->bhnr", x.float(), params[w]) + params[b][:, None, :]
 
     def query_features(self, queries: torch.Tensor) -> torch.Tensor:
         """``phi``: ``[b, q_heads, t, d] -> [b, q_heads, t, R]``, non-negative, fp32."""
@@ -133,36 +142,44 @@ class LayerKernels:
         mixed = torch.einsum("bhnr,hrs->bhns", _mlp(keys.float(), p["w1"], p["b1"], p["w2"], p["b2"]), p["mix"])
         return mixed.abs() * p["scale"].abs()[None, :, None, :]
 
-    def fold(self, keys: torch.Tensor, values: torch.Tensor, evicted: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def fold(self, keys: torch.Tensor, values: torch.Tensor, evicted: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """The state of the entries where ``evicted [b, kv_heads, n]``: ``mlp``: ``(H [b, kv_heads, R, d],
-        z [b, kv_heads, R])``; ``exp``: ``(mu [b, kv_heads, R, d], log z [b, kv_heads, R])``."""
+        z [b, kv_heads, R])``; ``exp``: ``(mu [b, kv_heads, R, d], log z [b, kv_heads, R])``, and with
+        mass-only features also their ``log z [b, kv_heads, Rm]``."""
         if self.kind == "exp":
             logits = self._logits(self.psi, keys).masked_fill(~evicted.unsqueeze(-1), float("-inf"))
             log_z = logits.logsumexp(dim=2)
             weights = (logits - log_z.unsqueeze(2)).exp().nan_to_num(0.0)  # 0 for a row with nothing evicted
-            return torch.einsum("bhnr,bhnd->bhrd", weights, values.float()), log_z
+            state = (torch.einsum("bhnr,bhnd->bhrd", weights, values.float()), log_z)
+            if self.mass_rank:
+                state += (self._logits(self.psi, keys, "wm", "bm").masked_fill(~evicted.unsqueeze(-1), float("-inf")).logsumexp(dim=2),)
+            return state
         features = self.key_features(keys) * evicted.unsqueeze(-1).to(torch.float32)
         return torch.einsum("bhnr,bhnd->bhrd", features, values.float()), features.sum(dim=2)
 
-    def merge_states(self, a: tuple[torch.Tensor, torch.Tensor], b: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    def merge_states(self, a: tuple[torch.Tensor, ...], b: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
         """The state of two disjoint sets of evicted entries (a decode-time eviction after prefill's)."""
         if self.kind == "exp":
-            (mu_a, log_a), (mu_b, log_b) = a, b
+            (mu_a, log_a), (mu_b, log_b) = a[:2], b[:2]
             log_z = torch.logaddexp(log_a, log_b)
             wa, wb = ((log - log_z).exp().nan_to_num(0.0).unsqueeze(-1) for log in (log_a, log_b))
-            return wa * mu_a + wb * mu_b, log_z
+            return (wa * mu_a + wb * mu_b, log_z) + tuple(torch.logaddexp(x, y) for x, y in zip(a[2:], b[2:]))
         return a[0] + b[0], a[1] + b[1]
 
-    def estimate(self, queries: torch.Tensor, state: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    def estimate(self, queries: torch.Tensor, state: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, torch.Tensor]:
         """``(log mass [b, kv_heads, g, t], value [b, kv_heads, g, t, d])`` of the evicted entries for
         ``queries [b, q_heads, t, d]``: the estimates of ``logsumexp`` of their scores and of their
-        softmax-weighted mean value."""
+        softmax-weighted mean value. With mass-only features the mass is theirs: the value
+        features then need not also get the evicted part's weight right."""
         b, hq, t, _ = queries.shape
-        A, B = state
+        A, B = state[:2]
         hkv = A.shape[1]
         if self.kind == "exp":
             logits = self._logits(self.phi, queries).reshape(b, hkv, hq // hkv, t, -1) + B[:, :, None, None, :]
             value = torch.einsum("bhgtr,bhrd->bhgtd", logits.softmax(-1), A).nan_to_num(0.0)
+            if self.mass_rank:
+                mass_logits = self._logits(self.phi, queries, "wm", "bm").reshape(b, hkv, hq // hkv, t, -1) + state[2][:, :, None, None, :]
+                return mass_logits.logsumexp(-1), value
             return logits.logsumexp(-1), value
         features = self.query_features(queries).reshape(b, hkv, hq // hkv, t, -1)
         return low_rank_estimate(features, A[:, :, None], B[:, :, None])
@@ -186,11 +203,15 @@ class LessKernels:
         return LessKernels({i: k.to(device) for i, k in self.layers.items()}, self.header)
 
     @classmethod
-    def zeros(cls, signature: dict[str, Any], *, rank: int = 8, hidden: int = 16, layers: list[int] | None = None, features: str = "mlp", **header: Any) -> "LessKernels":
+    def zeros(
+        cls, signature: dict[str, Any], *, rank: int = 8, hidden: int = 16, layers: list[int] | None = None, features: str = "mlp", mass_rank: int = 0, **header: Any
+    ) -> "LessKernels":
         """Kernels with no low-rank contribution (zero ``mlp`` features; ``exp`` key biases of -inf),
-        for tests and as a shape reference."""
+        for tests and as a shape reference. ``mass_rank`` (``exp`` only): mass-only features."""
         if features not in FEATURE_KINDS:
             raise InvalidCompressionError(f"LESS: unknown feature kind {features!r}; choose from {', '.join(FEATURE_KINDS)}")
+        if mass_rank and features != "exp":
+            raise InvalidCompressionError("LESS: mass-only features need exponential features (features='exp')")
         hq, hkv, d = signature["num_query_heads"], signature["num_kv_heads"], signature["head_dim"]
 
         def mlp(heads: int) -> dict[str, torch.Tensor]:
@@ -205,14 +226,17 @@ class LessKernels:
 
         def layer() -> LayerKernels:
             if features == "exp":
-                psi = mlp(hkv)
+                phi, psi = mlp(hq), mlp(hkv)
                 psi["b"].fill_(float("-inf"))
-                return LayerKernels(mlp(hq), psi, "exp")
+                if mass_rank:
+                    phi.update(wm=torch.zeros(hq, d, mass_rank), bm=torch.zeros(hq, mass_rank))
+                    psi.update(wm=torch.zeros(hkv, d, mass_rank), bm=torch.full((hkv, mass_rank), float("-inf")))
+                return LayerKernels(phi, psi, "exp")
             return LayerKernels(mlp(hq), {**mlp(hkv), "mix": torch.zeros(hkv, rank, rank), "scale": torch.zeros(hkv, rank)})
 
         indices = range(signature["num_layers"]) if layers is None else layers
         built = {i: layer() for i in indices}
-        return cls(built, {"format": FORMAT, "model": signature, "rank": rank, "hidden": hidden, "features": features, **header})
+        return cls(built, {"format": FORMAT, "model": signature, "rank": rank, "hidden": hidden, "features": features, **({"mass_rank": mass_rank} if mass_rank else {}), **header})
 
     @classmethod
     def initial(
@@ -225,19 +249,24 @@ class LessKernels:
         scale: float = 1e-4,
         layers: list[int] | None = None,
         features: str = "mlp",
+        mass_rank: int = 0,
         **header: Any,
     ) -> "LessKernels":
         """Random kernels as training starts them, with the low-rank term near zero so the output
         starts near the base policy's: ``mlp``: Gaussian MLPs, identity ``mix``, ``scale``
         everywhere; ``exp``: Gaussian ``W`` (half the ``1/sqrt(d)`` scale), query biases 0, key
-        biases ``log(scale)``."""
-        kernels = cls.zeros(signature, rank=rank, hidden=hidden, layers=layers, features=features, **header)
+        biases ``log(scale)`` (mass-only features: ``log(scale * R / Rm)``, the same total mass)."""
+        kernels = cls.zeros(signature, rank=rank, hidden=hidden, layers=layers, features=features, mass_rank=mass_rank, **header)
         generator = torch.Generator().manual_seed(seed)
         for layer in kernels.layers.values():
             if features == "exp":
                 for params in (layer.phi, layer.psi):
                     params["w"].normal_(0.0, 0.5 * params["w"].shape[1] ** -0.5, generator=generator)
                 layer.psi["b"].fill_(math.log(scale))
+                if mass_rank:
+                    for params in (layer.phi, layer.psi):
+                        params["wm"].normal_(0.0, 0.5 * params["wm"].shape[1] ** -0.5, generator=generator)
+                    layer.psi["bm"].fill_(math.log(scale * rank / mass_rank))
                 continue
             for params in (layer.phi, layer.psi):
                 d, h = params["w1"].shape[1:]
@@ -254,7 +283,7 @@ class LessKernels:
         for i, layer in self.layers.items():
             for part, params in (("phi", layer.phi), ("psi", layer.psi)):
                 for name, tensor in params.items():
-                    dtype = torch.float32 if name in ("scale", "b") else torch.float16  # exp: the biases set log mass
+                    dtype = torch.float32 if name in ("scale", "b", "bm") else torch.float16  # exp: the biases set log mass
                     out[f"layers.{i}.{part}.{name}"] = tensor.detach().to(dtype).contiguous().cpu()
         return out
 

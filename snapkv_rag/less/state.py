@@ -56,7 +56,7 @@ class LowRankState:
 
     def __init__(self, kernels: LessKernels, device: torch.device):
         self.kernels = kernels.to(device)
-        self.layers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # layer -> (H, z), or (mu, log z) for exp kernels
+        self.layers: dict[int, tuple[torch.Tensor, ...]] = {}  # layer -> (H, z), or (mu, log z[, mass-only log z]) for exp kernels
         self.folded_entries = 0  # evicted (row, layer, KV head, position) entries folded so far
         self.attend_seconds = 0.0  # time spent in the low-rank part of attention, all layers
 
@@ -110,5 +110,5 @@ class LowRankState:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of every layer's ``H`` and ``z`` (the whole batch)."""
-        return sum(H.numel() * H.element_size() + z.numel() * z.element_size() for H, z in self.layers.values())
+        """Bytes of every layer's state tensors (``H`` and ``z``, and any mass-only ``z``; the whole batch)."""
+        return sum(t.numel() * t.element_size() for state in self.layers.values() for t in state)

@@ -55,6 +55,7 @@ class TrainConfig:
     sequences: list[int] | None = None
     val_sequences: int = 4
     rank: int = 8
+    mass_rank: int | None = None  # exp features only: extra features that estimate only the evicted mass; None: 32 for exp, 0 for mlp
     features: str = "exp"  # feature maps (:mod:`.kernels`): "exp" (exponential, the default) or "mlp" (less.md's)
     hidden: int = 32  # mlp features only
     epochs: int = 20
@@ -76,6 +77,8 @@ class TrainConfig:
         self.distill_sequences = _per_length(self.distill_sequences, self.prompt_tokens, 120 * 2048)
         if self.lr is None:
             self.lr = 1e-2 if self.features == "exp" else 3e-3
+        if self.mass_rank is None:
+            self.mass_rank = 32 if self.features == "exp" else 0
 
     def check(self) -> None:
         if not self.prompt_tokens or min(self.prompt_tokens) < 1 or len(set(self.prompt_tokens)) != len(self.prompt_tokens):
@@ -92,6 +95,8 @@ class TrainConfig:
             raise LessTrainingError("distill_epochs must be >= 0, and distill_sequences positive when distilling")
         if self.features not in FEATURE_KINDS:
             raise LessTrainingError(f"features must be one of {', '.join(FEATURE_KINDS)}, got {self.features!r}")
+        if self.mass_rank < 0 or (self.mass_rank and self.features != "exp"):
+            raise LessTrainingError(f"mass_rank must be >= 0, and needs features='exp' (got {self.mass_rank} with {self.features!r})")
         if self.distill_params not in ("calibration", "all"):
             raise LessTrainingError(f"distill_params must be 'calibration' or 'all', got {self.distill_params!r}")
         for budget in self.budgets:
@@ -335,7 +340,9 @@ def train(engine, config: TrainConfig, work: Path, out_dir: Path, *, model_tag: 
     paths = []
     for budget in config.budgets:
         layers_dir = work / f"kernels-b{budget}"
-        template = LessKernels.initial(signature, rank=config.rank, hidden=config.hidden, seed=config.seed, scale=config.init_scale, features=config.features)
+        template = LessKernels.initial(
+            signature, rank=config.rank, hidden=config.hidden, seed=config.seed, scale=config.init_scale, features=config.features, mass_rank=config.mass_rank
+        )
         trained: dict[int, LayerKernels] = {}
         report: dict[str, dict[str, float]] = {}
         seconds = 0.0
@@ -365,6 +372,7 @@ def train(engine, config: TrainConfig, work: Path, out_dir: Path, *, model_tag: 
             "base_spec": parse_compression(config.base).with_budget(budget).spec(),
             "budget": budget,
             "rank": config.rank,
+            **({"mass_rank": config.mass_rank} if config.mass_rank else {}),
             "features": config.features,
             "hidden": config.hidden,
             "data": {"source": SOURCE, "license": LICENSE, "split": "train", **data_info, "validation_sequences": config.val_sequences},
