@@ -147,12 +147,13 @@ class LayerKernels:
         z [b, kv_heads, R])``; ``exp``: ``(mu [b, kv_heads, R, d], log z [b, kv_heads, R])``, and with
         mass-only features also their ``log z [b, kv_heads, Rm]``."""
         if self.kind == "exp":
-            logits = self._logits(self.psi, keys).masked_fill(~evicted.unsqueeze(-1), float("-inf"))
+            kept = ~evicted.unsqueeze(-1)
+            logits = self._logits(self.psi, keys).masked_fill(kept, float("-inf"))
             log_z = logits.logsumexp(dim=2)
             weights = (logits - log_z.unsqueeze(2)).exp().nan_to_num(0.0)  # 0 for a row with nothing evicted
             state = (torch.einsum("bhnr,bhnd->bhrd", weights, values.float()), log_z)
             if self.mass_rank:
-                state += (self._logits(self.psi, keys, "wm", "bm").masked_fill(~evicted.unsqueeze(-1), float("-inf")).logsumexp(dim=2),)
+                state += (self._logits(self.psi, keys, "wm", "bm").masked_fill(kept, float("-inf")).logsumexp(dim=2),)
             return state
         features = self.key_features(keys) * evicted.unsqueeze(-1).to(torch.float32)
         return torch.einsum("bhnr,bhnd->bhrd", features, values.float()), features.sum(dim=2)
@@ -175,12 +176,14 @@ class LayerKernels:
         A, B = state[:2]
         hkv = A.shape[1]
         if self.kind == "exp":
-            logits = self._logits(self.phi, queries).reshape(b, hkv, hq // hkv, t, -1) + B[:, :, None, None, :]
+
+            def grouped_logits(w: str, b_: str, log_z: torch.Tensor) -> torch.Tensor:  # [b, kv_heads, g, t, features]
+                return self._logits(self.phi, queries, w, b_).reshape(b, hkv, hq // hkv, t, -1) + log_z[:, :, None, None, :]
+
+            logits = grouped_logits("w", "b", B)
             value = torch.einsum("bhgtr,bhrd->bhgtd", logits.softmax(-1), A).nan_to_num(0.0)
-            if self.mass_rank:
-                mass_logits = self._logits(self.phi, queries, "wm", "bm").reshape(b, hkv, hq // hkv, t, -1) + state[2][:, :, None, None, :]
-                return mass_logits.logsumexp(-1), value
-            return logits.logsumexp(-1), value
+            mass_logits = grouped_logits("wm", "bm", state[2]) if self.mass_rank else logits
+            return mass_logits.logsumexp(-1), value
         features = self.query_features(queries).reshape(b, hkv, hq // hkv, t, -1)
         return low_rank_estimate(features, A[:, :, None], B[:, :, None])
 
