@@ -407,6 +407,25 @@ def test_whole_collection_is_stable_and_refuses_to_truncate(filled_store, long_e
         StuffingRetriever(filled_store, long_engine, whole_collection=True, context_tokens=500).retrieve("q")
 
 
+def test_the_same_text_under_two_paths_is_stuffed_once(tmp_path, embedder, long_engine):
+    for copy in ("checkout-a", "checkout-b"):
+        folder = tmp_path / copy
+        folder.mkdir()
+        for i in range(3):
+            (folder / f"d{i}.md").write_text(topic_text(TOPICS[i], i, sentences=10))
+    store = make_store(tmp_path, embedder)
+    store.ingest([tmp_path / "checkout-a", tmp_path / "checkout-b"], chunk_tokens=48, overlap=8)
+    everything = store.all_chunks()
+    unique_texts = {c.text for c in everything}
+    assert len(everything) == 2 * len(unique_texts)
+    for whole in (False, True):
+        ctx = StuffingRetriever(store, long_engine, whole_collection=whole).retrieve("ferry code FER")
+        texts = [c.text for c in ctx.chunks]
+        assert len(texts) == len(set(texts)) == len(unique_texts)
+        assert ctx.duplicates == len(unique_texts) and ctx.to_dict()["duplicates"] == ctx.duplicates
+        assert ctx.left_out == 0
+
+
 def test_empty_collection_is_a_clear_error(tmp_path, embedder, long_engine):
     store = DocumentStore("nothing", path=tmp_path / "c", embedder=embedder)
     with pytest.raises(EmptyCollectionError, match="ingest"):

@@ -94,7 +94,7 @@ def _describe(answer) -> list[str]:
     ctx, stats = answer.context, answer.result.stats
     kept = stats.kept_tokens_per_layer
     lines.append(
-        f"Stuffed {len(ctx.chunks)} chunks, {ctx.document_tokens} of {ctx.budget_tokens} tokens ({ctx.left_out} candidates left out); "
+        f"Stuffed {len(ctx.chunks)} chunks, {ctx.document_tokens} of {ctx.budget_tokens} tokens ({ctx.left_out} candidates left out{f', {ctx.duplicates} duplicates dropped' if ctx.duplicates else ''}); "
         f"prompt {answer.result.usage.prompt_tokens} tokens, KV kept {max(kept) if kept else 0} per layer "
         f"({stats.compression['method'] if stats.compression else 'full cache'}, {stats.compression_ratio:.1f}x); "
         f"prefill {stats.prefill_seconds:.1f} s"

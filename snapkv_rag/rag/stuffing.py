@@ -47,6 +47,7 @@ class StuffedContext:
     left_out_tokens: int  # LLM tokens the left-out candidates would have taken
     mode: str
     settings: dict[str, Any] = field(default_factory=dict)
+    duplicates: int = 0  # candidates dropped because a better-ranked one has the same text
 
     @property
     def fill(self) -> float:
@@ -67,6 +68,7 @@ class StuffedContext:
             "left_out": self.left_out,
             "left_out_tokens": self.left_out_tokens,
             "mode": self.mode,
+            "duplicates": self.duplicates,
             **self.settings,
         }
 
@@ -165,13 +167,25 @@ class StuffingRetriever:
             chunks = [c for c in chunks if (c.score or 0.0) >= self.min_score]
         return chunks
 
+    @staticmethod
+    def _drop_duplicate_texts(chunks: list[StoredChunk]) -> tuple[list[StoredChunk], int]:
+        """Keep the first (best-ranked) chunk of each text: the same file ingested under two paths
+        (two checkouts, a copy) would otherwise be stuffed twice and cited as two sources."""
+        seen: set[str] = set()
+        unique = []
+        for chunk in chunks:
+            if chunk.text not in seen:
+                seen.add(chunk.text)
+                unique.append(chunk)
+        return unique, len(chunks) - len(unique)
+
     def retrieve(self, question: str) -> StuffedContext:
         if not isinstance(question, str) or not question.strip():
             from ..errors import EmptyPromptError
 
             raise EmptyPromptError("the question is empty")
         budget, cap = self._budget(question)
-        candidates = self._candidates(question, budget)
+        candidates, duplicates = self._drop_duplicate_texts(self._candidates(question, budget))
         if not candidates and self.store.count() == 0:
             raise EmptyCollectionError(
                 f"collection {self.store.name!r} has no documents; add some first (snapkv-rag ingest PATH --collection {self.store.name})"
@@ -219,4 +233,5 @@ class StuffingRetriever:
             left_out_tokens=sum(costs.get(c.id) or self._count("\n\n" + format_document(1, c)) for c in left),
             mode="whole_collection" if self.whole_collection else "retrieval",
             settings={"order": self.order, "top_k": self.top_k, "min_score": self.min_score, "where": self.where},
+            duplicates=duplicates,
         )
