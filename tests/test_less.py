@@ -174,6 +174,26 @@ def test_state_attention_matches_the_formula(features):
     assert state.folded_entries == evicted_total
 
 
+@pytest.mark.parametrize("features", FEATURES)
+def test_one_decode_query_without_a_mask_sees_every_cached_key(features):
+    """attend() skips building the mask for one unmasked query: same result as an all-visible mask."""
+    torch.manual_seed(1)
+    sig = {"num_layers": 1, "num_query_heads": 4, "num_kv_heads": 2, "head_dim": 8}
+    state = LowRankState(make_kernels(sig, features, rank=3, hidden=5, seed=4, scale=0.5), torch.device("cpu"))
+    b, n, d = 2, 12, 8
+    keys, values = torch.randn(b, 2, n, d), torch.randn(b, 2, n, d)
+    kept = torch.stack([torch.randperm(n)[:5].sort().values for _ in range(b * 2)]).reshape(b, 2, 5)
+    state.fold_selection(0, keys, values, kept, None)
+    k_kept = keys.gather(2, kept[..., None].expand(-1, -1, -1, d))
+    v_kept = values.gather(2, kept[..., None].expand(-1, -1, -1, d))
+    q = torch.randn(b, 4, 1, d)
+    base = torch.nn.functional.scaled_dot_product_attention(q, k_kept.repeat_interleave(2, dim=1), v_kept.repeat_interleave(2, dim=1)).transpose(1, 2)
+    unmasked = state.attend(0, q, k_kept, None, base, d**-0.5)
+    masked = state.attend(0, q, k_kept, torch.ones(b, 1, 1, 5, dtype=torch.bool), base, d**-0.5)
+    assert not torch.allclose(unmasked, base, atol=1e-3)
+    torch.testing.assert_close(unmasked, masked)
+
+
 # ---------------------------------------------------------------------------- memory
 def test_stats_report_the_real_state_and_cache(less_engine):
     kernels = active_kernels(less_engine)

@@ -93,9 +93,10 @@ class LowRankState:
         g = hq // hkv
         scale = d**-0.5 if scaling is None else scaling
         q = query.float().reshape(b, hkv, g, t, d)
-        scores = torch.einsum("bhgtd,bhmd->bhgtm", q, key.float()) * scale
-        visible = visible_keys(attention_mask, b, t, m, query.device)
-        scores = scores.masked_fill(~visible[:, None, None], float("-inf"))
+        scores = (q.reshape(b, hkv, g * t, d) @ key.float().transpose(-1, -2)).view(b, hkv, g, t, m) * scale
+        if attention_mask is not None or t > 1:  # one unpadded decode query sees every cached key
+            visible = visible_keys(attention_mask, b, t, m, query.device)
+            scores = scores.masked_fill(~visible[:, None, None], float("-inf"))
         lse_sparse = scores.logsumexp(dim=-1)
         sparse = output.float().permute(0, 2, 1, 3).reshape(b, hkv, g, t, d)
         merged = merge(sparse, lse_sparse, *self.estimate(layer_idx, query, scale))
