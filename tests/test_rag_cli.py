@@ -58,6 +58,20 @@ def test_ask_json_has_answer_sources_and_stats(docs, tmp_path, model_dir, capsys
     assert "Sources:" in text and "Stuffed 2 chunks" in text
 
 
+def test_sources_name_each_route_once():
+    from types import SimpleNamespace
+
+    from snapkv_rag.rag.cli import _describe
+    from snapkv_rag.rag.store import StoredChunk
+
+    chunk = StoredChunk(id="a", text="t", source="f.md", title="Ferry", position=0, tokens=1, score=0.5)
+    cites = [SimpleNamespace(number=1, route=r) for r in ("attributed", "attributed", "generated")]  # two sentences, one marker
+    stats = SimpleNamespace(kept_tokens_per_layer=[], compression=None, compression_ratio=1.0, prefill_seconds=0.1, decode_ms_per_token=None)
+    context = SimpleNamespace(chunks=[chunk], document_tokens=1, budget_tokens=2, left_out=0, duplicates=0)
+    answer = SimpleNamespace(citations=cites, sources=[(1, chunk)], invalid_citations=[], context=context, result=SimpleNamespace(stats=stats, usage=SimpleNamespace(prompt_tokens=5)))
+    assert "  [1] Ferry - f.md (chunk 0, similarity 0.50; attributed, generated)" in _describe(answer)
+
+
 @pytest.mark.parametrize(
     "extra, message",
     [

@@ -81,9 +81,10 @@ def _qa_kwargs(args) -> dict[str, Any]:
 
 def _describe(answer) -> list[str]:
     lines = ["", "Sources:"]
-    routes = {}
+    routes: dict[int, list[str]] = {}  # each route once per document, however many sentences it supports
     for c in answer.citations:
-        routes.setdefault(c.number, []).append(c.route)
+        if c.route not in routes.setdefault(c.number, []):
+            routes[c.number].append(c.route)
     for number, chunk in answer.sources:
         sim = f", similarity {chunk.score:.2f}" if chunk.score is not None else ""
         lines.append(f"  [{number}] {chunk.title} - {chunk.source} (chunk {chunk.position}{sim}; {', '.join(routes[number])})")
