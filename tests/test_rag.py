@@ -426,6 +426,28 @@ def test_the_same_text_under_two_paths_is_stuffed_once(tmp_path, embedder, long_
         assert ctx.left_out == 0
 
 
+def test_top_k_counts_distinct_chunks_when_copies_take_places_in_the_ranking(tmp_path, embedder, long_engine):
+    for copy in ("checkout-a", "checkout-b", "checkout-c"):
+        folder = tmp_path / copy
+        folder.mkdir()
+        for i in range(3):
+            (folder / f"d{i}.md").write_text(topic_text(TOPICS[i], i, sentences=10))
+    store = make_store(tmp_path, embedder)
+    store.ingest([tmp_path / name for name in ("checkout-a", "checkout-b", "checkout-c")], chunk_tokens=48, overlap=8)
+    distinct = len({c.text for c in store.all_chunks()})
+    for top_k in (2, 5, distinct, distinct + 4):
+        ctx = StuffingRetriever(store, long_engine, top_k=top_k).retrieve("ferry code FER")
+        texts = [c.text for c in ctx.chunks]
+        assert len(texts) == len(set(texts)) == min(top_k, distinct)
+        # The best-ranked distinct texts, in order: what a store without the copies would give.
+        ranked = []
+        for chunk in store.search("ferry code FER", store.count()):
+            if chunk.text not in ranked:
+                ranked.append(chunk.text)
+        assert texts == ranked[: min(top_k, distinct)]
+        assert 0 < ctx.duplicates <= 2 * len(texts)
+
+
 def test_empty_collection_is_a_clear_error(tmp_path, embedder, long_engine):
     store = DocumentStore("nothing", path=tmp_path / "c", embedder=embedder)
     with pytest.raises(EmptyCollectionError, match="ingest"):

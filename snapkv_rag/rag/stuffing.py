@@ -157,27 +157,43 @@ class StuffingRetriever:
             )
         return self.context_tokens, cap if cap is not None else overhead + self.context_tokens
 
-    def _candidates(self, question: str, budget: int) -> list[StoredChunk]:
+    def _candidates(self, question: str, budget: int) -> tuple[list[StoredChunk], int]:
+        """(distinct candidates, best first; how many repeated a better-ranked chunk's text)."""
         if self.whole_collection:
-            return self.store.all_chunks(self.where)
+            return self._drop_duplicate_texts(self.store.all_chunks(self.where))
         # Enough candidates to fill the budget with short chunks, without fetching a whole large collection.
-        limit = self.top_k or max(64, budget // 25)
-        chunks = self.store.search(question, limit, self.where)
-        if self.min_score is not None:
-            chunks = [c for c in chunks if (c.score or 0.0) >= self.min_score]
-        return chunks
+        wanted = self.top_k or max(64, budget // 25)
+        limit = wanted
+        while True:
+            fetched = self.store.search(question, limit, self.where)
+            exhausted = len(fetched) < limit
+            if self.min_score is not None:
+                passing = [c for c in fetched if (c.score or 0.0) >= self.min_score]
+                exhausted = exhausted or len(passing) < len(fetched)  # ranked by score: the rest score lower
+                fetched = passing
+            unique, duplicates = self._drop_duplicate_texts(fetched, wanted)
+            # Duplicates take places in the ranking; fetch deeper so they do not cost distinct chunks.
+            if len(unique) >= wanted or exhausted:
+                return unique, duplicates
+            limit *= 2
 
     @staticmethod
-    def _drop_duplicate_texts(chunks: list[StoredChunk]) -> tuple[list[StoredChunk], int]:
-        """Keep the first (best-ranked) chunk of each text: the same file ingested under two paths
-        (two checkouts, a copy) would otherwise be stuffed twice and cited as two sources."""
+    def _drop_duplicate_texts(chunks: list[StoredChunk], wanted: int | None = None) -> tuple[list[StoredChunk], int]:
+        """Keep the first (best-ranked) chunk of each text, up to ``wanted`` of them, and count the
+        repeats met on the way: the same file ingested under two paths (two checkouts, a copy)
+        would otherwise be stuffed twice and cited as two sources."""
         seen: set[str] = set()
         unique = []
+        duplicates = 0
         for chunk in chunks:
-            if chunk.text not in seen:
+            if wanted is not None and len(unique) == wanted:
+                break
+            if chunk.text in seen:
+                duplicates += 1
+            else:
                 seen.add(chunk.text)
                 unique.append(chunk)
-        return unique, len(chunks) - len(unique)
+        return unique, duplicates
 
     def retrieve(self, question: str) -> StuffedContext:
         if not isinstance(question, str) or not question.strip():
@@ -185,7 +201,7 @@ class StuffingRetriever:
 
             raise EmptyPromptError("the question is empty")
         budget, cap = self._budget(question)
-        candidates, duplicates = self._drop_duplicate_texts(self._candidates(question, budget))
+        candidates, duplicates = self._candidates(question, budget)
         if not candidates and self.store.count() == 0:
             raise EmptyCollectionError(
                 f"collection {self.store.name!r} has no documents; add some first (snapkv-rag ingest PATH --collection {self.store.name})"
