@@ -126,12 +126,14 @@ def build_parser() -> argparse.ArgumentParser:
     from .evaluation.cli import add_eval_parser
     from .less.cli import add_less_parser
     from .rag.cli import add_rag_parsers
+    from .server.cli import add_serve_parser
 
     add_rag_parsers(sub, add_model_args, _add_generation_args)
 
     add_eval_parser(sub)
     add_less_parser(sub)
     add_app_parser(sub)
+    add_serve_parser(sub)
     return parser
 
 

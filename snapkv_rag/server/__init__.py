@@ -1,0 +1,21 @@
+"""An OpenAI-compatible server over the engine: ``snapkv-rag serve`` or :func:`create_app`.
+
+Imports are lazy so that building the CLI parser (``--help``) does not load torch.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+DEFAULT_COMPRESSION = "snapkv:budget=1024"  # for requests that name no policy
+DEFAULT_MAX_TOKENS = 1024  # for requests that give no max_tokens (the room in the context caps it too)
+
+__all__ = ["DEFAULT_COMPRESSION", "DEFAULT_MAX_TOKENS", "ServerConfig", "create_app"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in ("ServerConfig", "create_app"):
+        from . import app
+
+        return getattr(app, name)
+    raise AttributeError(name)

@@ -1,0 +1,270 @@
+"""An OpenAI-compatible HTTP server over one :class:`~snapkv_rag.Engine` (Starlette + uvicorn).
+
+``POST /v1/chat/completions`` (streaming, tools, JSON output), ``POST /v1/completions``,
+``POST /v1/embeddings`` (the RAG embedder), ``GET /v1/models`` and ``GET /health``. Every
+request goes through the engine's own ``agenerate``/``astream``: the same decode loop,
+compression policies, prefix cache and grammar as the API and CLI. Concurrent requests
+interleave step by step (the engine's lock is taken per step); a client that disconnects
+stops its generation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import time
+from typing import Any
+
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, StreamingResponse
+from starlette.routing import Route
+
+from ..compression import as_policy
+from ..errors import SnapKVRagError
+from .protocol import (
+    APIError,
+    ChunkWriter,
+    ParsedRequest,
+    completion_response,
+    embedding_response,
+    from_engine_error,
+    invalid,
+    new_id,
+    parse_chat_request,
+    parse_completion_request,
+    parse_embedding_request,
+)
+
+from . import DEFAULT_COMPRESSION, DEFAULT_MAX_TOKENS
+
+log = logging.getLogger("snapkv_rag.server")
+
+
+class ServerConfig:
+    """What the server serves and how. ``api_key``: required as ``Authorization: Bearer ...``
+    when set. ``default_max_tokens``: the cap when a request gives no ``max_tokens`` (the
+    room left in the context caps it too). ``embedder``: an :class:`~snapkv_rag.rag.Embedder`
+    for ``/v1/embeddings`` (loaded on first use), or None to serve no embeddings."""
+
+    def __init__(
+        self,
+        engine,
+        *,
+        model_id: str | None = None,
+        aliases: tuple[str, ...] = (),
+        compression: str | None = DEFAULT_COMPRESSION,
+        default_max_tokens: int = DEFAULT_MAX_TOKENS,
+        api_key: str | None = None,
+        embedder=None,
+        embedder_id: str = "all-MiniLM-L6-v2",
+    ):
+        if isinstance(default_max_tokens, bool) or not isinstance(default_max_tokens, int) or default_max_tokens < 1:
+            raise ValueError(f"default_max_tokens must be a positive integer, got {default_max_tokens!r}")
+        self.engine = engine
+        self.model_id = model_id or engine.name
+        self.aliases = {self.model_id, *aliases}  # ids a request may name for the model
+        self.compression_spec = compression or "full"
+        self.compression = as_policy(compression)  # an invalid spec fails at start, not on the first request
+        self.default_max_tokens = default_max_tokens
+        self.api_key = api_key or None
+        self.embedder = embedder
+        self.embedder_id = embedder_id
+        self.started = int(time.time())
+
+
+def _error_response(exc: APIError) -> JSONResponse:
+    return JSONResponse(exc.body(), status_code=exc.status)
+
+
+async def _json_body(request: Request) -> Any:
+    raw = await request.body()
+    try:
+        return json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError:
+        raise invalid("the request body is not UTF-8 text; send a JSON object") from None
+    except json.JSONDecodeError as exc:
+        raise invalid(f"the request body is not valid JSON: {exc}") from None
+
+
+def _check_key(config: ServerConfig, request: Request) -> None:
+    if config.api_key is None:
+        return
+    header = request.headers.get("authorization", "")
+    scheme, _, token = header.partition(" ")
+    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), config.api_key.encode()):
+        raise APIError(401, "invalid or missing API key: send 'Authorization: Bearer <key>'", type="authentication_error", code="invalid_api_key")
+
+
+def _check_model(model: str, served: str, accepted: set[str]) -> None:
+    if model not in accepted:
+        raise APIError(404, f"the model {model!r} does not exist on this server; it serves {served!r}", param="model", code="model_not_found")
+
+
+def _plan(config: ServerConfig, request: ParsedRequest) -> dict[str, Any]:
+    """Engine keywords: the request's compression or the server's, and ``max_new_tokens``
+    (the request's, else the room left in the context up to the server's default cap)."""
+    engine = config.engine
+    try:
+        compression = as_policy(request.compression) if request.compression is not None else config.compression
+        tools = request.constraints.get("tools") if request.constraints.get("tool_choice") != "none" else None
+        prompt_tokens = engine.count_tokens(request.prompt, chat=False if request.kind == "completion" else None, tools=tools)
+    except SnapKVRagError as exc:
+        raise from_engine_error(exc) from None
+    max_new = request.max_tokens
+    context = engine.context_length
+    if max_new is None:
+        room = (context - prompt_tokens) if context else config.default_max_tokens
+        if room < 1:
+            raise invalid(f"the prompt has {prompt_tokens} tokens and fills the model's {context}-token context; shorten it", "messages", "context_length_exceeded")
+        max_new = min(room, config.default_max_tokens)
+    return request.engine_kwargs(max_new, compression)
+
+
+def _log(config: ServerConfig, request_id: str, request: ParsedRequest, result) -> None:
+    stats = result.stats
+    method = stats.compression["method"] if stats.compression else "full"
+    log.info(
+        "%s %s prompt=%d reused=%d completion=%d finish=%s compression=%s kept=%s ratio=%.1fx prefill=%.2fs decode=%sms/token",
+        request_id, request.kind, result.usage.prompt_tokens, stats.reused_prompt_tokens, result.usage.completion_tokens,
+        result.finish_reason, method, stats.kept_tokens_per_layer[0] if stats.kept_tokens_per_layer else 0,
+        stats.compression_ratio, stats.prefill_seconds,
+        f"{stats.decode_ms_per_token:.1f}" if stats.decode_ms_per_token is not None else "-",
+    )
+
+
+async def _until_disconnect(request: Request, work) -> Any:
+    """Run ``work`` (a coroutine); cancel it (so the engine stops) if the client goes away."""
+    task = asyncio.ensure_future(work)
+
+    async def watch() -> None:
+        while not task.done():
+            if await request.is_disconnected():
+                task.cancel()
+                return
+            await asyncio.sleep(0.25)
+
+    watcher = asyncio.ensure_future(watch())
+    try:
+        return await task
+    finally:
+        watcher.cancel()
+
+
+def _completions(kind: str):
+    parse = parse_chat_request if kind == "chat" else parse_completion_request
+
+    async def endpoint(request: Request):
+        config: ServerConfig = request.app.state.config
+        try:
+            _check_key(config, request)
+            parsed = parse(await _json_body(request))
+            _check_model(parsed.model, config.model_id, config.aliases)
+            kwargs = _plan(config, parsed)
+            request_id = new_id(kind)
+            if parsed.stream:
+                try:  # prompt errors (too long, bad tools) are found here, before the 200 is sent
+                    stream = config.engine.astream(parsed.prompt, **kwargs)
+                except Exception as exc:
+                    raise from_engine_error(exc) from None
+                return StreamingResponse(_stream(config, request_id, parsed, stream), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+            try:
+                result = await _until_disconnect(request, config.engine.agenerate(parsed.prompt, **kwargs))
+            except asyncio.CancelledError:
+                log.info("%s cancelled: the client disconnected", request_id)
+                raise
+            except Exception as exc:
+                raise from_engine_error(exc) from None
+            _log(config, request_id, parsed, result)
+            return JSONResponse(completion_response(parsed, request_id, int(time.time()), config.model_id, result))
+        except APIError as exc:
+            return _error_response(exc)
+
+    return endpoint
+
+
+async def _stream(config: ServerConfig, request_id: str, parsed: ParsedRequest, stream):
+    writer = ChunkWriter(parsed, request_id, config.model_id)
+    opening = writer.opening()
+    if opening:
+        yield opening
+    finished = False
+    try:
+        async with stream:
+            async for piece in stream:
+                yield writer.piece(piece)
+        finished = True
+    except Exception as exc:  # after the 200: the error travels as an event, then the stream ends
+        yield writer.error(from_engine_error(exc))
+        return
+    finally:
+        if not finished:
+            log.info("%s stream ended early (client gone or error)", request_id)
+    _log(config, request_id, parsed, stream.result)
+    for chunk in writer.closing(stream.result):
+        yield chunk
+
+
+async def embeddings(request: Request):
+    config: ServerConfig = request.app.state.config
+    try:
+        _check_key(config, request)
+        if config.embedder is None:
+            raise APIError(404, "this server serves no embeddings (started with --embedder none)", code="model_not_found")
+        model, texts, encoding = parse_embedding_request(await _json_body(request))
+        _check_model(model, config.embedder_id, {config.embedder_id})
+        embedder = config.embedder
+
+        def work() -> tuple[list[list[float]], int]:
+            tokenizer, limit = embedder.tokenizer, embedder.max_tokens
+            counts = [len(tokenizer(t, add_special_tokens=True)["input_ids"]) for t in texts]
+            for i, n in enumerate(counts):
+                if n > limit:
+                    raise invalid(f"input[{i}] has {n} tokens; the embedder reads at most {limit}, so it would be cut: split it first", "input", "input_too_long")
+            return embedder.embed(texts), sum(counts)
+
+        vectors, tokens = await asyncio.get_running_loop().run_in_executor(None, work)
+        return JSONResponse(embedding_response(model, vectors, encoding, tokens))
+    except APIError as exc:
+        return _error_response(exc)
+
+
+async def models(request: Request):
+    config: ServerConfig = request.app.state.config
+    try:
+        _check_key(config, request)
+    except APIError as exc:
+        return _error_response(exc)
+    served = [config.model_id] + ([config.embedder_id] if config.embedder is not None else [])
+    return JSONResponse({"object": "list", "data": [{"id": m, "object": "model", "created": config.started, "owned_by": "snapkv-rag"} for m in served]})
+
+
+async def health(request: Request):
+    config: ServerConfig = request.app.state.config
+    info = config.engine.info()
+    return JSONResponse({"status": "ok", "model": config.model_id, "context_length": info.context_length, "compression": config.compression_spec, "device": info.device})
+
+
+async def not_found(request: Request, exc: Exception):
+    return _error_response(APIError(404, f"no route {request.method} {request.url.path}; see GET /v1/models, POST /v1/chat/completions, /v1/completions, /v1/embeddings", code="not_found"))
+
+
+async def method_not_allowed(request: Request, exc: Exception):
+    return _error_response(APIError(405, f"{request.method} is not allowed on {request.url.path}", code="method_not_allowed"))
+
+
+def create_app(config: ServerConfig) -> Starlette:
+    app = Starlette(
+        routes=[
+            Route("/v1/chat/completions", _completions("chat"), methods=["POST"]),
+            Route("/v1/completions", _completions("completion"), methods=["POST"]),
+            Route("/v1/embeddings", embeddings, methods=["POST"]),
+            Route("/v1/models", models, methods=["GET"]),
+            Route("/health", health, methods=["GET"]),
+        ],
+        exception_handlers={404: not_found, 405: method_not_allowed},
+    )
+    app.state.config = config
+    return app

@@ -1,0 +1,88 @@
+"""``snapkv-rag serve``: the OpenAI-compatible server (:mod:`.app`) under uvicorn."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+from ..errors import SnapKVRagError
+
+
+def add_serve_parser(sub) -> None:
+    from . import DEFAULT_COMPRESSION, DEFAULT_MAX_TOKENS
+
+    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (chat, completions, embeddings)")
+    p.add_argument("--model", default="default", help="'default' (embedded SmolLM2), a model dir, a .gguf file or a hub id")
+    p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
+    p.add_argument("--dtype", default=None, help="float32, bfloat16, float16 (default: bf16 on GPU, fp32 on CPU)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: this machine only; 0.0.0.0 for all)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--compression", default=DEFAULT_COMPRESSION, help=f"default policy spec for requests that name none (default {DEFAULT_COMPRESSION}; 'full' for none)")
+    p.add_argument("--served-model-name", default=None, help="the model id clients send (default: the model's name, e.g. SmolLM2-135M-Instruct; the --model value is accepted too)")
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (default: $SNAPKV_RAG_API_KEY, else no key)")
+    p.add_argument("--default-max-tokens", type=int, default=DEFAULT_MAX_TOKENS, help=f"max_tokens when a request gives none (default {DEFAULT_MAX_TOKENS}, capped by the room in the context)")
+    p.add_argument("--embedder", default="default", help="sentence-transformers model for /v1/embeddings: 'default' (all-MiniLM-L6-v2), a path, or 'none'")
+    p.add_argument("--prefix-cache-bytes", type=int, default=None, help="bound of the prefix cache (default: 1 GiB on CPU; 0 disables)")
+    p.set_defaults(func=cmd_serve)
+
+
+def served_model_name(model: str) -> str:
+    """The id clients send: the embedded model's name, a directory's or file's base name, or the hub id."""
+    from ..loading import DEFAULT_MODEL, EMBEDDED_GGUF
+
+    if model == DEFAULT_MODEL:
+        return EMBEDDED_GGUF.split(".")[0]
+    if os.path.exists(model):
+        name = os.path.basename(os.path.normpath(model))
+        return name[: -len(".gguf")] if name.endswith(".gguf") else name
+    return model
+
+
+def build_config(args: argparse.Namespace):
+    """The server's configuration from the command line; the engine is loaded here."""
+    from ..cli_common import load_engine
+    from ..compression import as_policy
+    from .app import ServerConfig
+
+    as_policy(args.compression)  # a bad spec fails before the model loads
+    if args.port < 0 or args.port > 65535:
+        raise SnapKVRagError(f"--port must be 0-65535, got {args.port}")
+    if args.default_max_tokens < 1:
+        raise SnapKVRagError(f"--default-max-tokens must be at least 1, got {args.default_max_tokens}")
+    embedder, embedder_id = None, "all-MiniLM-L6-v2"
+    if args.embedder != "none":
+        from ..rag.embeddings import Embedder
+
+        embedder = Embedder(args.embedder)
+        if args.embedder != "default":
+            embedder_id = os.path.basename(os.path.normpath(args.embedder))
+    engine = load_engine(args, prefix_cache_bytes=args.prefix_cache_bytes)
+    return ServerConfig(
+        engine,
+        model_id=args.served_model_name or served_model_name(args.model),
+        aliases=(args.model,),
+        compression=args.compression,
+        default_max_tokens=args.default_max_tokens,
+        api_key=args.api_key or os.environ.get("SNAPKV_RAG_API_KEY"),
+        embedder=embedder,
+        embedder_id=embedder_id,
+    )
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from .app import create_app
+
+    config = build_config(args)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    models = config.model_id + (f", {config.embedder_id}" if config.embedder is not None else "")
+    print(
+        f"snapkv-rag: OpenAI-compatible API at http://{args.host}:{args.port}/v1 (models: {models}; "
+        f"compression: {config.compression_spec}{'; API key required' if config.api_key else ''}). Ctrl+C stops it.",
+        file=sys.stderr,
+    )
+    uvicorn.run(create_app(config), host=args.host, port=args.port, log_level="warning")
+    return 0

@@ -1,0 +1,398 @@
+"""The OpenAI wire format: requests validated into engine keywords, results into responses.
+
+No HTTP here (see :mod:`.app`), so every rule can be tested on plain dicts. Requests follow
+OpenAI's Chat Completions, Completions and Embeddings APIs. A field the engine cannot honour
+(``n > 1``, log-probabilities, penalties, images) is one clear error, never silently ignored;
+fields that only label a request (``user``, ``metadata``, ``store`` ...) are accepted and
+ignored. One extension: ``compression``, a policy spec (``"snapkv:budget=512"``, ``"full"``)
+that overrides the server's default for this request; every response carries the engine's
+stats for it under ``snapkv``.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import time
+import uuid
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..errors import (
+    EmptyPromptError,
+    InvalidCompressionError,
+    InvalidGenerationParameterError,
+    InvalidPromptError,
+    PromptTooLongError,
+    SnapKVRagError,
+    StructuredOutputError,
+)
+from ..tools import ToolCallDelta
+
+
+class APIError(Exception):
+    """An error response: HTTP ``status`` and OpenAI's ``{"error": {...}}`` body."""
+
+    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error", param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def invalid(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    return APIError(400, message, param=param, code=code)
+
+
+def from_engine_error(exc: Exception) -> APIError:
+    """The engine's own input errors, as 400s naming the field at fault."""
+    if isinstance(exc, PromptTooLongError):
+        return invalid(str(exc), "messages", "context_length_exceeded")
+    if isinstance(exc, (EmptyPromptError, InvalidPromptError)):
+        return invalid(str(exc), "messages")
+    if isinstance(exc, InvalidCompressionError):
+        return invalid(str(exc), "compression")
+    if isinstance(exc, InvalidGenerationParameterError):
+        return invalid(str(exc))
+    if isinstance(exc, StructuredOutputError):
+        return invalid(str(exc), "tools", "structured_output_error")
+    if isinstance(exc, SnapKVRagError):
+        return invalid(str(exc))
+    return APIError(500, f"the server failed: {type(exc).__name__}: {exc}", type="server_error")
+
+
+# Labels of a request that change nothing in what the engine computes.
+IGNORED = {"user", "metadata", "store", "service_tier", "safety_identifier", "prompt_cache_key", "prompt_cache_retention"}
+# Fields the engine cannot honour: accepted only with the value that asks for nothing.
+_NEUTRAL: dict[str, Any] = {
+    "n": 1,
+    "logprobs": (None, False, 0),
+    "top_logprobs": (None, 0),
+    "logit_bias": (None, {}),
+    "frequency_penalty": (None, 0, 0.0),
+    "presence_penalty": (None, 0, 0.0),
+    "modalities": (None, ["text"]),
+    "audio": (None,),
+    "prediction": (None,),
+    "web_search_options": (None,),
+    "functions": (None, []),
+    "function_call": (None,),
+    "reasoning_effort": (None,),
+    "verbosity": (None,),
+    "echo": (None, False),
+    "best_of": (None, 1),
+    "suffix": (None, ""),
+}
+_WHY = {
+    "n": "one choice per request is supported; send n requests (or use different seeds)",
+    "functions": "the deprecated 'functions' API is not supported; use 'tools'",
+    "function_call": "the deprecated 'function_call' is not supported; use 'tool_choice'",
+}
+
+
+def _check_fields(body: Mapping[str, Any], accepted: set[str]) -> None:
+    for key in body:
+        if key in accepted or key in IGNORED:
+            continue
+        if key in _NEUTRAL:
+            neutral = _NEUTRAL[key]
+            allowed = neutral if isinstance(neutral, tuple) else (None, neutral)
+            if body[key] not in allowed:
+                raise invalid(f"{key}={body[key]!r} is not supported by this server: {_WHY.get(key, 'leave it unset')}", key, "unsupported_parameter")
+            continue
+        raise invalid(f"Unrecognized request argument supplied: {key}", key, "unrecognized_argument")
+
+
+def _optional(body: Mapping[str, Any], key: str, kinds: tuple[type, ...], what: str) -> Any:
+    value = body.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) and bool not in kinds or not isinstance(value, kinds):
+        raise invalid(f"{key} must be {what}, got {value!r}", key)
+    return value
+
+
+def _flag(body: Mapping[str, Any], key: str) -> bool:
+    return bool(_optional(body, key, (bool,), "true or false"))
+
+
+@dataclass
+class ParsedRequest:
+    """What a completion request asks the engine for."""
+
+    kind: str  # "chat" or "completion"
+    model: str
+    prompt: Any  # messages (chat) or a string (completion)
+    stream: bool
+    include_usage: bool
+    sampling: dict[str, Any] = field(default_factory=dict)  # temperature, top_p, stop, seed
+    max_tokens: int | None = None
+    constraints: dict[str, Any] = field(default_factory=dict)  # tools, tool_choice, parallel_tool_calls, response_format
+    compression: str | None = None  # the request's own spec, or None for the server's default
+
+    def engine_kwargs(self, max_new_tokens: int, compression: Any) -> dict[str, Any]:
+        chat = {} if self.kind == "chat" else {"chat": False}
+        return {"max_new_tokens": max_new_tokens, "compression": compression, **self.sampling, **self.constraints, **chat}
+
+
+_COMMON = {"model", "stream", "stream_options", "max_tokens", "temperature", "top_p", "stop", "seed", "compression"}
+CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "tools", "tool_choice", "parallel_tool_calls", "response_format"}
+COMPLETION_FIELDS = _COMMON | {"prompt"}
+
+
+def _common(body: Any, kind: str, accepted: set[str]) -> ParsedRequest:
+    if not isinstance(body, Mapping):
+        raise invalid("the request body must be a JSON object")
+    _check_fields(body, accepted)
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise invalid("model is required (GET /v1/models lists what this server serves)", "model")
+    stream = _flag(body, "stream")
+    options = _optional(body, "stream_options", (dict,), "an object")
+    if options is not None and not stream:
+        raise invalid("stream_options is only allowed with stream=true", "stream_options")
+    options = options or {}
+    unknown = set(options) - {"include_usage", "include_obfuscation"}
+    if unknown:
+        raise invalid(f"stream_options has unknown keys {sorted(unknown)}", "stream_options")
+    include_usage = _flag(options, "include_usage")
+    sampling: dict[str, Any] = {}
+    for key in ("temperature", "top_p"):
+        value = _optional(body, key, (int, float), "a number")
+        if value is not None:
+            sampling[key] = float(value)
+    stop = body.get("stop")
+    if stop is not None:
+        if isinstance(stop, str):
+            stop = [stop]
+        if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop) or len(stop) > 4:
+            raise invalid("stop must be a non-empty string or a list of at most 4 of them", "stop")
+        sampling["stop"] = stop
+    seed = _optional(body, "seed", (int,), "an integer")
+    if seed is not None:
+        sampling["seed"] = seed
+    compression = _optional(body, "compression", (str,), "a policy spec such as 'snapkv:budget=1024' or 'full'")
+    return ParsedRequest(kind, model, None, stream, include_usage, sampling, compression=compression)
+
+
+def _max_tokens(body: Mapping[str, Any], *keys: str) -> int | None:
+    for key in keys:
+        value = _optional(body, key, (int,), "a positive integer")
+        if value is not None:
+            if value < 1:
+                raise invalid(f"{key} must be at least 1, got {value}", key)
+            return value
+    return None
+
+
+def _text_content(content: Any, where: str) -> str | None:
+    """A message's content: a string, null, or a list of text parts (joined by newlines)."""
+    if content is None or isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise invalid(f"{where}.content must be a string or a list of content parts", "messages")
+    texts = []
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, Mapping) else None
+        if kind != "text" or not isinstance(part.get("text"), str):
+            shown = kind if kind else type(part).__name__
+            raise invalid(f"{where}.content[{j}] is a {shown!r} part; this model reads text parts only", "messages")
+        texts.append(part["text"])
+    return "\n".join(texts)
+
+
+_MESSAGE_KEYS = {"role", "content", "name", "tool_calls", "tool_call_id", "refusal", "audio", "annotations", "function_call"}
+
+
+def chat_messages(messages: Any) -> list[dict[str, Any]]:
+    """OpenAI messages -> the engine's: text parts joined, ``developer`` read as ``system``,
+    response-only keys (``refusal``, ``annotations``) dropped. The engine validates the rest."""
+    if not isinstance(messages, list) or not messages:
+        raise invalid("messages must be a non-empty list", "messages")
+    out = []
+    for i, message in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(message, Mapping):
+            raise invalid(f"{where} must be an object with 'role' and 'content'", "messages")
+        unknown = set(message) - _MESSAGE_KEYS
+        if unknown:
+            raise invalid(f"{where} has unknown keys {sorted(unknown)}", "messages")
+        if message.get("function_call") is not None or message.get("audio") is not None:
+            raise invalid(f"{where}: 'function_call' and 'audio' are not supported; use 'tool_calls'", "messages")
+        role = message.get("role")
+        if role == "developer":
+            role = "system"
+        converted: dict[str, Any] = {"role": role, "content": _text_content(message.get("content"), where)}
+        for key in ("name", "tool_call_id"):
+            if message.get(key) is not None:
+                converted[key] = message[key]
+        if message.get("tool_calls"):
+            converted["tool_calls"] = message["tool_calls"]
+        out.append(converted)
+    return out
+
+
+def parse_chat_request(body: Any) -> ParsedRequest:
+    request = _common(body, "chat", CHAT_FIELDS)
+    request.prompt = chat_messages(body.get("messages"))
+    request.max_tokens = _max_tokens(body, "max_completion_tokens", "max_tokens")
+    for key in ("tools", "tool_choice", "response_format"):
+        if body.get(key) is not None:
+            request.constraints[key] = body[key]
+    if body.get("parallel_tool_calls") is not None:
+        request.constraints["parallel_tool_calls"] = _flag(body, "parallel_tool_calls")
+    if request.constraints.get("response_format") == {"type": "text"}:
+        del request.constraints["response_format"]
+    return request
+
+
+def parse_completion_request(body: Any) -> ParsedRequest:
+    request = _common(body, "completion", COMPLETION_FIELDS)
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        prompt = prompt[0]
+    if not isinstance(prompt, str):
+        raise invalid("prompt must be a string (or a list of one string); token-id prompts and several prompts per request are not supported", "prompt")
+    request.prompt = prompt
+    request.max_tokens = _max_tokens(body, "max_tokens")
+    return request
+
+
+def parse_embedding_request(body: Any) -> tuple[str, list[str], str]:
+    """``(model, texts, encoding_format)``."""
+    if not isinstance(body, Mapping):
+        raise invalid("the request body must be a JSON object")
+    _check_fields(body, {"model", "input", "encoding_format", "dimensions"})
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise invalid("model is required (GET /v1/models lists what this server serves)", "model")
+    texts = body.get("input")
+    if isinstance(texts, str):
+        texts = [texts]
+    if not isinstance(texts, list) or not texts or not all(isinstance(t, str) for t in texts):
+        raise invalid("input must be a string or a non-empty list of strings (token-id input is not supported)", "input")
+    if any(not t.strip() for t in texts):
+        raise invalid("input must not contain empty strings", "input")
+    encoding = body.get("encoding_format") or "float"
+    if encoding not in ("float", "base64"):
+        raise invalid(f"encoding_format must be 'float' or 'base64', got {encoding!r}", "encoding_format")
+    if body.get("dimensions") is not None:
+        raise invalid("dimensions is not supported: the embedder's size is fixed", "dimensions", "unsupported_parameter")
+    return model, texts, encoding
+
+
+# --------------------------------------------------------------------------- responses
+def new_id(kind: str) -> str:
+    return f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
+
+
+def fingerprint() -> str:
+    from .. import __version__
+
+    return f"snapkv-rag-{__version__}"
+
+
+def _usage(result) -> dict[str, int]:
+    return result.usage.to_dict()
+
+
+def _finish_reason(result) -> str:
+    return "stop" if result.finish_reason == "cancelled" else result.finish_reason
+
+
+def completion_response(request: ParsedRequest, request_id: str, created: int, model: str, result) -> dict[str, Any]:
+    stats = result.stats.to_dict()
+    if request.kind == "chat":
+        message: dict[str, Any] = {"role": "assistant", "content": result.text if (result.text or not result.tool_calls) else None, "refusal": None}
+        if result.tool_calls:
+            message["tool_calls"] = [call.to_openai() for call in result.tool_calls]
+        choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": _finish_reason(result)}
+        kind = "chat.completion"
+    else:
+        choice = {"index": 0, "text": result.text, "logprobs": None, "finish_reason": _finish_reason(result)}
+        kind = "text_completion"
+    return {
+        "id": request_id,
+        "object": kind,
+        "created": created,
+        "model": model,
+        "system_fingerprint": fingerprint(),
+        "choices": [choice],
+        "usage": _usage(result),
+        "snapkv": stats,
+    }
+
+
+class ChunkWriter:
+    """Server-sent events for one streamed request: the chunks OpenAI clients expect."""
+
+    def __init__(self, request: ParsedRequest, request_id: str, model: str):
+        self.request = request
+        self.id = request_id
+        self.model = model
+        self.created = int(time.time())
+        self.chat = request.kind == "chat"
+        self._calls_seen: set[int] = set()
+
+    def _chunk(self, choices: list[dict[str, Any]], **extra: Any) -> str:
+        body = {
+            "id": self.id,
+            "object": "chat.completion.chunk" if self.chat else "text_completion",
+            "created": self.created,
+            "model": self.model,
+            "system_fingerprint": fingerprint(),
+            "choices": choices,
+            **extra,
+        }
+        return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+
+    def _choice(self, delta: dict[str, Any] | str, finish_reason: str | None = None) -> dict[str, Any]:
+        if self.chat:
+            return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        return {"index": 0, "text": delta, "logprobs": None, "finish_reason": finish_reason}
+
+    def opening(self) -> str | None:
+        """Chat streams open with the role, as OpenAI's do."""
+        return self._chunk([self._choice({"role": "assistant", "content": ""})]) if self.chat else None
+
+    def piece(self, piece: Any) -> str:
+        if isinstance(piece, ToolCallDelta):
+            call: dict[str, Any] = {"index": piece.index}
+            if piece.index not in self._calls_seen:
+                self._calls_seen.add(piece.index)
+                call.update(id=piece.id, type="function", function={"name": piece.name, "arguments": piece.arguments or ""})
+            else:
+                call["function"] = {"arguments": piece.arguments}
+            return self._chunk([self._choice({"tool_calls": [call]})])
+        return self._chunk([self._choice({"content": piece} if self.chat else piece)])
+
+    def closing(self, result) -> list[str]:
+        end = self._chunk([self._choice({} if self.chat else "", _finish_reason(result))], snapkv=result.stats.to_dict())
+        out = [end]
+        if self.request.include_usage:
+            out.append(self._chunk([], usage=_usage(result)))
+        out.append("data: [DONE]\n\n")
+        return out
+
+    @staticmethod
+    def error(exc: APIError) -> str:
+        return f"data: {json.dumps(exc.body())}\n\n"
+
+
+def embedding_response(model: str, vectors: Sequence[Sequence[float]], encoding: str, prompt_tokens: int) -> dict[str, Any]:
+    import numpy as np
+
+    data = []
+    for i, vector in enumerate(vectors):
+        if encoding == "base64":
+            value: Any = base64.b64encode(np.asarray(vector, dtype="<f4").tobytes()).decode("ascii")
+        else:
+            value = [float(x) for x in vector]
+        data.append({"object": "embedding", "index": i, "embedding": value})
+    return {"object": "list", "data": data, "model": model, "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens}}

@@ -1,0 +1,335 @@
+"""The OpenAI-compatible server, driven over real HTTP by the official ``openai`` client.
+
+Tiny random models over the real SmolLM2 tokenizer (so tool calls and JSON go through the
+engine's grammar); every answer is checked against the engine called directly, so the
+server adds nothing and loses nothing. One integration test uses the embedded model.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import json
+import logging
+import threading
+import time
+
+import httpx
+import jsonschema
+import numpy as np
+import pytest
+
+openai = pytest.importorskip("openai")
+
+from conftest import terse_bias, tiny_engine, tiny_tool_engine  # noqa: E402
+from snapkv_rag.server import ServerConfig, create_app  # noqa: E402
+
+MAGIC = {
+    "type": "function",
+    "function": {
+        "name": "magic_function",
+        "description": "Applies a magic function.",
+        "parameters": {"type": "object", "properties": {"input": {"type": "integer"}}, "required": ["input"]},
+    },
+}
+LONG_QUESTION = " ".join(f"Fact {i}: the harbour light number {i} is green." for i in range(40)) + " Which light is green?"
+
+
+@contextlib.contextmanager
+def running(config: ServerConfig):
+    """The app under a real uvicorn server on a free port, in a thread; yields its base URL."""
+    import uvicorn
+
+    server = uvicorn.Server(uvicorn.Config(create_app(config), host="127.0.0.1", port=0, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
+        time.sleep(0.02)
+    port = server.servers[0].sockets[0].getsockname()[1]
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(10)
+
+
+@pytest.fixture(scope="module")
+def engine(smollm_tokenizer):
+    return tiny_tool_engine(smollm_tokenizer, bias=terse_bias(smollm_tokenizer))
+
+
+@pytest.fixture(scope="module")
+def embedder():
+    from snapkv_rag.rag import Embedder
+
+    return Embedder()
+
+
+@pytest.fixture(scope="module")
+def base_url(engine, embedder):
+    with running(ServerConfig(engine, model_id="tiny", compression="snapkv:budget=64", embedder=embedder)) as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def client(base_url):
+    return openai.OpenAI(base_url=base_url + "/v1", api_key="unused", max_retries=0)
+
+
+def ask(**kwargs):
+    return {"model": "tiny", "messages": [{"role": "user", "content": "Say something."}], "max_tokens": 12, **kwargs}
+
+
+def test_chat_answer_is_the_engines_own_with_the_servers_compression(client, engine):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": LONG_QUESTION}]
+    response = client.chat.completions.create(model="tiny", messages=messages, max_tokens=12)
+    direct = engine.generate(messages, max_new_tokens=12, compression="snapkv:budget=64")
+    choice = response.choices[0]
+    assert choice.message.content == direct.text and choice.finish_reason == direct.finish_reason
+    assert (response.usage.prompt_tokens, response.usage.completion_tokens) == (direct.usage.prompt_tokens, direct.usage.completion_tokens)
+    stats = response.model_extra["snapkv"]
+    assert stats["compression"]["method"] == "snapkv" and stats["kept_tokens_per_layer"][0] == 64 < direct.usage.prompt_tokens
+    assert response.id.startswith("chatcmpl-") and response.object == "chat.completion" and response.model == "tiny"
+    # The request's own policy wins over the server's default.
+    full = client.chat.completions.create(model="tiny", messages=messages, max_tokens=12, extra_body={"compression": "full"})
+    assert full.model_extra["snapkv"]["kept_tokens_per_layer"][0] == direct.usage.prompt_tokens
+    assert full.choices[0].message.content == engine.generate(messages, max_new_tokens=12).text
+
+
+def test_streamed_chat_reassembles_to_the_plain_answer(client):
+    plain = client.chat.completions.create(**ask(max_tokens=16, temperature=0.9, seed=3))
+    chunks = list(client.chat.completions.create(**ask(max_tokens=16, temperature=0.9, seed=3), stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == plain.choices[0].message.content and text
+    finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finish == [plain.choices[0].finish_reason]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == plain.usage.completion_tokens
+    assert len({c.id for c in chunks}) == 1
+
+
+def test_tool_calls_plain_and_streamed(client, engine):
+    messages = [{"role": "user", "content": "What is magic_function(3)?"}]
+    response = client.chat.completions.create(model="tiny", messages=messages, tools=[MAGIC], tool_choice="required", max_tokens=40)
+    choice = response.choices[0]
+    assert choice.finish_reason == "tool_calls" and len(choice.message.tool_calls) == 1
+    call = choice.message.tool_calls[0]
+    direct = engine.generate(messages, tools=[MAGIC], tool_choice="required", max_new_tokens=40, compression="snapkv:budget=64")
+    assert (call.function.name, json.loads(call.function.arguments)) == (direct.tool_calls[0].name, direct.tool_calls[0].arguments)
+    jsonschema.validate(json.loads(call.function.arguments), MAGIC["function"]["parameters"])
+    streamed: dict[int, dict] = {}
+    finish = None
+    for chunk in client.chat.completions.create(model="tiny", messages=messages, tools=[MAGIC], tool_choice="required", max_tokens=40, stream=True):
+        for delta in chunk.choices[0].delta.tool_calls or []:
+            entry = streamed.setdefault(delta.index, {"id": delta.id, "name": delta.function.name, "arguments": ""})
+            entry["arguments"] += delta.function.arguments or ""
+        finish = chunk.choices[0].finish_reason or finish
+    assert finish == "tool_calls" and list(streamed) == [0]
+    assert streamed[0]["id"].startswith("call_") and streamed[0]["name"] == "magic_function"
+    assert json.loads(streamed[0]["arguments"]) == json.loads(call.function.arguments)
+    # The tool's result goes back as a tool message; the model then answers (or calls again) validly.
+    follow = messages + [choice.message.model_dump(exclude_none=True), {"role": "tool", "tool_call_id": call.id, "content": "22"}]
+    again = client.chat.completions.create(model="tiny", messages=follow, tools=[MAGIC], max_tokens=12)
+    assert again.choices[0].finish_reason in ("stop", "length", "tool_calls")
+
+
+def test_json_schema_output_validates(client):
+    schema = {"type": "object", "properties": {"city": {"type": "string"}, "rank": {"type": "integer"}}, "required": ["city", "rank"]}
+    fmt = {"type": "json_schema", "json_schema": {"name": "place", "schema": schema, "strict": True}}
+    response = client.chat.completions.create(**ask(max_tokens=60), response_format=fmt)
+    jsonschema.validate(json.loads(response.choices[0].message.content), schema)
+
+
+def test_legacy_completions_are_raw_text(client, engine):
+    response = client.completions.create(model="tiny", prompt="Once upon a time", max_tokens=10)
+    direct = engine.generate("Once upon a time", chat=False, max_new_tokens=10, compression="snapkv:budget=64")
+    assert response.choices[0].text == direct.text and response.object == "text_completion"
+    streamed = "".join(c.choices[0].text for c in client.completions.create(model="tiny", prompt="Once upon a time", max_tokens=10, stream=True))
+    assert streamed == direct.text
+
+
+def test_embeddings_match_the_rag_embedder(client, embedder):
+    texts = ["the first ferry leaves at 6:40", "tides and harbour lights"]
+    expected = np.array(embedder.embed(texts))
+    for encoding in ("float", "base64"):
+        response = client.embeddings.create(model="all-MiniLM-L6-v2", input=texts, encoding_format=encoding)
+        got = response.data
+        if encoding == "base64":  # the client hands base64 back undecoded when asked for it explicitly
+            got = [np.frombuffer(base64.b64decode(d.embedding), dtype="<f4") for d in got]
+        else:
+            got = [np.array(d.embedding) for d in got]
+        assert np.allclose(np.stack(got), expected, atol=1e-6)
+    assert response.usage.prompt_tokens > 0
+    default = client.embeddings.create(model="all-MiniLM-L6-v2", input="one text")  # the client's own default: base64
+    assert np.allclose(np.array(default.data[0].embedding), embedder.embed(["one text"])[0], atol=1e-6)
+
+
+def test_models_lists_what_is_served(client):
+    assert [m.id for m in client.models.list().data] == ["tiny", "all-MiniLM-L6-v2"]
+
+
+BAD_REQUESTS = [
+    (ask(n=2), 400, "n", "unsupported_parameter"),
+    (ask(logprobs=True), 400, "logprobs", "unsupported_parameter"),
+    (ask(presence_penalty=0.5), 400, "presence_penalty", "unsupported_parameter"),
+    (ask(frobnicate=1), 400, "frobnicate", "unrecognized_argument"),
+    (ask(model="gpt-4o"), 404, "model", "model_not_found"),
+    (ask(compression="snapkv:budget=-3"), 400, "compression", None),
+    (ask(compression="zip:budget=3"), 400, "compression", None),
+    (ask(max_tokens=0), 400, "max_tokens", None),
+    (ask(max_tokens=100_000), 400, "messages", "context_length_exceeded"),
+    (ask(messages=[{"role": "user", "content": "word " * 3000}]), 400, "messages", "context_length_exceeded"),
+    (ask(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]), 400, "messages", None),
+    (ask(messages=[]), 400, "messages", None),
+    (ask(messages=[{"role": "wizard", "content": "hi"}]), 400, "messages", None),
+    (ask(messages=[{"role": "user", "content": "   "}]), 400, "messages", None),
+    (ask(temperature="hot"), 400, "temperature", None),
+    (ask(temperature=-1), 400, None, None),
+    (ask(stop=["a", "b", "c", "d", "e"]), 400, "stop", None),
+    (ask(stream_options={"include_usage": True}), 400, "stream_options", None),
+    (ask(tools=[{"type": "function", "function": {"parameters": {}}}]), 400, "tools", "structured_output_error"),
+    (ask(tool_choice="required"), 400, "tools", "structured_output_error"),
+    ({"messages": [{"role": "user", "content": "hi"}]}, 400, "model", None),
+    ([1, 2, 3], 400, None, None),
+]
+
+
+@pytest.mark.parametrize("body, status, param, code", BAD_REQUESTS, ids=[str(i) for i in range(len(BAD_REQUESTS))])
+def test_bad_requests_get_one_clear_error_and_the_server_carries_on(base_url, body, status, param, code):
+    response = httpx.post(base_url + "/v1/chat/completions", json=body, timeout=60)
+    assert response.status_code == status
+    error = response.json()["error"]
+    assert error["message"] and error["param"] == param and error["code"] == code
+    assert httpx.post(base_url + "/v1/chat/completions", json=ask(max_tokens=2), timeout=60).status_code == 200
+
+
+def test_malformed_bodies_and_routes(base_url):
+    for raw in (b"{not json", b"\xff\xfe{", b""):
+        response = httpx.post(base_url + "/v1/chat/completions", content=raw, headers={"content-type": "application/json"})
+        message = response.json()["error"]["message"]
+        assert response.status_code == 400 and ("not valid JSON" in message or "not UTF-8" in message)
+    assert httpx.get(base_url + "/v1/nothing").json()["error"]["code"] == "not_found"
+    assert httpx.get(base_url + "/v1/chat/completions").status_code == 405
+    bad_embedding = httpx.post(base_url + "/v1/embeddings", json={"model": "all-MiniLM-L6-v2", "input": "word " * 600})
+    assert bad_embedding.status_code == 400 and bad_embedding.json()["error"]["code"] == "input_too_long"
+    assert httpx.post(base_url + "/v1/embeddings", json={"model": "all-MiniLM-L6-v2", "input": [""]}).status_code == 400
+    assert httpx.post(base_url + "/v1/completions", json={"model": "tiny", "prompt": [1, 2, 3]}).json()["error"]["param"] == "prompt"
+    health = httpx.get(base_url + "/health").json()
+    assert health["status"] == "ok" and health["compression"] == "snapkv:budget=64"
+
+
+def test_a_call_cut_short_mid_stream_ends_with_an_error_event(base_url):
+    nested = {"type": "object", "properties": {"where": {"type": "object", "properties": {"name": {"type": "string"}, "lat": {"type": "number"}}, "required": ["name", "lat"]}}, "required": ["where"]}
+    tool = {"type": "function", "function": {"name": "locate", "parameters": nested}}
+    body = ask(tools=[tool], tool_choice="required", max_tokens=4, stream=True)
+    with httpx.stream("POST", base_url + "/v1/chat/completions", json=body, timeout=60) as response:
+        assert response.status_code == 200
+        events = [line.removeprefix("data: ") for line in response.iter_lines() if line.startswith("data: ")]
+    last = json.loads(events[-1])
+    assert "max_new_tokens" in last["error"]["message"] and "[DONE]" not in events
+    plain = httpx.post(base_url + "/v1/chat/completions", json={**body, "stream": False}, timeout=60)
+    assert plain.status_code == 400 and plain.json()["error"]["code"] == "structured_output_error"
+
+
+def test_api_key_is_required_when_set(engine):
+    with running(ServerConfig(engine, model_id="tiny", api_key="s3cret")) as url:
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret"}):
+            for method, path in (("GET", "/v1/models"), ("POST", "/v1/chat/completions")):
+                response = httpx.request(method, url + path, json=ask(), headers=headers)
+                assert response.status_code == 401 and response.json()["error"]["code"] == "invalid_api_key"
+        good = openai.OpenAI(base_url=url + "/v1", api_key="s3cret", max_retries=0)
+        assert good.chat.completions.create(**ask(max_tokens=3)).choices[0].message.content is not None
+        assert httpx.get(url + "/v1/embeddings").status_code == 405
+        assert httpx.post(url + "/v1/embeddings", json={"model": "x", "input": "y"}, headers={"Authorization": "Bearer s3cret"}).status_code == 404
+
+
+def test_without_max_tokens_a_reply_gets_the_servers_cap_or_the_room_left(tokenizer):
+    plain = tiny_engine("llama", tokenizer)  # no EOS bias: it writes until a limit stops it
+    with running(ServerConfig(plain, model_id="tiny", default_max_tokens=5, compression=None)) as url:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+        capped = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hello world"}], temperature=1.0, seed=4)
+        assert (capped.usage.completion_tokens, capped.choices[0].finish_reason) == (5, "length")
+        # A prompt that leaves 3 tokens of the 512-token context: the reply gets those 3.
+        words = ["hello"]
+        while plain.count_tokens([{"role": "user", "content": " ".join(words)}]) < plain.context_length - 3:
+            words.append("hello")
+        messages = [{"role": "user", "content": " ".join(words)}]
+        room = plain.context_length - plain.count_tokens(messages)
+        assert 1 <= room <= 3
+        tight = client.chat.completions.create(model="tiny", messages=messages, temperature=1.0, seed=4)
+        assert tight.usage.completion_tokens <= room and tight.usage.prompt_tokens + tight.usage.completion_tokens <= plain.context_length
+        with pytest.raises(openai.BadRequestError, match="context"):
+            client.chat.completions.create(model="tiny", messages=messages, max_tokens=room + 1)
+
+
+def test_a_client_that_goes_away_stops_its_generation(tokenizer, caplog):
+    slow = tiny_engine("llama", tokenizer)
+    steps = []
+
+    def count(_module, _args):
+        steps.append(time.monotonic())
+        time.sleep(0.02)
+
+    slow.model.register_forward_pre_hook(count)
+    with running(ServerConfig(slow, model_id="slow", compression=None)) as url, caplog.at_level(logging.INFO, logger="snapkv_rag.server"):
+        body = {"model": "slow", "messages": [{"role": "user", "content": "Hello world"}], "max_tokens": 400, "stream": True, "stream_options": {"include_usage": True}}
+        with httpx.stream("POST", url + "/v1/chat/completions", json={**body, "temperature": 1.0, "seed": 0}, timeout=60) as response:
+            for i, _ in enumerate(response.iter_lines()):
+                if i >= 6:
+                    break
+        time.sleep(1.0)
+        seen = len(steps)
+        time.sleep(0.5)
+        assert len(steps) == seen < 100  # stopped, far short of 400 steps
+        assert any("ended early" in r.getMessage() for r in caplog.records)
+        # The same for a plain request whose client gives up waiting.
+        plain = {**body, "stream": False, "stream_options": None, "temperature": 1.0, "seed": 1}
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(url + "/v1/chat/completions", json=plain, timeout=0.6)
+        time.sleep(1.0)
+        seen_plain = len(steps)
+        time.sleep(0.5)
+        assert len(steps) == seen_plain < seen + 100
+        assert any("client disconnected" in r.getMessage() for r in caplog.records)
+        # The engine is free for the next request.
+        response = httpx.post(url + "/v1/chat/completions", json={**plain, "max_tokens": 3}, timeout=60)
+        assert response.status_code == 200
+
+
+def test_concurrent_requests_each_get_their_own_answer(base_url, engine):
+    import asyncio
+
+    prompts = [f"Count to {n}." for n in (3, 5, 7, 9)]
+
+    async def main():
+        client = openai.AsyncOpenAI(base_url=base_url + "/v1", api_key="x", max_retries=0)
+        return await asyncio.gather(*[client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": p}], max_tokens=10) for p in prompts])
+
+    responses = asyncio.run(main())
+    for prompt, response in zip(prompts, responses):
+        assert response.choices[0].message.content == engine.generate(prompt, max_new_tokens=10, compression="snapkv:budget=64").text
+
+
+def test_serve_cli_checks_its_settings_before_loading_a_model(capsys):
+    from snapkv_rag.cli import main
+    from snapkv_rag.server.cli import served_model_name
+
+    assert main(["serve", "--compression", "zip:budget=3"]) == 2
+    assert "compression" in capsys.readouterr().err
+    assert main(["serve", "--default-max-tokens", "0"]) == 2
+    assert served_model_name("default") == "SmolLM2-135M-Instruct"
+    assert served_model_name("HuggingFaceTB/SmolLM2-360M-Instruct") == "HuggingFaceTB/SmolLM2-360M-Instruct"
+
+
+@pytest.mark.integration
+def test_embedded_model_answers_through_the_openai_client(embedded_engine):
+    with running(ServerConfig(embedded_engine, model_id="SmolLM2-135M-Instruct", aliases=("default",))) as url:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+        response = client.chat.completions.create(model="default", messages=[{"role": "user", "content": "What is the capital of France?"}], max_tokens=20)
+        assert "Paris" in response.choices[0].message.content
+        call = client.chat.completions.create(
+            model="SmolLM2-135M-Instruct", messages=[{"role": "user", "content": "What is the value of magic_function(3)?"}], tools=[MAGIC], tool_choice="required"
+        )
+        assert call.choices[0].message.tool_calls[0].function.name == "magic_function"
