@@ -83,16 +83,17 @@ def grammar_for(spec: OutputSpec) -> str | None:
         more = ' ("\\n" block)*' if spec.parallel_tool_calls else ""
         if spec.tool_choice in ("required", "function"):
             lines.append(f"start: block{more}")
+        elif spec.json_schema is not None:
+            # "auto" with a response format: the JSON content, or calls from the first token
+            # (prose before a call would be neither, and could never end validly).
+            lines.append(f"start: json_out | block{more}")
+            lines.append(f"json_out: {_json_rule(spec.json_schema)}")
         else:
             # "auto": text that never contains the marker, or text up to the marker and then a
             # constrained call (the lazy prefix ends at the first marker).
-            first = f"prefix call {_lark_string(CALL_CLOSE)}{more}"
-            free = "json_out" if spec.json_schema is not None else "TEXT"
-            lines.append(f"start: {free} | {first}")
+            lines.append(f"start: TEXT | prefix call {_lark_string(CALL_CLOSE)}{more}")
             lines.append(f"prefix[lazy]: /(.|\\n)*{MARKER}\\n/")
             lines.append(f"TEXT: /(.|\\n)+/ & ~/(.|\\n)*{MARKER}(.|\\n)*/")
-            if spec.json_schema is not None:
-                lines.append(f"json_out: {_json_rule(spec.json_schema)}")
     else:
         lines.append(f"start: {_json_rule(spec.json_schema or {})}")
     return "\n".join(lines) + "\n"

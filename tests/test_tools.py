@@ -255,6 +255,28 @@ def test_response_format_json_object_and_schema(tool_engine):
     assert d["parsed"] == result.parsed and d["tool_calls"] == []
 
 
+def test_auto_tools_with_a_response_format_give_json_or_calls(tool_engine):
+    """OpenAI's contract: the reply is the JSON content or tool calls. Prose before a call
+    used to be allowed, which then could neither end as JSON nor stop, so it always failed.
+    (This biased random model writes JSON; the grammar test covers the call branch.)"""
+    schema = {"type": "object", "properties": {"answer": {"type": "string"}}, "required": ["answer"]}
+    fmt = {"type": "json_schema", "json_schema": {"name": "reply", "schema": schema}}
+    kinds = set()
+    for seed in range(8):
+        for response_format in (fmt, {"type": "json_object"}):
+            result = tool_engine.generate("Go.", tools=[fn("f", SCHEMAS["integer"])], response_format=response_format, max_new_tokens=60, temperature=1.0, seed=seed)
+            if result.tool_calls:
+                assert result.finish_reason == "tool_calls" and result.text == ""
+                jsonschema.validate(result.tool_calls[0].arguments, SCHEMAS["integer"])
+                kinds.add("call")
+            else:
+                assert json.loads(result.text) == result.parsed
+                if response_format is fmt:
+                    jsonschema.validate(result.parsed, schema)
+                kinds.add("json")
+    assert "json" in kinds
+
+
 def test_to_dict_includes_tool_calls(tool_engine):
     result = tool_engine.generate("Go.", tools=[fn("f", SCHEMAS["integer"])], tool_choice="required", max_new_tokens=40)
     d = result.to_dict()

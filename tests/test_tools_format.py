@@ -66,6 +66,15 @@ def test_auto_grammar_allows_text_and_constrains_a_started_call(grammar_tokenize
     assert not run_text(grammar_tokenizer, smollm_tokenizer, spec, "x <tool_call>\nhello")[0]
 
 
+def test_auto_grammar_with_a_response_format_is_json_or_calls(grammar_tokenizer, smollm_tokenizer):
+    spec = build_output_spec([INT_TOOL], "auto", response_format={"type": "json_object"})
+    assert run_text(grammar_tokenizer, smollm_tokenizer, spec, '{"answer": "yes"}')[:2] == (True, True)
+    assert run_text(grammar_tokenizer, smollm_tokenizer, spec, format_call("magic_function", {"input": 7}))[:2] == (True, True)
+    # Prose is neither JSON nor a call: refused at its first token, never a dead end later.
+    assert not run_text(grammar_tokenizer, smollm_tokenizer, spec, "Let me check. ")[0]
+    assert not run_text(grammar_tokenizer, smollm_tokenizer, spec, "Let me check. " + format_call("magic_function", {"input": 7}))[0]
+
+
 def test_json_grammar_and_closed_objects(grammar_tokenizer, smollm_tokenizer):
     spec = build_output_spec(response_format={"type": "json_object"})
     assert run_text(grammar_tokenizer, smollm_tokenizer, spec, '{"any": [1, {"thing": null}]}')[:2] == (True, True)
