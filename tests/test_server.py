@@ -181,16 +181,27 @@ BAD_REQUESTS = [
     (ask(max_tokens=0), 400, "max_tokens", None),
     (ask(max_tokens=100_000), 400, "messages", "context_length_exceeded"),
     (ask(messages=[{"role": "user", "content": "word " * 3000}]), 400, "messages", "context_length_exceeded"),
-    (ask(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]), 400, "messages", None),
+    (ask(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]), 400, "messages", "unsupported_parameter"),
+    (ask(messages=[{"role": "user", "content": "\ud83d hi"}]), 400, None, None),  # a lone surrogate escape
+    (ask(messages=[{"role": "user", "content": "hi"}, {"role": "assistant", "content": "", "tool_calls": -1}]), 400, "messages", None),
+    (ask(messages=[{"role": "user", "content": "hi"}, {"role": "assistant", "content": "", "tool_calls": [{"id": [1], "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]), 400, "messages", None),
+    (ask(messages=[{"role": "user", "content": "hi"}, {"role": "tool", "tool_call_id": [], "content": "22"}]), 400, "messages", None),
+    (ask(messages=[{"role": "user", "content": "hi"}, {"role": "tool", "tool_call_id": "call_1", "content": "22"}]), 400, "messages", None),
+    (ask(messages=[{"role": "user", "content": "hi", "name": 5}]), 400, "messages", None),
     (ask(messages=[]), 400, "messages", None),
     (ask(messages=[{"role": "wizard", "content": "hi"}]), 400, "messages", None),
     (ask(messages=[{"role": "user", "content": "   "}]), 400, "messages", None),
     (ask(temperature="hot"), 400, "temperature", None),
-    (ask(temperature=-1), 400, None, None),
+    (ask(temperature=-1), 400, "temperature", None),
+    (ask(temperature=5), 400, "temperature", None),
+    (ask(top_p=0), 400, "top_p", None),
+    (ask(seed=1.5), 400, "seed", None),
     (ask(stop=["a", "b", "c", "d", "e"]), 400, "stop", None),
     (ask(stream_options={"include_usage": True}), 400, "stream_options", None),
     (ask(tools=[{"type": "function", "function": {"parameters": {}}}]), 400, "tools", "structured_output_error"),
-    (ask(tool_choice="required"), 400, "tools", "structured_output_error"),
+    (ask(tool_choice="required"), 400, "tool_choice", None),
+    (ask(tools=[MAGIC], tool_choice={"type": "function", "function": {"name": "other"}}), 400, "tool_choice", "structured_output_error"),
+    (ask(response_format={"type": "xml"}), 400, "response_format", "structured_output_error"),
     ({"messages": [{"role": "user", "content": "hi"}]}, 400, "model", None),
     ([1, 2, 3], 400, None, None),
 ]
@@ -198,7 +209,8 @@ BAD_REQUESTS = [
 
 @pytest.mark.parametrize("body, status, param, code", BAD_REQUESTS, ids=[str(i) for i in range(len(BAD_REQUESTS))])
 def test_bad_requests_get_one_clear_error_and_the_server_carries_on(base_url, body, status, param, code):
-    response = httpx.post(base_url + "/v1/chat/completions", json=body, timeout=60)
+    # json.dumps escapes to ASCII, so a lone surrogate travels as "\ud83d", as clients send it
+    response = httpx.post(base_url + "/v1/chat/completions", content=json.dumps(body), headers={"content-type": "application/json"}, timeout=60)
     assert response.status_code == status
     error = response.json()["error"]
     assert error["message"] and error["param"] == param and error["code"] == code
@@ -216,8 +228,35 @@ def test_malformed_bodies_and_routes(base_url):
     assert bad_embedding.status_code == 400 and bad_embedding.json()["error"]["code"] == "input_too_long"
     assert httpx.post(base_url + "/v1/embeddings", json={"model": "all-MiniLM-L6-v2", "input": [""]}).status_code == 400
     assert httpx.post(base_url + "/v1/completions", json={"model": "tiny", "prompt": [1, 2, 3]}).json()["error"]["param"] == "prompt"
+    too_long = httpx.post(base_url + "/v1/completions", json={"model": "tiny", "prompt": "word " * 3000}).json()["error"]
+    assert (too_long["param"], too_long["code"]) == ("prompt", "context_length_exceeded")
+    deep = b'{"model": "tiny", "metadata": ' + b"[" * 5000 + b"]" * 5000 + b"}"
+    assert httpx.post(base_url + "/v1/chat/completions", content=deep).status_code == 400
+    huge = httpx.post(base_url + "/v1/chat/completions", content=b"x" * (9 << 20))
+    assert huge.status_code == 413 and huge.json()["error"]["code"] == "request_too_large"
+    assert httpx.get(base_url + "/v1/models/tiny").json()["id"] == "tiny"
+    assert httpx.get(base_url + "/v1/models/gpt-4o").json()["error"]["code"] == "model_not_found"
     health = httpx.get(base_url + "/health").json()
     assert health["status"] == "ok" and health["compression"] == "snapkv:budget=64"
+
+
+def test_a_server_fault_is_still_one_openai_shaped_error(base_url, engine, monkeypatch):
+    async def broken(*args, **kwargs):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(engine, "agenerate", broken)
+    response = httpx.post(base_url + "/v1/chat/completions", json=ask(), timeout=60)
+    assert response.status_code == 500 and response.json()["error"]["type"] == "server_error" and "boom" in response.json()["error"]["message"]
+    monkeypatch.undo()
+    assert httpx.post(base_url + "/v1/chat/completions", json=ask(max_tokens=2), timeout=60).status_code == 200
+
+
+def test_cors_only_when_origins_are_allowed(engine, base_url):
+    preflight = {"Origin": "http://localhost:3000", "Access-Control-Request-Method": "POST"}
+    assert "access-control-allow-origin" not in httpx.options(base_url + "/v1/chat/completions", headers=preflight).headers
+    with running(ServerConfig(engine, model_id="tiny", allow_origins=("http://localhost:3000",))) as url:
+        response = httpx.options(url + "/v1/chat/completions", headers=preflight)
+        assert response.status_code == 200 and response.headers["access-control-allow-origin"] == "http://localhost:3000"
 
 
 def test_a_call_cut_short_mid_stream_ends_with_an_error_event(base_url):
@@ -273,7 +312,11 @@ def test_a_client_that_goes_away_stops_its_generation(tokenizer, caplog):
         time.sleep(0.02)
 
     slow.model.register_forward_pre_hook(count)
+    server_errors: list[logging.LogRecord] = []
+    catcher = logging.Handler(logging.ERROR)
+    catcher.emit = server_errors.append
     with running(ServerConfig(slow, model_id="slow", compression=None)) as url, caplog.at_level(logging.INFO, logger="snapkv_rag.server"):
+        logging.getLogger("uvicorn.error").addHandler(catcher)  # after uvicorn configured its loggers
         body = {"model": "slow", "messages": [{"role": "user", "content": "Hello world"}], "max_tokens": 400, "stream": True, "stream_options": {"include_usage": True}}
         with httpx.stream("POST", url + "/v1/chat/completions", json={**body, "temperature": 1.0, "seed": 0}, timeout=60) as response:
             for i, _ in enumerate(response.iter_lines()):
@@ -296,6 +339,8 @@ def test_a_client_that_goes_away_stops_its_generation(tokenizer, caplog):
         # The engine is free for the next request.
         response = httpx.post(url + "/v1/chat/completions", json={**plain, "max_tokens": 3}, timeout=60)
         assert response.status_code == 200
+    logging.getLogger("uvicorn.error").removeHandler(catcher)
+    assert not server_errors, [r.getMessage() for r in server_errors]  # a client leaving is not a server error
 
 
 def test_concurrent_requests_each_get_their_own_answer(base_url, engine):

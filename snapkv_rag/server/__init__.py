@@ -9,8 +9,9 @@ from typing import Any
 
 DEFAULT_COMPRESSION = "snapkv:budget=1024"  # for requests that name no policy
 DEFAULT_MAX_TOKENS = 1024  # for requests that give no max_tokens (the room in the context caps it too)
+DEFAULT_MAX_REQUEST_BYTES = 8 << 20  # a full 128K-token prompt is about 0.5 MB of text
 
-__all__ = ["DEFAULT_COMPRESSION", "DEFAULT_MAX_TOKENS", "ServerConfig", "create_app"]
+__all__ = ["DEFAULT_COMPRESSION", "DEFAULT_MAX_REQUEST_BYTES", "DEFAULT_MAX_TOKENS", "ServerConfig", "create_app"]
 
 
 def __getattr__(name: str) -> Any:

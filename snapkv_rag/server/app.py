@@ -18,6 +18,8 @@ import time
 from typing import Any
 
 from starlette.applications import Starlette
+from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
@@ -38,7 +40,7 @@ from .protocol import (
     parse_embedding_request,
 )
 
-from . import DEFAULT_COMPRESSION, DEFAULT_MAX_TOKENS
+from . import DEFAULT_COMPRESSION, DEFAULT_MAX_REQUEST_BYTES, DEFAULT_MAX_TOKENS
 
 log = logging.getLogger("snapkv_rag.server")
 
@@ -60,6 +62,8 @@ class ServerConfig:
         api_key: str | None = None,
         embedder=None,
         embedder_id: str = "all-MiniLM-L6-v2",
+        max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+        allow_origins: tuple[str, ...] = (),
     ):
         if isinstance(default_max_tokens, bool) or not isinstance(default_max_tokens, int) or default_max_tokens < 1:
             raise ValueError(f"default_max_tokens must be a positive integer, got {default_max_tokens!r}")
@@ -72,6 +76,8 @@ class ServerConfig:
         self.api_key = api_key or None
         self.embedder = embedder
         self.embedder_id = embedder_id
+        self.max_request_bytes = max_request_bytes
+        self.allow_origins = tuple(allow_origins)
         self.started = int(time.time())
 
 
@@ -79,14 +85,27 @@ def _error_response(exc: APIError) -> JSONResponse:
     return JSONResponse(exc.body(), status_code=exc.status)
 
 
-async def _json_body(request: Request) -> Any:
-    raw = await request.body()
+async def _json_body(request: Request, limit: int) -> Any:
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise APIError(413, f"the request body has {int(declared)} bytes; this server takes at most {limit}", code="request_too_large")
+    raw = bytearray()
+    async for piece in request.stream():
+        raw += piece
+        if len(raw) > limit:
+            raise APIError(413, f"the request body is over {limit} bytes, the most this server takes", code="request_too_large")
     try:
-        return json.loads(raw.decode("utf-8"))
+        body = json.loads(bytes(raw).decode("utf-8"))
+        json.dumps(body, ensure_ascii=False).encode("utf-8")  # lone surrogate escapes ("\ud83d") fail here
     except UnicodeDecodeError:
         raise invalid("the request body is not UTF-8 text; send a JSON object") from None
+    except UnicodeEncodeError:
+        raise invalid("the request body has invalid Unicode: an unpaired surrogate escape such as \\ud83d") from None
     except json.JSONDecodeError as exc:
         raise invalid(f"the request body is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise invalid("the request body is nested too deeply") from None
+    return body
 
 
 def _check_key(config: ServerConfig, request: Request) -> None:
@@ -111,14 +130,15 @@ def _plan(config: ServerConfig, request: ParsedRequest) -> dict[str, Any]:
         compression = as_policy(request.compression) if request.compression is not None else config.compression
         tools = request.constraints.get("tools") if request.constraints.get("tool_choice") != "none" else None
         prompt_tokens = engine.count_tokens(request.prompt, chat=False if request.kind == "completion" else None, tools=tools)
-    except SnapKVRagError as exc:
-        raise from_engine_error(exc) from None
+    except (SnapKVRagError, TypeError, ValueError) as exc:
+        raise from_engine_error(exc, request.kind) from None
     max_new = request.max_tokens
     context = engine.context_length
     if max_new is None:
         room = (context - prompt_tokens) if context else config.default_max_tokens
         if room < 1:
-            raise invalid(f"the prompt has {prompt_tokens} tokens and fills the model's {context}-token context; shorten it", "messages", "context_length_exceeded")
+            field = "messages" if request.kind == "chat" else "prompt"
+            raise invalid(f"the prompt has {prompt_tokens} tokens and fills the model's {context}-token context; shorten it", field, "context_length_exceeded")
         max_new = min(room, config.default_max_tokens)
     return request.engine_kwargs(max_new, compression)
 
@@ -160,27 +180,30 @@ def _completions(kind: str):
         config: ServerConfig = request.app.state.config
         try:
             _check_key(config, request)
-            parsed = parse(await _json_body(request))
+            parsed = parse(await _json_body(request, config.max_request_bytes))
             _check_model(parsed.model, config.model_id, config.aliases)
-            kwargs = _plan(config, parsed)
+            kwargs = await asyncio.get_running_loop().run_in_executor(None, _plan, config, parsed)  # tokenizing a long prompt takes a while
             request_id = new_id(kind)
             if parsed.stream:
                 try:  # prompt errors (too long, bad tools) are found here, before the 200 is sent
                     stream = config.engine.astream(parsed.prompt, **kwargs)
                 except Exception as exc:
-                    raise from_engine_error(exc) from None
+                    raise from_engine_error(exc, kind) from None
                 return StreamingResponse(_stream(config, request_id, parsed, stream), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
             try:
                 result = await _until_disconnect(request, config.engine.agenerate(parsed.prompt, **kwargs))
             except asyncio.CancelledError:
                 log.info("%s cancelled: the client disconnected", request_id)
-                raise
+                return JSONResponse(APIError(499, "the client closed the request").body(), status_code=499)
             except Exception as exc:
-                raise from_engine_error(exc) from None
+                raise from_engine_error(exc, kind) from None
             _log(config, request_id, parsed, result)
             return JSONResponse(completion_response(parsed, request_id, int(time.time()), config.model_id, result))
         except APIError as exc:
             return _error_response(exc)
+        except Exception as exc:  # a bug, not bad input: still one OpenAI-shaped answer, and the traceback in the log
+            log.exception("request failed")
+            return _error_response(from_engine_error(exc, kind))
 
     return endpoint
 
@@ -197,7 +220,7 @@ async def _stream(config: ServerConfig, request_id: str, parsed: ParsedRequest, 
                 yield writer.piece(piece)
         finished = True
     except Exception as exc:  # after the 200: the error travels as an event, then the stream ends
-        yield writer.error(from_engine_error(exc))
+        yield writer.error(from_engine_error(exc, parsed.kind))
         return
     finally:
         if not finished:
@@ -213,7 +236,7 @@ async def embeddings(request: Request):
         _check_key(config, request)
         if config.embedder is None:
             raise APIError(404, "this server serves no embeddings (started with --embedder none)", code="model_not_found")
-        model, texts, encoding = parse_embedding_request(await _json_body(request))
+        model, texts, encoding = parse_embedding_request(await _json_body(request, config.max_request_bytes))
         _check_model(model, config.embedder_id, {config.embedder_id})
         embedder = config.embedder
 
@@ -229,6 +252,17 @@ async def embeddings(request: Request):
         return JSONResponse(embedding_response(model, vectors, encoding, tokens))
     except APIError as exc:
         return _error_response(exc)
+    except Exception as exc:
+        log.exception("embedding request failed")
+        return _error_response(from_engine_error(exc))
+
+
+def _model_card(config: ServerConfig, model: str) -> dict[str, Any]:
+    return {"id": model, "object": "model", "created": config.started, "owned_by": "snapkv-rag"}
+
+
+def _served(config: ServerConfig) -> list[str]:
+    return [config.model_id] + ([config.embedder_id] if config.embedder is not None else [])
 
 
 async def models(request: Request):
@@ -237,8 +271,19 @@ async def models(request: Request):
         _check_key(config, request)
     except APIError as exc:
         return _error_response(exc)
-    served = [config.model_id] + ([config.embedder_id] if config.embedder is not None else [])
-    return JSONResponse({"object": "list", "data": [{"id": m, "object": "model", "created": config.started, "owned_by": "snapkv-rag"} for m in served]})
+    return JSONResponse({"object": "list", "data": [_model_card(config, m) for m in _served(config)]})
+
+
+async def model(request: Request):
+    config: ServerConfig = request.app.state.config
+    name = request.path_params["name"]
+    try:
+        _check_key(config, request)
+        if name not in _served(config):
+            raise APIError(404, f"the model {name!r} does not exist on this server; it serves {_served(config)}", param="model", code="model_not_found")
+    except APIError as exc:
+        return _error_response(exc)
+    return JSONResponse(_model_card(config, name))
 
 
 async def health(request: Request):
@@ -262,9 +307,11 @@ def create_app(config: ServerConfig) -> Starlette:
             Route("/v1/completions", _completions("completion"), methods=["POST"]),
             Route("/v1/embeddings", embeddings, methods=["POST"]),
             Route("/v1/models", models, methods=["GET"]),
+            Route("/v1/models/{name:path}", model, methods=["GET"]),
             Route("/health", health, methods=["GET"]),
         ],
         exception_handlers={404: not_found, 405: method_not_allowed},
+        middleware=[Middleware(CORSMiddleware, allow_origins=list(config.allow_origins), allow_methods=["GET", "POST"], allow_headers=["*"])] if config.allow_origins else [],
     )
     app.state.config = config
     return app

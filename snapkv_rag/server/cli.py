@@ -11,7 +11,7 @@ from ..errors import SnapKVRagError
 
 
 def add_serve_parser(sub) -> None:
-    from . import DEFAULT_COMPRESSION, DEFAULT_MAX_TOKENS
+    from . import DEFAULT_COMPRESSION, DEFAULT_MAX_REQUEST_BYTES, DEFAULT_MAX_TOKENS
 
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (chat, completions, embeddings)")
     p.add_argument("--model", default="default", help="'default' (embedded SmolLM2), a model dir, a .gguf file or a hub id")
@@ -24,6 +24,8 @@ def add_serve_parser(sub) -> None:
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (default: $SNAPKV_RAG_API_KEY, else no key)")
     p.add_argument("--default-max-tokens", type=int, default=DEFAULT_MAX_TOKENS, help=f"max_tokens when a request gives none (default {DEFAULT_MAX_TOKENS}, capped by the room in the context)")
     p.add_argument("--embedder", default="default", help="sentence-transformers model for /v1/embeddings: 'default' (all-MiniLM-L6-v2), a path, or 'none'")
+    p.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES, help=f"larger request bodies get a 413 (default {DEFAULT_MAX_REQUEST_BYTES})")
+    p.add_argument("--allow-origin", action="append", default=None, help="an origin browsers may call from (CORS), e.g. http://localhost:3000; repeatable; '*' for any")
     p.add_argument("--prefix-cache-bytes", type=int, default=None, help="bound of the prefix cache (default: 1 GiB on CPU; 0 disables)")
     p.set_defaults(func=cmd_serve)
 
@@ -51,6 +53,8 @@ def build_config(args: argparse.Namespace):
         raise SnapKVRagError(f"--port must be 0-65535, got {args.port}")
     if args.default_max_tokens < 1:
         raise SnapKVRagError(f"--default-max-tokens must be at least 1, got {args.default_max_tokens}")
+    if args.max_request_bytes < 1024:
+        raise SnapKVRagError(f"--max-request-bytes must be at least 1024, got {args.max_request_bytes}")
     embedder, embedder_id = None, "all-MiniLM-L6-v2"
     if args.embedder != "none":
         from ..rag.embeddings import Embedder
@@ -68,6 +72,8 @@ def build_config(args: argparse.Namespace):
         api_key=args.api_key or os.environ.get("SNAPKV_RAG_API_KEY"),
         embedder=embedder,
         embedder_id=embedder_id,
+        max_request_bytes=args.max_request_bytes,
+        allow_origins=tuple(args.allow_origin or ()),
     )
 
 
@@ -84,5 +90,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
         f"compression: {config.compression_spec}{'; API key required' if config.api_key else ''}). Ctrl+C stops it.",
         file=sys.stderr,
     )
-    uvicorn.run(create_app(config), host=args.host, port=args.port, log_level="warning")
+    # In-flight streams get 5 s to finish on Ctrl+C or `docker stop` (which kills after 10 s).
+    uvicorn.run(create_app(config), host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=5)
     return 0

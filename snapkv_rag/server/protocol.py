@@ -50,20 +50,33 @@ def invalid(message: str, param: str | None = None, code: str | None = None) -> 
     return APIError(400, message, param=param, code=code)
 
 
-def from_engine_error(exc: Exception) -> APIError:
-    """The engine's own input errors, as 400s naming the field at fault."""
+_SAMPLING_PARAMS = ("max_new_tokens", "temperature", "top_p", "stop", "seed")
+
+
+def from_engine_error(exc: BaseException, kind: str = "chat") -> APIError:
+    """The engine's own input errors, as 400s naming the field at fault; anything else is a 500."""
+    prompt_field = "messages" if kind == "chat" else "prompt"
     if isinstance(exc, PromptTooLongError):
-        return invalid(str(exc), "messages", "context_length_exceeded")
+        return invalid(str(exc), prompt_field, "context_length_exceeded")
     if isinstance(exc, (EmptyPromptError, InvalidPromptError)):
-        return invalid(str(exc), "messages")
+        return invalid(str(exc), prompt_field)
     if isinstance(exc, InvalidCompressionError):
         return invalid(str(exc), "compression")
     if isinstance(exc, InvalidGenerationParameterError):
-        return invalid(str(exc))
+        named = next((p for p in _SAMPLING_PARAMS if str(exc).startswith(p)), None)
+        return invalid(str(exc), "max_tokens" if named == "max_new_tokens" else named)
     if isinstance(exc, StructuredOutputError):
-        return invalid(str(exc), "tools", "structured_output_error")
+        # The engine's messages start with the field they are about; an output that failed
+        # (cut off by max_tokens) names none.
+        message = str(exc)
+        param = next((p for p in ("response_format", "tool_choice", "parallel_tool_calls") if message.startswith(p)), None)
+        if param is None and message.startswith(("tools", "tool ", "tool names", "parameters of tool")):
+            param = "tools"
+        return invalid(message, param, "structured_output_error")
     if isinstance(exc, SnapKVRagError):
         return invalid(str(exc))
+    if isinstance(exc, RecursionError):
+        return invalid("the request is nested too deeply")
     return APIError(500, f"the server failed: {type(exc).__name__}: {exc}", type="server_error")
 
 
@@ -163,9 +176,11 @@ def _common(body: Any, kind: str, accepted: set[str]) -> ParsedRequest:
         raise invalid(f"stream_options has unknown keys {sorted(unknown)}", "stream_options")
     include_usage = _flag(options, "include_usage")
     sampling: dict[str, Any] = {}
-    for key in ("temperature", "top_p"):
+    for key, low, high in (("temperature", 0.0, 2.0), ("top_p", 0.0, 1.0)):
         value = _optional(body, key, (int, float), "a number")
         if value is not None:
+            if not low <= value <= high or (key == "top_p" and value == 0):
+                raise invalid(f"{key} must be {'between 0 and 2' if key == 'temperature' else 'in (0, 1]'}, got {value!r}", key)
             sampling[key] = float(value)
     stop = body.get("stop")
     if stop is not None:
@@ -202,7 +217,7 @@ def _text_content(content: Any, where: str) -> str | None:
         kind = part.get("type") if isinstance(part, Mapping) else None
         if kind != "text" or not isinstance(part.get("text"), str):
             shown = kind if kind else type(part).__name__
-            raise invalid(f"{where}.content[{j}] is a {shown!r} part; this model reads text parts only", "messages")
+            raise invalid(f"{where}.content[{j}] is a {shown!r} part; this model reads text parts only", "messages", "unsupported_parameter")
         texts.append(part["text"])
     return "\n".join(texts)
 
@@ -212,10 +227,12 @@ _MESSAGE_KEYS = {"role", "content", "name", "tool_calls", "tool_call_id", "refus
 
 def chat_messages(messages: Any) -> list[dict[str, Any]]:
     """OpenAI messages -> the engine's: text parts joined, ``developer`` read as ``system``,
-    response-only keys (``refusal``, ``annotations``) dropped. The engine validates the rest."""
+    response-only keys (``refusal``, ``annotations``) dropped; a tool result must answer a call
+    of an earlier assistant message, as OpenAI requires. The engine validates the rest."""
     if not isinstance(messages, list) or not messages:
         raise invalid("messages must be a non-empty list", "messages")
     out = []
+    call_ids: set[str] = set()
     for i, message in enumerate(messages):
         where = f"messages[{i}]"
         if not isinstance(message, Mapping):
@@ -224,16 +241,27 @@ def chat_messages(messages: Any) -> list[dict[str, Any]]:
         if unknown:
             raise invalid(f"{where} has unknown keys {sorted(unknown)}", "messages")
         if message.get("function_call") is not None or message.get("audio") is not None:
-            raise invalid(f"{where}: 'function_call' and 'audio' are not supported; use 'tool_calls'", "messages")
+            raise invalid(f"{where}: 'function_call' and 'audio' are not supported; use 'tool_calls'", "messages", "unsupported_parameter")
         role = message.get("role")
         if role == "developer":
             role = "system"
         converted: dict[str, Any] = {"role": role, "content": _text_content(message.get("content"), where)}
         for key in ("name", "tool_call_id"):
             if message.get(key) is not None:
+                if not isinstance(message[key], str) or not message[key]:
+                    raise invalid(f"{where}.{key} must be a non-empty string", "messages")
                 converted[key] = message[key]
-        if message.get("tool_calls"):
-            converted["tool_calls"] = message["tool_calls"]
+        calls = message.get("tool_calls")
+        if calls:
+            if role != "assistant" or not isinstance(calls, list) or not all(isinstance(c, Mapping) for c in calls):
+                raise invalid(f"{where}.tool_calls must be a list of calls on an assistant message", "messages")
+            for j, call in enumerate(calls):
+                if not isinstance(call.get("id"), str) or not call["id"]:
+                    raise invalid(f"{where}.tool_calls[{j}].id must be a non-empty string", "messages")
+                call_ids.add(call["id"])
+            converted["tool_calls"] = calls
+        if role == "tool" and converted.get("tool_call_id") not in call_ids:
+            raise invalid(f"{where} is a tool result for {converted.get('tool_call_id')!r}, which no earlier assistant message called", "messages")
         out.append(converted)
     return out
 
@@ -245,6 +273,8 @@ def parse_chat_request(body: Any) -> ParsedRequest:
     for key in ("tools", "tool_choice", "response_format"):
         if body.get(key) is not None:
             request.constraints[key] = body[key]
+    if "tool_choice" in request.constraints and not request.constraints.get("tools"):
+        raise invalid("tool_choice is only allowed when tools are given", "tool_choice")
     if body.get("parallel_tool_calls") is not None:
         request.constraints["parallel_tool_calls"] = _flag(body, "parallel_tool_calls")
     if request.constraints.get("response_format") == {"type": "text"}:
