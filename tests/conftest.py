@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import threading
+import time
 
 import pytest
 import torch
@@ -152,3 +155,26 @@ def tiny_tool_engine(tokenizer, *, family: str = "llama", seed: int = 0, bias: t
     if bias is not None:
         model.get_output_embeddings().register_forward_hook(lambda _m, _i, out: out + bias.to(out.dtype))
     return Engine(model, tokenizer, name=f"tiny-{family}-smollm2-tokenizer")
+
+
+@contextlib.contextmanager
+def running(config):
+    """The OpenAI-compatible app for ``config`` (a ``ServerConfig``) under a real uvicorn server
+    on a free port, in a thread; yields its base URL."""
+    import uvicorn
+
+    from snapkv_rag.server import create_app
+
+    server = uvicorn.Server(uvicorn.Config(create_app(config), host="127.0.0.1", port=0, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
+        time.sleep(0.02)
+    port = server.servers[0].sockets[0].getsockname()[1]
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(10)

@@ -8,21 +8,18 @@ server adds nothing and loses nothing. One integration test uses the embedded mo
 from __future__ import annotations
 
 import base64
-import contextlib
 import json
 import logging
-import threading
 import time
 
 import httpx
 import jsonschema
 import numpy as np
+import openai
 import pytest
 
-openai = pytest.importorskip("openai")
-
-from conftest import terse_bias, tiny_engine, tiny_tool_engine  # noqa: E402
-from snapkv_rag.server import ServerConfig, create_app  # noqa: E402
+from conftest import running, terse_bias, tiny_engine, tiny_tool_engine
+from snapkv_rag.server import ServerConfig
 
 MAGIC = {
     "type": "function",
@@ -33,26 +30,6 @@ MAGIC = {
     },
 }
 LONG_QUESTION = " ".join(f"Fact {i}: the harbour light number {i} is green." for i in range(40)) + " Which light is green?"
-
-
-@contextlib.contextmanager
-def running(config: ServerConfig):
-    """The app under a real uvicorn server on a free port, in a thread; yields its base URL."""
-    import uvicorn
-
-    server = uvicorn.Server(uvicorn.Config(create_app(config), host="127.0.0.1", port=0, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
-        time.sleep(0.02)
-    port = server.servers[0].sockets[0].getsockname()[1]
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(10)
 
 
 @pytest.fixture(scope="module")
