@@ -218,10 +218,10 @@ def test_malformed_bodies_and_routes(base_url):
 
 
 def test_a_server_fault_is_still_one_openai_shaped_error(base_url, engine, monkeypatch):
-    async def broken(*args, **kwargs):
+    def broken(*args, **kwargs):
         raise RuntimeError("boom")
 
-    monkeypatch.setattr(engine, "agenerate", broken)
+    monkeypatch.setattr(engine, "astream", broken)
     response = httpx.post(base_url + "/v1/chat/completions", json=ask(), timeout=60)
     assert response.status_code == 500 and response.json()["error"]["type"] == "server_error" and "boom" in response.json()["error"]["message"]
     monkeypatch.undo()

@@ -2,7 +2,7 @@
 
 ``POST /v1/chat/completions`` (streaming, tools, JSON output), ``POST /v1/completions``,
 ``POST /v1/embeddings`` (the RAG embedder), ``GET /v1/models`` and ``GET /health``. Every
-request goes through the engine's own ``agenerate``/``astream``: the same decode loop,
+request goes through the engine's own ``astream``: the same decode loop,
 compression policies, prefix cache and grammar as the API and CLI. Concurrent requests
 interleave step by step (the engine's lock is taken per step); a client that disconnects
 stops its generation.
@@ -25,7 +25,6 @@ from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
 from ..compression import as_policy
-from ..errors import SnapKVRagError
 from .protocol import (
     APIError,
     ChunkWriter,
@@ -122,25 +121,31 @@ def _check_model(model: str, served: str, accepted: set[str]) -> None:
         raise APIError(404, f"the model {model!r} does not exist on this server; it serves {served!r}", param="model", code="model_not_found")
 
 
-def _plan(config: ServerConfig, request: ParsedRequest) -> dict[str, Any]:
-    """Engine keywords: the request's compression or the server's, and ``max_new_tokens``
-    (the request's, else the room left in the context up to the server's default cap)."""
+def _open_stream(config: ServerConfig, request: ParsedRequest):
+    """The engine's stream for ``request``, with the request's compression or the server's and
+    ``max_new_tokens`` (the request's, else the room left in the context up to the server's
+    cap). Run off the event loop: rendering and tokenizing a long prompt takes a while."""
     engine = config.engine
-    try:
-        compression = as_policy(request.compression) if request.compression is not None else config.compression
+    compression = as_policy(request.compression) if request.compression is not None else config.compression
+    max_new = request.max_tokens
+    if max_new is None:
         tools = request.constraints.get("tools") if request.constraints.get("tool_choice") != "none" else None
         prompt_tokens = engine.count_tokens(request.prompt, chat=False if request.kind == "completion" else None, tools=tools)
-    except (SnapKVRagError, TypeError, ValueError) as exc:
-        raise from_engine_error(exc, request.kind) from None
-    max_new = request.max_tokens
-    context = engine.context_length
-    if max_new is None:
+        context = engine.context_length
         room = (context - prompt_tokens) if context else config.default_max_tokens
         if room < 1:
             field = "messages" if request.kind == "chat" else "prompt"
             raise invalid(f"the prompt has {prompt_tokens} tokens and fills the model's {context}-token context; shorten it", field, "context_length_exceeded")
         max_new = min(room, config.default_max_tokens)
-    return request.engine_kwargs(max_new, compression)
+    return engine.astream(request.prompt, **request.engine_kwargs(max_new, compression))
+
+
+async def _finish(stream):
+    """Read ``stream`` to its end; its result. Cancelling this stops the generation."""
+    async with stream:
+        async for _ in stream:
+            pass
+    return stream.result
 
 
 def _log(config: ServerConfig, request_id: str, request: ParsedRequest, result) -> None:
@@ -182,16 +187,17 @@ def _completions(kind: str):
             _check_key(config, request)
             parsed = parse(await _json_body(request, config.max_request_bytes))
             _check_model(parsed.model, config.model_id, config.aliases)
-            kwargs = await asyncio.get_running_loop().run_in_executor(None, _plan, config, parsed)  # tokenizing a long prompt takes a while
             request_id = new_id(kind)
+            try:  # prompt errors (too long, bad tools) are found here, before a streamed 200 is sent
+                stream = await asyncio.get_running_loop().run_in_executor(None, _open_stream, config, parsed)
+            except APIError:
+                raise
+            except Exception as exc:
+                raise from_engine_error(exc, kind) from None
             if parsed.stream:
-                try:  # prompt errors (too long, bad tools) are found here, before the 200 is sent
-                    stream = config.engine.astream(parsed.prompt, **kwargs)
-                except Exception as exc:
-                    raise from_engine_error(exc, kind) from None
                 return StreamingResponse(_stream(config, request_id, parsed, stream), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
             try:
-                result = await _until_disconnect(request, config.engine.agenerate(parsed.prompt, **kwargs))
+                result = await _until_disconnect(request, _finish(stream))
             except asyncio.CancelledError:
                 log.info("%s cancelled: the client disconnected", request_id)
                 return JSONResponse(APIError(499, "the client closed the request").body(), status_code=499)

@@ -222,13 +222,18 @@ def _text_content(content: Any, where: str) -> str | None:
     return "\n".join(texts)
 
 
-_MESSAGE_KEYS = {"role", "content", "name", "tool_calls", "tool_call_id", "refusal", "audio", "annotations", "function_call"}
+# Keys an assistant reply carries that are not history (``refusal``, ``annotations``), or that
+# were refused above (``function_call``, ``audio``).
+_DROPPED_KEYS = {"refusal", "annotations", "function_call", "audio"}
 
 
 def chat_messages(messages: Any) -> list[dict[str, Any]]:
     """OpenAI messages -> the engine's: text parts joined, ``developer`` read as ``system``,
-    response-only keys (``refusal``, ``annotations``) dropped; a tool result must answer a call
-    of an earlier assistant message, as OpenAI requires. The engine validates the rest."""
+    response-only keys dropped, then checked by the agent memory's own message validator
+    (roles, ids, call shapes); a tool result must answer a call of an earlier assistant
+    message, as OpenAI requires."""
+    from ..agents.messages import validate_message
+
     if not isinstance(messages, list) or not messages:
         raise invalid("messages must be a non-empty list", "messages")
     out = []
@@ -237,32 +242,24 @@ def chat_messages(messages: Any) -> list[dict[str, Any]]:
         where = f"messages[{i}]"
         if not isinstance(message, Mapping):
             raise invalid(f"{where} must be an object with 'role' and 'content'", "messages")
-        unknown = set(message) - _MESSAGE_KEYS
-        if unknown:
-            raise invalid(f"{where} has unknown keys {sorted(unknown)}", "messages")
         if message.get("function_call") is not None or message.get("audio") is not None:
             raise invalid(f"{where}: 'function_call' and 'audio' are not supported; use 'tool_calls'", "messages", "unsupported_parameter")
-        role = message.get("role")
-        if role == "developer":
-            role = "system"
-        converted: dict[str, Any] = {"role": role, "content": _text_content(message.get("content"), where)}
-        for key in ("name", "tool_call_id"):
-            if message.get(key) is not None:
-                if not isinstance(message[key], str) or not message[key]:
-                    raise invalid(f"{where}.{key} must be a non-empty string", "messages")
-                converted[key] = message[key]
-        calls = message.get("tool_calls")
-        if calls:
-            if role != "assistant" or not isinstance(calls, list) or not all(isinstance(c, Mapping) for c in calls):
-                raise invalid(f"{where}.tool_calls must be a list of calls on an assistant message", "messages")
-            for j, call in enumerate(calls):
-                if not isinstance(call.get("id"), str) or not call["id"]:
-                    raise invalid(f"{where}.tool_calls[{j}].id must be a non-empty string", "messages")
-                call_ids.add(call["id"])
-            converted["tool_calls"] = calls
-        if role == "tool" and converted.get("tool_call_id") not in call_ids:
-            raise invalid(f"{where} is a tool result for {converted.get('tool_call_id')!r}, which no earlier assistant message called", "messages")
-        out.append(converted)
+        if "metadata" in message:  # the memory's validator takes it; OpenAI messages have none
+            raise invalid(f"{where} has unknown keys ['metadata']", "messages")
+        if message.get("name") == "":  # OpenAI's rule; the memory allows a blank name
+            raise invalid(f"{where}.name must not be empty", "messages")
+        converted = {k: v for k, v in message.items() if k not in _DROPPED_KEYS and v is not None}
+        if converted.get("role") == "developer":
+            converted["role"] = "system"
+        converted["content"] = _text_content(message.get("content"), where)
+        try:
+            checked, _ = validate_message(converted, i)
+        except InvalidPromptError as exc:
+            raise invalid(str(exc), "messages") from None
+        call_ids.update(call["id"] for call in checked.get("tool_calls", ()))
+        if checked["role"] == "tool" and checked["tool_call_id"] not in call_ids:
+            raise invalid(f"{where} is a tool result for {checked['tool_call_id']!r}, which no earlier assistant message called", "messages")
+        out.append(checked)
     return out
 
 
