@@ -41,10 +41,14 @@ class CitationQuestion:
 
 
 def _names(rng: random.Random, count: int) -> list[str]:
-    names: set[str] = set()
+    # A dict keeps first-drawn order; a set's order follows per-process string hashing
+    # (PYTHONHASHSEED), which made the "same seed" give other prompts in another process.
+    names: dict[str, None] = {}
     while len(names) < count:
-        names.add("".join(rng.choice(SYLLABLES) for _ in range(3)).capitalize())
-    return sorted(names, key=lambda _: rng.random())
+        names["".join(rng.choice(SYLLABLES) for _ in range(3)).capitalize()] = None
+    ordered = list(names)
+    rng.shuffle(ordered)
+    return ordered
 
 
 def build_collection(n_docs: int, seed: int = 0) -> list[Document]:
