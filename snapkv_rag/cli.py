@@ -1,4 +1,8 @@
-"""``snapkv-rag``: generate, chat, info (and eval) from the command line."""
+"""``snapkv-rag``: local long-context LLM apps with a compressed KV cache.
+
+Commands: ingest and ask (document QA over Chroma), generate, chat, info, serve (OpenAI-compatible
+API), app (Streamlit document QA), eval (citations, needle, fidelity, speed) and less (LESS kernels).
+"""
 
 from __future__ import annotations
 
@@ -102,7 +106,7 @@ def cmd_info(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="snapkv-rag", description=__doc__)
+    parser = argparse.ArgumentParser(prog="snapkv-rag", description=__doc__.replace("``", ""), formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser("generate", help="complete one prompt (argument or stdin)")

@@ -7,6 +7,8 @@ import json
 import sys
 from typing import Any
 
+from ..errors import SnapKVRagError
+
 
 def _add_store_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--collection", required=True, help="Chroma collection name (3-512 of letters, digits, . _ -)")
@@ -17,8 +19,13 @@ def _add_store_args(p: argparse.ArgumentParser) -> None:
 
 
 def _store(args, *, create: bool = True):
-    from .store import DocumentStore
+    from pathlib import Path
 
+    from .store import DocumentStore, StoreError
+
+    if not create and args.store is not None and not Path(args.store).expanduser().is_dir():
+        # Reading a store never creates one: a typo in --store must not leave an empty directory behind.
+        raise StoreError(f"no store at {args.store} (no such directory); ingest into it first: snapkv-rag ingest PATH --collection {args.collection} --store {args.store}")
     return DocumentStore(args.collection, path=args.store, url=args.chroma_url, embedder=args.embedder, create=create)
 
 
@@ -47,11 +54,23 @@ def add_rag_parsers(sub, add_model_args, add_generation_args) -> None:
     ask.set_defaults(func=cmd_ask, compression="default")
 
 
+class MissingPathError(SnapKVRagError, FileNotFoundError):
+    """A path named on the command line does not exist."""
+
+
 def cmd_ingest(args) -> int:
+    from pathlib import Path
+
+    from tqdm.auto import tqdm
+
     from .chunking import ChunkingError, chunk_document  # noqa: F401 (validate sizes before loading models)
 
     if args.chunk_tokens < 8 or not 0 <= args.overlap < args.chunk_tokens // 2:
         raise ChunkingError(f"need --chunk-tokens >= 8 and 0 <= --overlap < chunk-tokens/2, got {args.chunk_tokens}/{args.overlap}")
+    missing = [p for p in args.paths if not Path(p).expanduser().exists()]
+    if missing:
+        # Checked before anything is read or written: a typo in a script must not pass as a partial ingest.
+        raise MissingPathError(f"no such file or folder: {', '.join(missing)} (nothing was ingested)")
     store = _store(args)
     report = store.ingest(
         args.paths,
@@ -60,7 +79,8 @@ def cmd_ingest(args) -> int:
         text_field=args.text_field,
         max_file_bytes=int(args.max_file_mb * 2**20),
         progress=not args.no_progress and not args.json,
-        on_skip=None if args.json else (lambda s: print(f"snapkv-rag: {s}", file=sys.stderr)),
+        # tqdm.write prints above the progress bar instead of into it.
+        on_skip=None if args.json else (lambda s: tqdm.write(f"snapkv-rag: {s}", file=sys.stderr)),
     )
     if args.json:
         print(json.dumps({**report.to_dict(), "collection": store.name, "store": store.location, "total_chunks": store.count()}))
@@ -87,7 +107,7 @@ def _describe(answer) -> list[str]:
             routes[c.number].append(c.route)
     for number, chunk in answer.sources:
         sim = f", similarity {chunk.score:.2f}" if chunk.score is not None else ""
-        lines.append(f"  [{number}] {chunk.title} - {chunk.source} (chunk {chunk.position}{sim}; {', '.join(routes[number])})")
+        lines.append(f"  [{number}] {chunk.title} - {chunk.source} (chunk {chunk.position + 1}{sim}; {', '.join(routes[number])})")
     if not answer.sources:
         lines.append("  (no document supports the answer)")
     if answer.invalid_citations:

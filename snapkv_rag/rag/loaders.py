@@ -9,8 +9,10 @@ unsupported) becomes one :class:`Skipped` with its reason; it never stops the ot
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
+import warnings
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from html.parser import HTMLParser
@@ -43,12 +45,18 @@ class _SkipFile(Exception):
 
 
 def iter_files(paths: Iterable[str | os.PathLike]) -> Iterator[Path | Skipped]:
-    """Files under ``paths`` (folders recursively, sorted, hidden entries skipped)."""
+    """Files under ``paths`` (folders recursively, sorted). A hidden file or folder inside a
+    folder (name starting with '.') is not read, and is reported once as skipped."""
     for raw in paths:
         path = Path(raw).expanduser()
         if path.is_dir():
             for child in sorted(path.rglob("*")):
-                if any(part.startswith(".") for part in child.relative_to(path).parts):
+                parts = child.relative_to(path).parts
+                hidden = [i for i, part in enumerate(parts) if part.startswith(".")]
+                if hidden:
+                    if hidden[0] == len(parts) - 1:  # the topmost hidden entry only, not what lies under it
+                        kind = "folder" if child.is_dir() else "file"
+                        yield Skipped(str(child.resolve()), f"hidden {kind} (name starts with '.'); name it explicitly to ingest it")
                     continue
                 if child.is_file():
                     if child.suffix.lower() in SUPPORTED_SUFFIXES:
@@ -67,7 +75,23 @@ def _decode(data: bytes) -> str:
     try:
         return data.decode("utf-8-sig")
     except UnicodeDecodeError as exc:
-        raise _SkipFile(f"not valid UTF-8 text (byte {exc.start})") from None
+        position = exc.start
+    # Not UTF-8: detect the encoding (Latin-1 and Windows code pages are common for old text files).
+    from charset_normalizer import from_bytes
+
+    matches = from_bytes(data)
+    best = matches.best()
+    if best is not None:
+        # Single-byte Western code pages often tie (the bytes decode alike in cp1250, cp1252, ...);
+        # on a tie, take the most widely used one, Windows-1252 (a superset of Latin-1's letters).
+        tied = [m for m in matches if m.chaos == best.chaos and m.coherence == best.coherence]
+        best = next((m for m in tied if m.encoding == "cp1252"), best)
+    if best is None or best.encoding is None:
+        raise _SkipFile(
+            f"not valid UTF-8 (byte {position}) and no other text encoding was recognised; "
+            "convert it, e.g. iconv -f LATIN1 -t UTF-8 FILE > FILE.utf8.txt"
+        )
+    return str(best)
 
 
 class _HTMLText(HTMLParser):
@@ -114,14 +138,22 @@ def _pdf_text(path: Path) -> tuple[str, str]:
     from pypdf import PdfReader
     from pypdf.errors import PdfReadError
 
+    # pypdf logs and warns about every defect it repairs or meets; a broken file gets our one skip line instead.
+    pypdf_logger = logging.getLogger("pypdf")
+    level = pypdf_logger.level
+    pypdf_logger.setLevel(logging.CRITICAL)
     try:
-        reader = PdfReader(str(path))
-        if reader.is_encrypted:
-            raise _SkipFile("encrypted PDF")
-        pages = [page.extract_text() or "" for page in reader.pages]
-        title = (reader.metadata.title if reader.metadata else None) or ""
-    except (PdfReadError, ValueError, KeyError, TypeError) as exc:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            reader = PdfReader(str(path))
+            if reader.is_encrypted:
+                raise _SkipFile("encrypted PDF")
+            pages = [page.extract_text() or "" for page in reader.pages]
+            title = (reader.metadata.title if reader.metadata else None) or ""
+    except (PdfReadError, ValueError, KeyError, TypeError, AttributeError, IndexError) as exc:
         raise _SkipFile(f"unreadable PDF ({exc})") from None
+    finally:
+        pypdf_logger.setLevel(level)
     return str(title).strip(), "\n\n".join(p.strip() for p in pages if p.strip())
 
 
@@ -132,13 +164,15 @@ def _first_line_title(text: str) -> str:
     return ""
 
 
-def _json_records(path: Path, text: str, text_field: str) -> list[SourceText]:
-    if path.suffix.lower() == ".jsonl":
-        records = []
+def _json_records(path: Path, text: str, text_field: str, dropped: list[Skipped] | None) -> list[SourceText]:
+    jsonl = path.suffix.lower() == ".jsonl"
+    if jsonl:
+        records, lines = [], []
         for number, line in enumerate(text.splitlines(), start=1):
             if line.strip():
                 try:
                     records.append(json.loads(line))
+                    lines.append(number)
                 except json.JSONDecodeError as exc:
                     raise _SkipFile(f"invalid JSON on line {number}: {exc.msg}") from None
     else:
@@ -147,19 +181,27 @@ def _json_records(path: Path, text: str, text_field: str) -> list[SourceText]:
         except json.JSONDecodeError as exc:
             raise _SkipFile(f"invalid JSON: {exc.msg} (line {exc.lineno})") from None
         records = data if isinstance(data, list) else [data]
-    out = []
+    out, missing = [], []
     for index, record in enumerate(records):
         value = record.get(text_field) if isinstance(record, dict) else None
         if isinstance(value, str) and value.strip():
             title = record.get("title") if isinstance(record.get("title"), str) else f"{path.stem} #{index}"
             out.append(SourceText(f"{path}#{index}", title, value.strip()))
+        else:
+            where = f"line {lines[index]}" if jsonl else f"record {index}"
+            missing.append(Skipped(f"{path}#{index}", f"{where} has no non-empty string field {text_field!r}"))
     if not out:
         raise _SkipFile(f"no record has a non-empty string field {text_field!r}")
+    if dropped is not None:
+        dropped.extend(missing)
     return out
 
 
-def load_file(path: Path, *, text_field: str = "text", max_bytes: int = DEFAULT_MAX_FILE_BYTES) -> list[SourceText] | Skipped:
-    """The documents in one file, or why it was skipped."""
+def load_file(
+    path: Path, *, text_field: str = "text", max_bytes: int = DEFAULT_MAX_FILE_BYTES, dropped: list[Skipped] | None = None
+) -> list[SourceText] | Skipped:
+    """The documents in one file, or why it was skipped. JSON records without the text field
+    are appended to ``dropped`` (when given) while the file's other records load."""
     source = str(path)
     suffix = path.suffix.lower()
     try:
@@ -175,7 +217,7 @@ def load_file(path: Path, *, text_field: str = "text", max_bytes: int = DEFAULT_
         else:
             raw = _decode(path.read_bytes())
             if suffix in (".json", ".jsonl"):
-                return _json_records(path, raw, text_field)
+                return _json_records(path, raw, text_field, dropped)
             if suffix in HTML_SUFFIXES:
                 title, text = _html_text(raw)
             else:

@@ -180,11 +180,13 @@ class DocumentStore:
         items = list(iter_files(paths))
         bar = tqdm(items, desc="ingest", unit="file", disable=not progress, leave=False)
         for item in bar:
-            loaded = item if isinstance(item, Skipped) else load_file(item, text_field=text_field, max_bytes=max_file_bytes)
-            if isinstance(loaded, Skipped):
-                report.skipped.append(loaded)
+            dropped: list[Skipped] = []
+            loaded = item if isinstance(item, Skipped) else load_file(item, text_field=text_field, max_bytes=max_file_bytes, dropped=dropped)
+            for skipped in [loaded] if isinstance(loaded, Skipped) else dropped:
+                report.skipped.append(skipped)
                 if on_skip is not None:
-                    on_skip(loaded)
+                    on_skip(skipped)
+            if isinstance(loaded, Skipped):
                 continue
             self._ingest_file(str(item), loaded, report, chunk_tokens, overlap)
         return report

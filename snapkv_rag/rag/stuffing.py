@@ -234,6 +234,12 @@ class StuffingRetriever:
             packed.pop()
             messages, question_text = build_messages(question, packed, self.system_prompt)
             total = self.engine.count_tokens(messages)
+        if candidates and not packed:
+            smallest = min(self._count("\n\n" + format_document(1, c)) for c in candidates)
+            raise ContextBudgetError(
+                f"a budget of {budget} document tokens holds none of the {len(candidates)} retrieved chunks "
+                f"(the smallest takes {smallest}); raise context_tokens to at least {smallest}"
+            )
         kept_ids = {c.id for c in packed}
         left = [c for c in candidates if c.id not in kept_ids]
         return StuffedContext(
