@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import ipaddress
+import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -21,8 +24,16 @@ def add_app_parser(sub) -> None:
     p.add_argument("--store", default=None, help="embedded Chroma directory (default ~/.cache/snapkv-rag/chroma)")
     p.add_argument("--uploads", default=None, help="where uploaded files are kept (default ~/.cache/snapkv-rag/uploads)")
     p.add_argument("--collection", default=None, help="collection selected at start (default 'documents')")
+    p.add_argument(
+        "--allow-folder-root", default=None, metavar="DIR",
+        help="let users ingest folders under DIR (default: folder ingest off; uploads only)",
+    )
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: this machine only)")
     p.add_argument("--port", type=int, default=8501)
+    p.add_argument(
+        "--no-password", action="store_true",
+        help="listen on a non-loopback --host without SNAPKV_RAG_APP_PASSWORD (only behind your own access control)",
+    )
     p.set_defaults(func=cmd_app)
 
 
@@ -38,11 +49,20 @@ def app_command(args: argparse.Namespace) -> list[str]:
         "--",
         "--model", args.model,
     ]
-    for option in ("device", "dtype", "store", "uploads", "collection"):
-        value = getattr(args, option)
+    for option in ("device", "dtype", "store", "uploads", "collection", "allow_folder_root"):
+        value = getattr(args, option, None)
         if value is not None:
-            command += [f"--{option}", str(value)]
+            command += [f"--{option.replace('_', '-')}", str(value)]
     return command
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def cmd_app(args: argparse.Namespace) -> int:
@@ -50,8 +70,29 @@ def cmd_app(args: argparse.Namespace) -> int:
         raise SnapKVRagError(f"the app ships with the source checkout ({APP_SCRIPT} is missing); clone the repository and pip install -e '.[app]'")
     if importlib.util.find_spec("streamlit") is None:
         raise SnapKVRagError("the app needs Streamlit: pip install -e '.[app]' (scripts/setup.sh installs it)")
+    if not is_loopback(args.host) and not os.environ.get("SNAPKV_RAG_APP_PASSWORD") and not args.no_password:
+        raise SnapKVRagError(
+            f"--host {args.host} would let anyone who reaches this machine use the app and its documents; "
+            "set SNAPKV_RAG_APP_PASSWORD (asked for in the page), or pass --no-password when your own proxy controls access"
+        )
     print(f"snapkv-rag: document QA at http://{args.host}:{args.port} (Ctrl+C stops it)", file=sys.stderr)
+    return run_forwarding_signals(app_command(args))
+
+
+def run_forwarding_signals(command: list[str]) -> int:
+    """Run ``command`` and pass SIGTERM, SIGINT and SIGHUP on to it, so ``kill PID`` of this
+    process stops the server too instead of leaving it running on its port."""
+    child = subprocess.Popen(command)
+    forwarded = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+    previous = {sig: signal.signal(sig, lambda sig, _frame: child.send_signal(sig)) for sig in forwarded}
     try:
-        return subprocess.call(app_command(args))
-    except KeyboardInterrupt:
-        return 130
+        while True:
+            try:
+                code = child.wait()
+                break
+            except KeyboardInterrupt:  # the terminal sent SIGINT to both; wait for the child to finish
+                continue
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    return 128 - code if code < 0 else code

@@ -542,6 +542,7 @@ class Engine:
         return GenerationStats(
             prefill_seconds=run.timings.prefill_seconds,
             decode_ms_per_token=run.timings.decode_ms_per_token,
+            decode_ms_quartiles=run.timings.decode_ms_quartiles,
             decode_steps=len(run.timings.step_seconds),
             total_seconds=total,
             prompt_tokens_padded=run.padded_length,

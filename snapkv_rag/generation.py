@@ -63,6 +63,15 @@ class DecodeTimings:
         steps = self.step_seconds[1:] or self.step_seconds
         return statistics.median(steps) * 1000 if steps else None
 
+    @property
+    def decode_ms_quartiles(self) -> tuple[float, float] | None:
+        """25th and 75th percentile of the step times (first step excluded): how much one run's median can be trusted."""
+        steps = self.step_seconds[1:]
+        if len(steps) < 4:
+            return None
+        q1, _, q3 = statistics.quantiles(steps, n=4)
+        return q1 * 1000, q3 * 1000
+
 
 class TokenConstraint(Protocol):
     """Per-row logits masks (grammar-constrained decoding), consulted once per step.

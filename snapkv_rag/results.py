@@ -56,6 +56,7 @@ class GenerationStats:
     low_rank_state_bytes: int = 0  # LESS: this row's state (H and z of every layer), beside prompt_kv_bytes_kept
     low_rank_state_tokens: float = 0.0  # the state's bytes in cached tokens of this model (K and V, all layers)
     low_rank_ms_per_step: float | None = None  # LESS: median time of the low-rank part of a decode step
+    decode_ms_quartiles: tuple[float, float] | None = None  # 25th/75th percentile of step times (4+ steps after the first)
 
     @property
     def compression_ratio(self) -> float:

@@ -104,11 +104,16 @@ def test_upload_shows_summary_skipped_files_and_the_collection(app_env):
     assert "Documents in notes: 2 files" in at.expander[0].label
     table = at.table[0].value
     assert sorted(table.index) == ["ferry.txt", "library.md"] and set(table["Chunks"]) == {1}
-    assert (app_env / "uploads" / "notes" / "ferry.txt").read_text() == DOCS["ferry.txt"]
+    from snapkv_rag.rag.intake import upload_folder
+
+    folder = upload_folder(app_env / "uploads", "notes")
+    assert (folder / "ferry.txt").read_text() == DOCS["ferry.txt"]
+    assert sorted(p.name for p in folder.iterdir()) == ["ferry.txt", "library.md"]  # skipped uploads are not kept
     assert at.selectbox(key="collection_choice").value == "notes"
 
 
-def test_folder_ingest_and_a_path_that_is_not_a_folder(app_env):
+def test_folder_ingest_and_a_path_that_is_not_a_folder(app_env, monkeypatch):
+    monkeypatch.setenv("SNAPKV_RAG_APP_FOLDER_ROOT", str(app_env))
     folder = app_env / "folder"
     folder.mkdir()
     for name, text in DOCS.items():
@@ -119,6 +124,7 @@ def test_folder_ingest_and_a_path_that_is_not_a_folder(app_env):
     at.button(key="add_folder").click()
     at.run()
     assert "is not a folder" in texts(at.error)
+    assert "Documents in notes: 0 files" in at.expander[0].label
     at.text_input(key="folder").input(str(folder))
     at.button(key="add_folder").click()
     at.run()
@@ -329,3 +335,91 @@ def test_app_reads_its_options_after_the_double_dash(monkeypatch):
     assert (cfg.model, cfg.store, cfg.uploads, cfg.collection) == ("/m", "/s", "/u", "c")
     assert module.app_config([]).model == "default"
     assert module.Settings("snapkv", 256, "question", 32, 1024, 96, 0.0, True).policy().window_size == "question"
+
+
+# ----------------------------------------------------------------------------- issue 31: found by a new user
+def load_app_module(monkeypatch):
+    import importlib.util
+    import sys
+
+    spec = importlib.util.spec_from_file_location("docqa_app", APP)
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "docqa_app", module)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_less_without_kernels_is_refused_before_any_answer(app_env):
+    at = small_settings(with_documents(start()))
+    at.selectbox(key="method").set_value("less")
+    at.run()
+    at.toggle(key="side_by_side").set_value(True)
+    at.run()
+    assert "LESS" in texts(at.sidebar.error)  # said in the sidebar before asking
+    ask(at, "When does the first ferry leave?")
+    assistant = at.chat_message[1]
+    assert "Fix the compression settings" in texts(assistant.error)
+    assert "##### Full cache" not in texts(assistant.markdown)  # refused before the full side ran, not after
+
+
+def test_decode_speedup_is_na_when_nothing_was_evicted_and_no_claim_from_noise(monkeypatch):
+    from types import SimpleNamespace as NS
+
+    module = load_app_module(monkeypatch)
+
+    def stats(ms, quartiles, kept=100, full=200):
+        return NS(decode_ms_per_token=ms, decode_ms_quartiles=quartiles, prompt_kv_bytes_kept=kept, prompt_kv_bytes_full=full)
+
+    full = stats(60.0, (55.0, 70.0), 200, 200)
+    assert module.decode_speedup(full, stats(10.0, (9.0, 11.0), 200, 200)).startswith("n/a (nothing evicted)")
+    assert module.decode_speedup(full, stats(50.0, (45.0, 62.0))).startswith("no clear difference")
+    assert module.decode_speedup(full, stats(30.0, (28.0, 32.0))).startswith("2.00×")
+    assert module.decode_speedup(full, stats(30.0, None)).startswith("n/a (too few tokens")
+
+
+def test_stuffed_token_counts_agree_and_a_small_model_says_what_to_expect(app_env):
+    import re
+
+    at = small_settings(with_documents(start()))
+    ask(at, "When does the first ferry leave?")
+    assistant = at.chat_message[1]
+    captions = texts(assistant.caption)
+    stuffed = re.search(r"documents \(([\d,]+) tokens\) stuffed", captions).group(1)
+    assert f"of {stuffed} document tokens" in captions
+    assert "parameter model" in captions and "--model" in captions
+
+
+def test_killing_the_app_command_stops_streamlit(tmp_path):
+    """``kill PID`` of ``snapkv-rag app`` must stop the Streamlit server it started, not leave it on its port."""
+    import os
+    import signal
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+
+    def listening() -> bool:
+        with socket.socket() as s:
+            return s.connect_ex(("127.0.0.1", port)) == 0
+
+    command = [sys.executable, "-m", "snapkv_rag.cli", "app", "--port", str(port), "--store", str(tmp_path / "chroma"), "--uploads", str(tmp_path / "up")]
+    proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 120
+        while not listening():
+            assert proc.poll() is None and time.monotonic() < deadline, "the app did not start"
+            time.sleep(0.5)
+        os.kill(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=30)
+        deadline = time.monotonic() + 30
+        while listening() and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert not listening(), "Streamlit kept answering on its port after the app command was killed"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        subprocess.run(["pkill", "-f", f"server.port {port}"], check=False)

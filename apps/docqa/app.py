@@ -7,12 +7,15 @@ answer goes through the library: :class:`snapkv_rag.rag.DocumentQA` over a
 Options (after ``--`` with ``streamlit run``; environment variables in brackets):
 ``--model`` (SNAPKV_RAG_APP_MODEL, default: the embedded SmolLM2), ``--device``, ``--dtype``,
 ``--store`` (SNAPKV_RAG_APP_STORE, the Chroma directory), ``--uploads`` (SNAPKV_RAG_APP_UPLOADS,
-where uploaded files are kept) and ``--collection`` (SNAPKV_RAG_APP_COLLECTION).
+where uploaded files are kept), ``--collection`` (SNAPKV_RAG_APP_COLLECTION) and
+``--allow-folder-root`` (SNAPKV_RAG_APP_FOLDER_ROOT: folder ingest reads only under this folder;
+off when unset). SNAPKV_RAG_APP_PASSWORD, when set, is asked for before anything is shown.
 """
 
 from __future__ import annotations
 
 import argparse
+import hmac
 import os
 import re
 import threading
@@ -29,13 +32,14 @@ import streamlit as st  # noqa: E402
 
 from snapkv_rag import Engine  # noqa: E402
 from snapkv_rag.compression import H2O, LESS, SnapKV, StreamingLLM, recording_kept_indices  # noqa: E402
+from snapkv_rag.rag.intake import IntakeError, Upload, folder_files, remove_skipped_uploads, save_uploads  # noqa: E402
 from snapkv_rag.errors import SnapKVRagError  # noqa: E402
 from snapkv_rag.loading import cache_root  # noqa: E402
 from snapkv_rag.metrics import citation_prf  # noqa: E402
 from snapkv_rag.rag import Answer, DocumentQA, DocumentStore, Embedder, IngestReport, Skipped  # noqa: E402
 from snapkv_rag.rag.kept import DocumentKept, kept_per_document  # noqa: E402
 from snapkv_rag.rag.loaders import SUPPORTED_SUFFIXES, iter_files  # noqa: E402
-from snapkv_rag.rag.store import default_store_dir, make_client  # noqa: E402
+from snapkv_rag.rag.store import default_store_dir, make_client, validate_collection_name  # noqa: E402
 
 MAX_QUESTION_CHARS = 2000
 METHODS = {
@@ -59,6 +63,8 @@ class AppConfig:
     store: str
     uploads: str
     collection: str
+    folder_root: str | None = None  # folder ingest reads only under this folder; None: off
+    password: str | None = None  # asked for before anything is shown; None: no gate
 
 
 def app_config(argv: list[str] | None = None) -> AppConfig:
@@ -71,8 +77,12 @@ def app_config(argv: list[str] | None = None) -> AppConfig:
     p.add_argument("--store", default=env("SNAPKV_RAG_APP_STORE") or str(default_store_dir()))
     p.add_argument("--uploads", default=env("SNAPKV_RAG_APP_UPLOADS") or str(cache_root() / "uploads"))
     p.add_argument("--collection", default=env("SNAPKV_RAG_APP_COLLECTION", "documents"))
+    p.add_argument("--allow-folder-root", default=env("SNAPKV_RAG_APP_FOLDER_ROOT") or None)
     args, _ = p.parse_known_args(argv)
-    return AppConfig(args.model, args.device, args.dtype, str(Path(args.store).expanduser()), str(Path(args.uploads).expanduser()), args.collection)
+    return AppConfig(
+        args.model, args.device, args.dtype, str(Path(args.store).expanduser()), str(Path(args.uploads).expanduser()), args.collection,
+        folder_root=args.allow_folder_root, password=env("SNAPKV_RAG_APP_PASSWORD") or None,
+    )
 
 
 # ----------------------------------------------------------------------------- shared resources (one per process)
@@ -142,6 +152,30 @@ class Settings:
         return {"temperature": self.temperature, **({"seed": 0} if self.temperature > 0 else {})}
 
 
+SMALL_MODEL_PARAMETERS = 1_000_000_000
+
+
+def model_note(engine: Engine) -> str | None:
+    """What to expect of a small model's answers, said where the answer is read."""
+    info = engine.info()
+    if not info.parameters or info.parameters >= SMALL_MODEL_PARAMETERS:
+        return None
+    return (
+        f"Answered by a {info.parameters / 1e6:.0f}M-parameter model: it is often wrong even with the full cache, may invent "
+        "numbers or names the documents do not contain (the sources say \"not supported\" then), and answers in English. "
+        "For better answers start the app with a larger instruct model: `snapkv-rag app --model PATH_OR_HUB_ID`."
+    )
+
+
+def checked_policy(settings: Settings, engine: Engine | None):
+    """The policy, checked against the model before any answer is produced: LESS needs kernels
+    for this model and budget, and finding out after the full-cache side finished lost that answer."""
+    policy = settings.policy()
+    if isinstance(policy, LESS) and engine is not None:
+        policy.load_kernels(engine.model)
+    return policy
+
+
 # ----------------------------------------------------------------------------- formatting
 def fmt_bytes(n: float) -> str:
     for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
@@ -209,6 +243,7 @@ class Turn:
     runs: list[Run] = field(default_factory=list)
     error: str | None = None
     settings: Settings | None = None
+    model_note: str | None = None  # what to expect of a small model, shown under its answers
 
 
 def stats_row(run: Run) -> dict[str, str]:
@@ -322,10 +357,28 @@ def render_comparison(full: Run, other: Run) -> None:
     c1.metric("Citation agreement F1", f"{f1:.2f}", help="F1 of the compressed answer's sources against the full-cache answer's sources (both empty counts as 1).")
     c2.metric("Same answer text", "yes" if a.text.strip() == b.text.strip() else "no")
     c3.metric("KV cache kept", f"{sb.prompt_kv_bytes_kept / sb.prompt_kv_bytes_full:.0%}" if sb.prompt_kv_bytes_full else "–")
-    speed = (sa.decode_ms_per_token / sb.decode_ms_per_token) if sa.decode_ms_per_token and sb.decode_ms_per_token else None
-    c4.metric("Decode speed vs full", f"{speed:.2f}×" if speed else "–", help="Full-cache ms/token divided by compressed ms/token (one run each; noisy on a shared CPU).")
+    c4.metric(
+        "Decode speed vs full", decode_speedup(sa, sb),
+        help="Full-cache ms/token over compressed ms/token (medians of one run each), with the range their step-time "
+        "quartiles allow; 'no clear difference' when that range holds 1×, n/a when nothing was evicted.",
+    )
     rows = {full.label: stats_row(full), other.label: stats_row(other)}
     st.table(pd.DataFrame(rows))
+
+
+def decode_speedup(full, compressed) -> str:
+    """The compressed run's decode speed-up over the full cache, only where one run can show one."""
+    if compressed.prompt_kv_bytes_kept >= compressed.prompt_kv_bytes_full:
+        return "n/a (nothing evicted)"
+    if not full.decode_ms_per_token or not compressed.decode_ms_per_token:
+        return "–"
+    if full.decode_ms_quartiles is None or compressed.decode_ms_quartiles is None:
+        return "n/a (too few tokens to time)"
+    (f1, f3), (c1, c3) = full.decode_ms_quartiles, compressed.decode_ms_quartiles
+    low, high = f1 / c3, f3 / c1
+    if low <= 1.0 <= high:
+        return f"no clear difference ({low:.2f}–{high:.2f}×)"
+    return f"{full.decode_ms_per_token / compressed.decode_ms_per_token:.2f}× ({low:.2f}–{high:.2f}×)"
 
 
 def kept_chart(run: Run) -> alt.Chart:
@@ -372,7 +425,7 @@ def render_kept(run: Run) -> None:
     n = stats.prompt_tokens_padded
     kept_total = max(stats.kept_tokens_per_layer) if stats.kept_tokens_per_layer else n
     docs_kept = sum(d.kept for d in run.kept)
-    docs_tokens = sum(d.tokens for d in run.kept)
+    docs_tokens = answer.context.document_tokens  # the count "Documents stuffed" shows (blocks and their separators)
     rest_tokens = n - docs_tokens
     st.markdown(f"**What {run.label.split(' @')[0]} kept of each stuffed document**")
     st.altair_chart(kept_chart(run), width="stretch")
@@ -389,6 +442,10 @@ def render_turn(turn: Turn, *, last: bool) -> None:
         st.markdown(md_escape(turn.question))
     with st.chat_message("assistant"):
         if turn.error:
+            for run in turn.runs:  # answers finished before the failure stay on the page
+                st.markdown(f"##### {run.label}")
+                st.markdown(answer_markdown(run.answer.text) or "_(empty answer)_")
+                render_sources(run.answer)
             st.error(turn.error)
             return
         if len(turn.runs) == 2:
@@ -404,6 +461,8 @@ def render_turn(turn: Turn, *, last: bool) -> None:
             st.markdown(answer_markdown(run.answer.text) or "_(empty answer)_")
             render_sources(run.answer)
             render_run_caption(run)
+        if turn.model_note:
+            st.caption(turn.model_note)
         compressed = turn.runs[-1]
         if last and compressed.method != "full":
             render_kept(compressed)
@@ -493,7 +552,7 @@ def sidebar_settings(engine: Engine | None) -> Settings:
     )
     settings = Settings(method, int(budget), window, int(window_size), int(context_tokens), int(max_new_tokens), float(temperature), bool(side_by_side and compressed))
     try:
-        settings.policy()
+        checked_policy(settings, engine)
     except SnapKVRagError as exc:
         st.sidebar.error(str(exc))
     if compressed and budget >= context_tokens:
@@ -519,7 +578,7 @@ def ingest_paths(store: DocumentStore, paths: list[Path | Skipped], lock: thread
     total = IngestReport()
     items: list[Path | Skipped] = []
     for p in paths:
-        items.extend([p] if isinstance(p, Skipped) else iter_files([p]))
+        items.extend([p] if isinstance(p, Skipped) or p.is_file() else iter_files([p]))
     bar = st.progress(0.0, text="Waiting for another ingest into this collection…" if lock.locked() else "Starting…")
     with lock:
         for i, item in enumerate(items):
@@ -531,20 +590,6 @@ def ingest_paths(store: DocumentStore, paths: list[Path | Skipped], lock: thread
             merge_reports(total, store.ingest([item]))
     bar.progress(1.0, text=f"Done: {len(items)} file{'s' if len(items) != 1 else ''}")
     return total
-
-
-def save_uploads(files, folder: Path) -> list[Path | Skipped]:
-    folder.mkdir(parents=True, exist_ok=True)
-    out: list[Path | Skipped] = []
-    for f in files:
-        name = Path(f.name).name
-        if not name or name.startswith("."):
-            out.append(Skipped(f.name or "(no name)", "not a valid file name"))
-            continue
-        target = folder / name
-        target.write_bytes(f.getvalue())
-        out.append(target)
-    return out
 
 
 def render_report(report: dict[str, Any]) -> None:
@@ -577,27 +622,36 @@ def documents_panel(cfg: AppConfig, client, embedder: Embedder, collection: str)
                 "Upload files", type=UPLOAD_TYPES, accept_multiple_files=True, key="uploads", help="txt, md, html, pdf, json, jsonl"
             )
             add_files = st.form_submit_button("Add files", type="primary", key="add_files")
-        with right.form("folder", border=False):
-            folder = st.text_input("Or a folder on this machine", placeholder="/path/to/documents", key="folder")
-            add_folder = st.form_submit_button("Add folder", key="add_folder")
-        what, paths = None, []
-        if add_files:
-            if not uploads:
-                st.warning("Choose one or more files first.")
-            else:
-                what, paths = f"{len(uploads)} uploaded file{'s' if len(uploads) != 1 else ''}", save_uploads(uploads, Path(cfg.uploads) / collection)
-        if add_folder:
-            path = Path(folder.strip()).expanduser() if folder.strip() else None
-            if path is None:
-                st.warning("Type a folder path first.")
-            elif not path.is_dir():
-                st.error(f"{path} is not a folder on this machine.")
-            else:
-                what, paths = f"folder {path}", [path]
+        add_folder = False
+        if cfg.folder_root:
+            with right.form("folder", border=False):
+                folder = st.text_input(f"Or a folder under {cfg.folder_root}", placeholder=str(Path(cfg.folder_root) / "documents"), key="folder")
+                add_folder = st.form_submit_button("Add folder", key="add_folder")
+        else:
+            right.caption("Folder ingest is off: whoever starts the app can allow one folder tree with `--allow-folder-root DIR`.")
+        what, paths, saved = None, [], []
+        try:
+            if add_files or add_folder:
+                validate_collection_name(collection)  # before anything is written or read
+            if add_files:
+                if not uploads:
+                    st.warning("Choose one or more files first.")
+                else:
+                    saved = save_uploads([Upload(f.name, f.getvalue()) for f in uploads], cfg.uploads, collection)
+                    what, paths = f"{len(uploads)} uploaded file{'s' if len(uploads) != 1 else ''}", saved
+            if add_folder:
+                if not folder.strip():
+                    st.warning("Type a folder path first.")
+                else:
+                    what, paths = f"folder {folder.strip()}", folder_files(folder.strip(), cfg.folder_root)
+        except (SnapKVRagError, IntakeError) as exc:
+            st.error(str(exc))
+            what = None
         if what is not None:
             try:
                 store = store or open_store(client, embedder, cfg, collection, create=True)
                 report = ingest_paths(store, paths, ingest_lock(cfg.store, collection))
+                remove_skipped_uploads(saved, report.skipped)
                 st.session_state["ingest_report"] = {"what": what, "collection": collection, "report": report}
                 st.session_state["ingest_fresh"] = True
                 st.session_state["select_collection"] = collection
@@ -635,13 +689,14 @@ def answer_question(question: str, engine: Engine | None, engine_error: str | No
         policy = None
         if problem is None:
             try:
-                policy = settings.policy()
+                policy = checked_policy(settings, engine)
             except SnapKVRagError as exc:
                 problem = f"Fix the compression settings in the sidebar: {exc}"
         if problem:
             st.error(problem)
             turn.error = problem
             return turn
+        turn.model_note = model_note(engine)
         qa = DocumentQA(engine, store, compression=None, context_tokens=settings.context_tokens, max_new_tokens=settings.max_new_tokens)
         runs = [Run("Full cache", "full")] if settings.side_by_side else []
         runs.append(Run(settings.label, settings.method))
@@ -653,19 +708,18 @@ def answer_question(question: str, engine: Engine | None, engine_error: str | No
                 ask_one(qa, question, run, settings, None if run.method == "full" else policy, target)
                 with target:
                     render_sources(run.answer)
-        except SnapKVRagError as exc:
-            st.error(str(exc))
-            turn.error = str(exc)
-            return turn
-        except Exception as exc:  # an unexpected failure: say so in the page, keep the app running
-            turn.error = f"Answering failed: {type(exc).__name__}: {exc}"
-            st.error(turn.error)
+        except Exception as exc:  # say so in the page, keep the app running and every answer already made
+            turn.error = str(exc) if isinstance(exc, SnapKVRagError) else f"Answering failed: {type(exc).__name__}: {exc}"
+            turn.runs = [r for r in runs if r.answer is not None]
+            st.error(f"{runs[len(turn.runs)].label}: {turn.error}" if turn.runs else turn.error)
             return turn
         turn.runs = runs
         if len(runs) == 2:
             render_comparison(*runs)
         else:
             render_run_caption(runs[0])
+        if turn.model_note:
+            st.caption(turn.model_note)
         if runs[-1].method != "full":
             render_kept(runs[-1])
         if runs[-1].kept is not None:
@@ -673,9 +727,27 @@ def answer_question(question: str, engine: Engine | None, engine_error: str | No
     return turn
 
 
+def password_gate(cfg: AppConfig) -> bool:
+    """True when the session may use the app: no password is set, or it was given in this session."""
+    if not cfg.password or st.session_state.get("authenticated"):
+        return True
+    st.title("Document QA")
+    with st.form("login"):
+        given = st.text_input("Password", type="password", key="password")
+        submitted = st.form_submit_button("Enter", key="login_button")
+    if submitted:
+        if hmac.compare_digest(given.encode(), cfg.password.encode()):
+            st.session_state["authenticated"] = True
+            st.rerun()
+        st.error("Wrong password.")
+    return False
+
+
 def main() -> None:
     st.set_page_config(page_title="snapkv-rag · Document QA", page_icon="📚", layout="wide")
     cfg = app_config()
+    if not password_gate(cfg):
+        st.stop()
     engine, engine_error = sidebar_model(cfg)
     try:
         with st.spinner("Loading the embedder and the document store…"):

@@ -40,6 +40,16 @@ class StoreUnavailableError(SnapKVRagError, ConnectionError):
     """The Chroma server could not be reached."""
 
 
+def validate_collection_name(name: object) -> str:
+    """``name`` when Chroma accepts it as a collection name; StoreError otherwise."""
+    if not isinstance(name, str) or not _NAME.match(name) or ".." in name:
+        raise StoreError(
+            f"collection name {name!r} is not valid: use 3-512 characters from letters, digits, '.', '_', '-', "
+            "starting and ending with a letter or digit"
+        )
+    return name
+
+
 def default_store_dir() -> Path:
     from ..loading import cache_root
 
@@ -130,12 +140,7 @@ class DocumentStore:
         client=None,
         create: bool = True,
     ):
-        if not isinstance(collection, str) or not _NAME.match(collection) or ".." in collection:
-            raise StoreError(
-                f"collection name {collection!r} is not valid: use 3-512 characters from letters, digits, '.', '_', '-', "
-                "starting and ending with a letter or digit"
-            )
-        self.name = collection
+        self.name = validate_collection_name(collection)
         self.embedder = embedder if isinstance(embedder, Embedder) else Embedder(embedder or "default")
         self.client = client if client is not None else make_client(path=path, url=url)
         self.location = url or str(path or default_store_dir())
