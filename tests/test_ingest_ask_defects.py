@@ -131,3 +131,10 @@ def test_top_level_help_lists_every_command(capsys):
     description = capsys.readouterr().out.split("\n\n", 1)[1].split("positional arguments")[0]
     for command in ("ingest", "ask", "serve", "app", "eval", "less"):
         assert command in description
+
+
+def test_a_short_latin1_word_is_not_read_as_cjk(tmp_path):
+    path = tmp_path / "cafe.md"
+    path.write_bytes("café".encode("latin-1"))
+    (doc,) = load_file(path)
+    assert doc.text == "café"

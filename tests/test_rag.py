@@ -117,7 +117,7 @@ def test_pdf_text_is_extracted(tmp_path):
         ("empty.md", b"", "empty file"),
         ("blank.txt", b"  \n\t\n", "no text"),
         ("binary.txt", b"abc\x00\x01\x02", "binary"),
-        ("latin1.md", "caf\xe9".encode("latin-1"), "not valid UTF-8"),
+        ("noencoding.md", bytes(range(128, 256)) * 3, "not valid UTF-8"),  # Latin-1 is decoded now (test_ingest_ask_defects)
         ("bad.json", b"{not json", "invalid JSON"),
         ("nofield.jsonl", b'{"body": "x"}\n', "no record"),
         ("broken.pdf", b"%PDF-1.4 garbage", "PDF"),

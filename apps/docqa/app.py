@@ -309,8 +309,18 @@ def ask_one(qa: DocumentQA, question: str, run: Run, settings: Settings, policy,
 
 
 # ----------------------------------------------------------------------------- rendering
+def render_unsupported(answer: Answer) -> None:
+    for s in answer.unsupported:
+        facts = ", ".join(md_escape(f) for f in s.missing)
+        if s.supported:
+            st.warning(f"Partly supported: “{md_escape(s.sentence)}” — no document contains {facts}.", icon=":material/warning:")
+        else:
+            st.warning(f"Not supported by the documents: “{md_escape(s.sentence)}” — no document contains {facts}.", icon=":material/block:")
+
+
 def render_sources(answer: Answer) -> None:
     sources = answer.sources
+    render_unsupported(answer)
     if not sources:
         st.caption("No document supports this answer (no citation by the model, no matching evidence).")
         return

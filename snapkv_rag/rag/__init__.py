@@ -20,6 +20,7 @@ _LAZY = {
     "Citation": "qa",
     "DocumentQA": "qa",
     "cite": "qa",
+    "cite_with_support": "qa",
     "DocumentStore": "store",
     "IngestReport": "store",
     "StoreError": "store",
@@ -37,7 +38,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from .chunking import Chunk, ChunkingError, chunk_document
     from .embeddings import Embedder
     from .loaders import Skipped, SourceText, load_file
-    from .qa import DEFAULT_COMPRESSION, Answer, AnswerStream, Citation, DocumentQA, cite
+    from .qa import DEFAULT_COMPRESSION, Answer, AnswerStream, Citation, DocumentQA, cite, cite_with_support
     from .store import DocumentStore, IngestReport, StoreError, StoreUnavailableError, StoredChunk
     from .stuffing import ContextBudgetError, EmptyCollectionError, StuffedContext, StuffingRetriever, build_messages
 
@@ -77,5 +78,6 @@ __all__ = [
     "build_messages",
     "chunk_document",
     "cite",
+    "cite_with_support",
     "load_file",
 ]

@@ -110,6 +110,9 @@ def _describe(answer) -> list[str]:
         lines.append(f"  [{number}] {chunk.title} - {chunk.source} (chunk {chunk.position + 1}{sim}; {', '.join(routes[number])})")
     if not answer.sources:
         lines.append("  (no document supports the answer)")
+    for s in answer.unsupported:
+        how = "partly supported" if s.supported else "NOT SUPPORTED by any document"
+        lines.append(f"  {how}: \"{s.sentence}\" (no document contains {', '.join(s.missing)})")
     if answer.invalid_citations:
         lines.append(f"  invalid citations: {answer.invalid_citations}")
     ctx, stats = answer.context, answer.result.stats

@@ -76,7 +76,16 @@ def _decode(data: bytes) -> str:
         return data.decode("utf-8-sig")
     except UnicodeDecodeError as exc:
         position = exc.start
-    # Not UTF-8: detect the encoding (Latin-1 and Windows code pages are common for old text files).
+    # Not UTF-8. Mostly ASCII with isolated other bytes (runs of at most two, as in "Größe") is
+    # nearly always Windows-1252 / Latin-1 accented letters; detection guesses badly on so little
+    # evidence ("café" came back as two CJK characters). Multi-byte encodings have longer runs.
+    high_runs = [len(run) for run in re.findall(rb"[\x80-\xff]+", data)]
+    if sum(high_runs) <= 0.3 * len(data) and max(high_runs, default=0) <= 2:
+        try:
+            return data.decode("cp1252")
+        except UnicodeDecodeError:
+            pass
+    # Otherwise detect the encoding (Windows code pages, Shift-JIS, GB18030, ...).
     from charset_normalizer import from_bytes
 
     matches = from_bytes(data)

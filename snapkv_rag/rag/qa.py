@@ -14,7 +14,7 @@ from typing import Any
 from ..compression import SnapKV
 from ..metrics import parse_citations
 from ..results import GenerationResult
-from .attribution import EvidenceAttributor
+from .attribution import EvidenceAttributor, SentenceSupport
 from .store import DocumentStore, StoredChunk
 from .stuffing import SYSTEM_PROMPT, StuffedContext, StuffingRetriever
 
@@ -56,6 +56,13 @@ class Answer:
     context: StuffedContext
     result: GenerationResult
     routes: tuple[str, ...] = field(default=ROUTES)
+    support: list[SentenceSupport] = field(default_factory=list)  # attributed route: each answer sentence
+
+    @property
+    def unsupported(self) -> list[SentenceSupport]:
+        """Answer sentences whose numbers, names or dates appear in no stuffed chunk (nothing cited),
+        and partly supported ones (cited where their other facts are; ``missing`` says what is not)."""
+        return [s for s in self.support if s.missing]
 
     def cited(self, route: str) -> list[int]:
         """Distinct document numbers cited by ``route``, in order."""
@@ -78,6 +85,7 @@ class Answer:
             "citations": [c.to_dict() for c in self.citations],
             "cited": {route: self.cited(route) for route in self.routes},
             "invalid_citations": self.invalid_citations,
+            "unsupported": [{"sentence": s.sentence, "missing": list(s.missing), "cited": list(s.numbers)} for s in self.unsupported],
             "context": self.context.to_dict(),
             "finish_reason": self.result.finish_reason,
             "usage": self.result.usage.to_dict(),
@@ -96,25 +104,41 @@ def cite(
 
     Returns (citations by each route in ``routes``, the invalid ``[n]`` markers). The
     ``attributed`` route needs an ``attributor``. :class:`DocumentQA` and the connectors'
-    chains over already-stuffed documents share this one function.
+    chains over already-stuffed documents share this one function (through
+    :func:`cite_with_support`, which also returns each sentence's support).
     """
+    citations, invalid, _ = cite_with_support(question, text, chunks, attributor, routes)
+    return citations, invalid
+
+
+def cite_with_support(
+    question: str,
+    text: str,
+    chunks: list[StoredChunk],
+    attributor: EvidenceAttributor | None,
+    routes: tuple[str, ...] = ROUTES,
+) -> tuple[list[Citation], list[int], list[SentenceSupport]]:
+    """:func:`cite`, plus the attributed route's support of each answer sentence (empty
+    without that route), which says which sentences are not supported by any chunk."""
     unknown = set(routes) - set(ROUTES)
     if unknown:
         raise ValueError(f"unknown citation routes {sorted(unknown)}; choose from {ROUTES}")
     citations: list[Citation] = []
     invalid: list[int] = []
+    supports: list[SentenceSupport] = []
     if "generated" in routes:
         valid, invalid = parse_citations(text, len(chunks))
         citations += [Citation(n, "generated", chunks[n - 1]) for n in valid]
     if "attributed" in routes:
         if attributor is None:
             raise ValueError("the attributed citation route needs an attributor")
-        for support in attributor.attribute(question, text, [c.text for c in chunks]):
+        supports = attributor.attribute(question, text, [c.text for c in chunks])
+        for support in supports:
             citations += [
                 Citation(n, "attributed", chunks[n - 1], score, support.sentence)
                 for n, score in zip(support.numbers, support.scores)
             ]
-    return citations, invalid
+    return citations, invalid, supports
 
 
 class AnswerStream:
@@ -203,8 +227,8 @@ class DocumentQA:
         }
 
     def _answer(self, context: StuffedContext, result: GenerationResult) -> Answer:
-        citations, invalid = cite(context.question, result.text, context.chunks, self.attributor, self.routes)
-        return Answer(context.question, result.text, citations, invalid, context, result, self.routes)
+        citations, invalid, support = cite_with_support(context.question, result.text, context.chunks, self.attributor, self.routes)
+        return Answer(context.question, result.text, citations, invalid, context, result, self.routes, support)
 
     def ask(self, question: str, *, compression: Any = _DEFAULT, **sampling: Any) -> Answer:
         """Retrieve, stuff, generate and cite. ``sampling`` as in :meth:`Engine.generate`."""

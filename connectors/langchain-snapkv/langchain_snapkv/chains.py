@@ -21,7 +21,8 @@ from langchain_core.documents import Document
 from langchain_core.messages import BaseMessage
 from langchain_core.runnables import Runnable, RunnableLambda, RunnablePassthrough
 
-from snapkv_rag.rag import EvidenceAttributor, build_messages, cite
+from snapkv_rag.rag import EvidenceAttributor, build_messages
+from snapkv_rag.rag.qa import cite_with_support
 from snapkv_rag.rag.qa import ROUTES
 from snapkv_rag.rag.stuffing import SYSTEM_PROMPT
 
@@ -62,7 +63,8 @@ def create_cited_qa_chain(
 
     Each citation is ``{"number", "route", "document", "score", "sentence"}`` where
     ``document`` is the cited Document itself; ``invalid_citations`` lists ``[n]`` markers
-    that point at no document.
+    that point at no document; ``unsupported`` lists the answer sentences whose numbers, names
+    or dates appear in no document (``missing``), cited nowhere or only where their other facts are.
     """
     attributor = None
     if "attributed" in routes:
@@ -78,7 +80,7 @@ def create_cited_qa_chain(
         message = inputs["message"]
         text = message.content if isinstance(message.content, str) else message.text
         chunks = [document_to_chunk(d) for d in documents]
-        citations, invalid = cite(inputs["question"], text, chunks, attributor, routes)
+        citations, invalid, support = cite_with_support(inputs["question"], text, chunks, attributor, routes)
         return {
             "question": inputs["question"],
             "answer": text,
@@ -87,6 +89,8 @@ def create_cited_qa_chain(
                 for c in citations
             ],
             "invalid_citations": invalid,
+            # sentences whose numbers, names or dates no document contains (nothing cited), or only partly
+            "unsupported": [{"sentence": s.sentence, "missing": list(s.missing), "cited": list(s.numbers)} for s in support if s.missing],
             "documents": documents,
             "message": message,
         }

@@ -1,0 +1,73 @@
+"""A citation can say "not supported" (issue 31, item 1): an answer sentence whose numbers,
+names or dates appear in no stuffed chunk is cited by none, however similar it reads."""
+
+from __future__ import annotations
+
+import pytest
+
+from snapkv_rag.rag.attribution import EvidenceAttributor, fact_gate, key_facts
+
+LIGHTHOUSE = "# Tessaly Lighthouse\n\nThe lighthouse on Tessaly Island was built in 1871 and its lamp can be seen 22 nautical miles away."
+BAKERY = "The island bakery opens at 7:00 and sells rye bread, honey cake and buns. It is run by Mara Penhallow."
+FERRY = "Ferry to Tessaly. On weekdays the first ferry leaves Tessaly at 6:15 and the last one at 21:40. A ticket costs 3.40 crowns."
+CHUNKS = [LIGHTHOUSE, BAKERY, FERRY]
+
+
+@pytest.fixture(scope="module")
+def attributor():
+    from snapkv_rag.rag import Embedder
+
+    return EvidenceAttributor(Embedder())
+
+
+def test_key_facts_are_numbers_and_names_the_question_does_not_hold():
+    q = "How many pupils attend the primary school on Tessaly Island?"
+    assert key_facts("The primary school on Tessaly Island is 100.", q) == {"100"}
+    assert key_facts("It leaves at 06:40 on Monday.", "When?") == {"6:40", "monday"}
+    assert key_facts("The library holds 182,000 volumes.", "") == {"182000"}
+
+
+def test_numbers_match_in_their_written_forms():
+    assert fact_gate("It leaves at 06.15.", "When?", CHUNKS) == ([False, False, True], set())
+
+
+def test_an_invented_number_is_not_supported_by_similar_documents(attributor):
+    q = "How many pupils attend the primary school on Tessaly Island?"
+    (support,) = attributor.attribute(q, "The primary school on Tessaly Island is 100.", CHUNKS)
+    assert support.numbers == () and not support.supported and support.missing == ("100",)
+
+
+def test_a_wrong_time_is_not_supported_by_the_ferry_file(attributor):
+    q = "What time does the first ferry leave Tessaly on weekdays?"
+    (wrong,) = attributor.attribute(q, "The first ferry leaves at 12:30.", CHUNKS)
+    assert wrong.numbers == () and wrong.missing == ("12:30",)
+    (right,) = attributor.attribute(q, "The first ferry leaves at 6:15.", CHUNKS)
+    assert right.numbers == (3,) and right.missing == ()
+
+
+def test_a_partly_invented_sentence_is_cited_where_its_true_facts_are(attributor):
+    q = "What time does the first ferry leave Tessaly on weekdays?"
+    (support,) = attributor.attribute(q, "The first ferry leaves at 6:15, which is 1 hour and 40 minutes.", CHUNKS)
+    assert support.numbers == (3,) and set(support.missing) == {"1", "40"}
+
+
+def test_sentences_without_key_facts_keep_the_similarity_choice(attributor):
+    (support,) = attributor.attribute("What does the bakery sell?", "The bakery sells rye bread and honey cake.", CHUNKS)
+    assert support.numbers[0] == 2 and support.missing == ()
+
+
+def test_the_cli_says_not_supported():
+    from types import SimpleNamespace as NS
+
+    from snapkv_rag.rag.attribution import SentenceSupport
+    from snapkv_rag.rag.cli import _describe
+
+    stats = NS(kept_tokens_per_layer=[10], compression=None, compression_ratio=1.0, prefill_seconds=0.1, decode_ms_per_token=None)
+    answer = NS(
+        citations=[], sources=[], invalid_citations=[],
+        context=NS(chunks=[], document_tokens=20, budget_tokens=100, left_out=0, duplicates=0),
+        result=NS(stats=stats, usage=NS(prompt_tokens=40)),
+        unsupported=[SentenceSupport("The primary school is 100.", (), (), ("100",))],
+    )
+    text = "\n".join(_describe(answer))
+    assert 'NOT SUPPORTED by any document: "The primary school is 100." (no document contains 100)' in text
