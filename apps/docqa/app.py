@@ -310,7 +310,7 @@ def ask_one(qa: DocumentQA, question: str, run: Run, settings: Settings, policy,
 
 # ----------------------------------------------------------------------------- rendering
 def render_unsupported(answer: Answer) -> None:
-    for s in answer.unsupported:
+    for s in {(s.sentence, s.missing): s for s in answer.unsupported}.values():  # a repeated sentence once
         facts = ", ".join(md_escape(f) for f in s.missing)
         if s.supported:
             st.warning(f"Partly supported: “{md_escape(s.sentence)}” — no document contains {facts}.", icon=":material/warning:")

@@ -34,7 +34,8 @@ from .embeddings import Embedder
 METHODS = ("hybrid", "embedding", "lexical")
 DEFAULT_THRESHOLDS = {"hybrid": 0.6, "embedding": 0.3, "lexical": 0.3}
 DEFAULT_MARGINS = {"hybrid": 0.2, "embedding": 0.1, "lexical": 0.2}  # eval/RESULTS.md, "Citations on the RAG pipeline"
-_SENTENCE = re.compile(r"[^.!?\n]+(?:[.!?]+(?=\s|$)|$)|[^.!?\n]*[.!?]+")
+# A sentence ends at . ! ? followed by a space or the end; "1.25" and "3.40" stay whole.
+_SENTENCE = re.compile(r"(?:[^.!?\n]|[.!?]+(?=[^\s.!?]))+[.!?]*")
 _WORD = re.compile(r"[\w][\w'\-:.]*[\w]|\w")
 _MARKER = re.compile(r"\[\s*\d+(?:\s*[,;]\s*\d+)*\s*\]")
 STOPWORDS = frozenset(
@@ -62,13 +63,33 @@ class SentenceSupport:
         return bool(self.numbers)
 
 
+_TOKEN = re.compile(r"\d+(?:[.,:]\d+)*|[A-Za-z][A-Za-z'\-]*")
+
+
+def _normal_number(raw: str) -> str:
+    raw = re.sub(r",(?=\d{3}\b)", "", raw.strip(".,:"))
+    return ":".join(part.lstrip("0") or "0" for part in re.split(r"[.:,]", raw))
+
+
 def _numbers(text: str) -> set[str]:
     """Numbers and times, normalised: "06:40" and "6.40" are "6:40", "40,000" is "40000"."""
+    return {_normal_number(raw) for raw in _NUMBER.findall(text)}
+
+
+def _counted(text: str) -> set[str]:
+    """Each number with the word that follows it when that word says what is counted
+    ("12 beds" -> "12 bed"), so "12 beds" is not supported by a chunk's "12 bakeries"."""
+    tokens = _TOKEN.findall(text)
     out = set()
-    for raw in _NUMBER.findall(text):
-        raw = re.sub(r",(?=\d{3}\b)", "", raw.strip(".,:"))
-        out.add(":".join(part.lstrip("0") or "0" for part in re.split(r"[.:,]", raw)))
+    for i, token in enumerate(tokens):
+        if token[0].isdigit() and ":" not in _normal_number(token) and i + 1 < len(tokens):
+            unit = tokens[i + 1].lower()
+            if unit[0].isalpha() and len(unit) >= 3 and unit not in STOPWORDS and unit not in _NOT_UNITS:
+                out.add(f"{_normal_number(token)} {unit}")
     return out
+
+
+_NOT_UNITS = frozenset({"a.m", "p.m", "am", "pm", "and", "or", "per", "years", "year"})
 
 
 def key_facts(sentence: str, question: str = "") -> set[str]:
@@ -76,7 +97,8 @@ def key_facts(sentence: str, question: str = "") -> set[str]:
     the question does not contain; names lower-cased."""
     asked_numbers = _numbers(question)
     asked_words = {w.lower() for w in _WORD.findall(question)}
-    facts = {n for n in _numbers(sentence) if n not in asked_numbers}
+    counted = {c.split(" ")[0]: c for c in _counted(sentence)}
+    facts = {counted.get(n, n) for n in _numbers(sentence) if n not in asked_numbers}
     first = _WORD.search(sentence)
     for m in _NAME.finditer(sentence):
         if first is not None and m.start() == first.start():
@@ -91,9 +113,27 @@ def facts_in(facts: set[str], chunk_text: str) -> set[str]:
     """The ``facts`` that ``chunk_text`` contains."""
     if not facts:
         return set()
-    numbers = _numbers(chunk_text)
+    numbers = _numbers(chunk_text) | _counted_near(chunk_text)
     words = {w.lower() for w in _WORD.findall(chunk_text)} | {w.lower().strip(".:'") for w in _WORD.findall(chunk_text)}
-    return {f for f in facts if f in numbers or f in words}
+    return {f for f in facts if _unit_prefix(f) in numbers or f in words}
+
+
+def _unit_prefix(fact: str) -> str:
+    """A counted fact as matched: the number and the unit's first four letters ("12 beds" -> "12 beds",
+    "40 minutes" -> "40 minu"), so plurals and short forms of the same word match."""
+    number, _, unit = fact.partition(" ")
+    return f"{number} {unit[:4]}" if unit else fact
+
+
+def _counted_near(text: str, reach: int = 3) -> set[str]:
+    """Like :func:`_counted`, but with any of the next ``reach`` words ("12 single beds")."""
+    tokens = _TOKEN.findall(text)
+    out = set()
+    for i, token in enumerate(tokens):
+        if token[0].isdigit():
+            number = _normal_number(token)
+            out.update(f"{number} {w.lower()[:4]}" for w in tokens[i + 1 : i + 1 + reach] if w[0].isalpha() and len(w) >= 3)
+    return out
 
 
 def split_sentences(text: str) -> list[str]:
@@ -116,6 +156,18 @@ def answer_sentences(answer: str) -> list[str]:
     return [s for s in (_MARKER.sub("", s).strip() for s in split_sentences(answer)) if content_words(s)]
 
 
+def _stems(text: str) -> set[str]:
+    return {w.lower()[:5] for w in _WORD.findall(text) if len(w) >= 4 and w.lower() not in STOPWORDS}
+
+
+def absent_subjects(sentence: str, question: str, chunk_texts: Sequence[str]) -> set[str]:
+    """Words the sentence takes from the question (4+ letters, not stopwords) that no chunk
+    contains, compared by their first five letters: the documents do not talk about them."""
+    present = set().union(*(_stems(t) for t in chunk_texts)) if chunk_texts else set()
+    asked = _stems(question)
+    return {w.lower() for w in _WORD.findall(sentence) if len(w) >= 4 and w.lower()[:5] in asked and w.lower()[:5] not in present and w.lower() not in STOPWORDS}
+
+
 def fact_gate(sentence: str, question: str, chunk_texts: Sequence[str]) -> tuple[list[bool], set[str]]:
     """Which chunks may support ``sentence`` by its key facts, and the facts no chunk contains.
 
@@ -124,6 +176,9 @@ def fact_gate(sentence: str, question: str, chunk_texts: Sequence[str]) -> tuple
     holding some (facts spread over documents). Facts found nowhere are returned as missing:
     the sentence is then at most partly supported.
     """
+    absent = absent_subjects(sentence, question, chunk_texts)
+    if absent:  # the answer is about something no document mentions ("the Marrowick cinema")
+        return [False] * len(chunk_texts), absent
     facts = key_facts(sentence, question)
     if not facts:
         return [True] * len(chunk_texts), set()
@@ -165,16 +220,25 @@ def score_matrices(embedder: Embedder, question: str, sentences: Sequence[str], 
 
 
 class EvidenceAttributor:
-    def __init__(self, embedder: Embedder, *, method: str = "hybrid", threshold: float | None = None, margin: float | None = None):
+    def __init__(
+        self,
+        embedder: Embedder,
+        *,
+        method: str = "hybrid",
+        threshold: float | None = None,
+        margin: float | None = None,
+        fact_check: bool = True,
+    ):
         if method not in METHODS:
             raise ValueError(f"attribution method must be one of {METHODS}, got {method!r}")
         self.embedder = embedder
         self.method = method
         self.threshold = threshold if threshold is not None else DEFAULT_THRESHOLDS[method]
         self.margin = margin if margin is not None else DEFAULT_MARGINS[method]
+        self.fact_check = fact_check  # False: similarity alone (the behaviour before the key-fact gate)
 
     def settings(self) -> dict[str, object]:
-        return {"method": self.method, "threshold": self.threshold, "margin": self.margin}
+        return {"method": self.method, "threshold": self.threshold, "margin": self.margin, "fact_check": self.fact_check}
 
     def scores(self, question: str, sentences: Sequence[str], chunk_texts: Sequence[str]) -> list[list[float]]:
         """``[sentence][chunk]`` support scores."""
@@ -186,9 +250,11 @@ class EvidenceAttributor:
             return []
         out = []
         for sentence, row in zip(sentences, self.scores(question, sentences, chunk_texts)):
-            eligible, missing = fact_gate(sentence, question, chunk_texts)
+            eligible, missing = fact_gate(sentence, question, chunk_texts) if self.fact_check else ([True] * len(chunk_texts), set())
             gated = [score if ok else float("-inf") for score, ok in zip(row, eligible)]
-            chosen = choose(gated, self.threshold, self.margin) if any(eligible) else ()
+            # A chunk holding the sentence's numbers and names is evidence enough: no similarity threshold then.
+            threshold = float("-inf") if self.fact_check and not all(eligible) else self.threshold
+            chosen = choose(gated, threshold, self.margin) if any(eligible) else ()
             out.append(SentenceSupport(sentence, tuple(i + 1 for i in chosen), tuple(round(row[i], 4) for i in chosen), tuple(sorted(missing))))
         return out
 

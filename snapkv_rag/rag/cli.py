@@ -110,7 +110,7 @@ def _describe(answer) -> list[str]:
         lines.append(f"  [{number}] {chunk.title} - {chunk.source} (chunk {chunk.position + 1}{sim}; {', '.join(routes[number])})")
     if not answer.sources:
         lines.append("  (no document supports the answer)")
-    for s in answer.unsupported:
+    for s in {(s.sentence, s.missing): s for s in answer.unsupported}.values():  # a repeated sentence once
         how = "partly supported" if s.supported else "NOT SUPPORTED by any document"
         lines.append(f"  {how}: \"{s.sentence}\" (no document contains {', '.join(s.missing)})")
     if answer.invalid_citations:

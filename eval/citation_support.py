@@ -1,0 +1,125 @@
+"""Does the attributed route cite unsupported answers? The key-fact gate against similarity alone.
+
+Two sets of answers from the embedded model, uncompressed, 1000 stuffed tokens, 32 new tokens:
+
+- the 40 answerable sample questions: the answers stored by the attribution run
+  (eval/results/attribution/citation.jsonl), re-attributed over the very same stuffed chunks
+  (retrieval is re-run and checked against the stored sources): gold precision/recall/F1;
+- questions the sample corpus cannot answer (examples/unanswerable_questions.jsonl), answered
+  now: the share of answer sentences that get a citation (every one of them is unsupported,
+  since no document holds the answer) and of answers citing anything.
+
+Both attributors see the same answers, so the difference is the gate alone. The top-2
+retrieval baseline cites two chunks for every answer, right or invented.
+
+    .venv/bin/python eval/citation_support.py [--out eval/results/citation_support]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from snapkv_rag import Engine  # noqa: E402
+from snapkv_rag.evaluation.rag_citation import is_gold_file, load_questions  # noqa: E402
+from snapkv_rag.metrics import citation_prf  # noqa: E402
+from snapkv_rag.rag import DocumentQA, DocumentStore  # noqa: E402
+from snapkv_rag.rag.attribution import EvidenceAttributor  # noqa: E402
+
+CONTEXT_TOKENS = 1000
+MAX_NEW_TOKENS = 32
+
+
+def cited(attributor: EvidenceAttributor, question: str, answer: str, chunks) -> tuple[list[int], int, int]:
+    """(distinct chunk numbers cited, sentences, sentences with a citation)."""
+    supports = attributor.attribute(question, answer, [c.text for c in chunks])
+    numbers = sorted({n for s in supports for n in s.numbers})
+    return numbers, len(supports), sum(1 for s in supports if s.numbers)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=str(ROOT / "eval/results/citation_support"))
+    ap.add_argument("--stored", default=str(ROOT / "eval/results/attribution/citation.jsonl"))
+    args = ap.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+
+    engine = Engine.default()
+    stored = [json.loads(line) for line in Path(args.stored).read_text().splitlines() if line.strip()]
+    stored = [r for r in stored if r["method"] == "full" and r["route"] == "attributed"]
+    answerable = {q.question: q for q in load_questions(ROOT / "examples/sample_questions.jsonl")}
+    unanswerable = load_questions(ROOT / "examples/unanswerable_questions.jsonl")
+    records = []
+    with tempfile.TemporaryDirectory(prefix="snapkv-support-") as tmp:
+        store = DocumentStore("support", path=tmp)
+        store.ingest([ROOT / "examples/sample_corpus"])
+        qa = DocumentQA(engine, store, compression=None, context_tokens=CONTEXT_TOKENS, max_new_tokens=MAX_NEW_TOKENS)
+        attributors = {"similarity only": EvidenceAttributor(store.embedder, fact_check=False), "key-fact gate": EvidenceAttributor(store.embedder)}
+        for r in stored:
+            context = qa.retrieve(r["question"])
+            sources = [c.source for c in context.chunks]
+            same = [Path(s).name for s in sources] == [Path(s).name for s in r["stuffed_sources"]]
+            gold = [i + 1 for i, c in enumerate(context.chunks) if is_gold_file(c.file, answerable[r["question"]].gold)]
+            row = {"set": "answerable", "question": r["question"], "answer": r["output"], "same_chunks_as_stored": same, "gold": gold,
+                   "answer_correct": r["answer_correct"]}
+            for name, attributor in attributors.items():
+                numbers, sentences, with_citation = cited(attributor, r["question"], r["output"], context.chunks)
+                row[name] = {"cited": numbers, "prf": citation_prf(numbers, gold), "sentences": sentences, "cited_sentences": with_citation}
+            row["top-2 retrieval"] = {"cited": [1, 2][: len(context.chunks)], "prf": citation_prf([1, 2][: len(context.chunks)], gold)}
+            records.append(row)
+        for q in unanswerable:
+            answer = qa.ask(q.question, temperature=0.0)
+            row = {"set": "unanswerable", "question": q.question, "answer": answer.text}
+            for name, attributor in attributors.items():
+                numbers, sentences, with_citation = cited(attributor, q.question, answer.text, answer.context.chunks)
+                row[name] = {"cited": numbers, "sentences": sentences, "cited_sentences": with_citation}
+            row["top-2 retrieval"] = {"cited": [1, 2][: len(answer.context.chunks)]}
+            records.append(row)
+    (out / "records.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+
+    lines = [
+        f"| attribution | gold precision | gold recall | gold F1 (macro) | gold F1, right answers | answerable: sentences cited | "
+        f"unanswerable: sentences cited | unanswerable: answers citing anything |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    ans = [r for r in records if r["set"] == "answerable"]
+    una = [r for r in records if r["set"] == "unanswerable"]
+    for name in ("similarity only", "key-fact gate", "top-2 retrieval"):
+        p = statistics.mean(r[name]["prf"][0] for r in ans)
+        rcl = statistics.mean(r[name]["prf"][1] for r in ans)
+        f1 = statistics.mean(r[name]["prf"][2] for r in ans)
+        f1_right = statistics.mean(r[name]["prf"][2] for r in ans if r["answer_correct"])
+        if name == "top-2 retrieval":
+            a_cited, u_cited = "all", f"all ({sum(1 for r in una)} answers)"
+            u_any = f"{sum(1 for r in una if r[name]['cited'])}/{len(una)}"
+        else:
+            a_cited = f"{sum(r[name]['cited_sentences'] for r in ans)}/{sum(r[name]['sentences'] for r in ans)}"
+            u_cited = f"{sum(r[name]['cited_sentences'] for r in una)}/{sum(r[name]['sentences'] for r in una)}"
+            u_any = f"{sum(1 for r in una if r[name]['cited'])}/{len(una)}"
+        lines.append(f"| {name} | {p:.3f} | {rcl:.3f} | {f1:.3f} | {f1_right:.3f} | {a_cited} | {u_cited} | {u_any} |")
+    same = sum(r["same_chunks_as_stored"] for r in ans)
+    lines.append("")
+    lines.append(f"Answerable questions: {len(ans)} (stuffed chunks identical to the stored run's for {same}); unanswerable: {len(una)}.")
+    correct = [r for r in ans if r["answer_correct"]]
+    wrong = [r for r in ans if r["answer_correct"] is False]
+    for name in ("similarity only", "key-fact gate"):
+        lines.append(
+            f"{name}: answers cited, right {sum(1 for r in correct if r[name]['cited'])}/{len(correct)}, "
+            f"wrong {sum(1 for r in wrong if r[name]['cited'])}/{len(wrong)}"
+        )
+    table = "\n".join(lines)
+    (out / "table.md").write_text(table + "\n")
+    print(table)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
