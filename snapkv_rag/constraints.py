@@ -80,7 +80,11 @@ def grammar_for(spec: OutputSpec) -> str | None:
             lines.append(f'call_{i}: {_lark_string(call_prefix(tool.name))} args_{i} "}}"')
             lines.append(f"args_{i}: {_json_rule(tool.parameters)}")
         lines.append(f"block: {_lark_string(CALL_OPEN)} call {_lark_string(CALL_CLOSE)}")
-        more = ' ("\\n" block)*' if spec.parallel_tool_calls else ""
+        # Up to call_limit blocks, then the grammar ends (EOS only): ("\n" block ("\n" block)?)? ...
+        more = ""
+        for _ in range(spec.call_limit - 1):
+            more = f' ("\\n" block{more})?'
+
         if spec.tool_choice in ("required", "function"):
             lines.append(f"start: block{more}")
         elif spec.json_schema is not None:

@@ -38,6 +38,11 @@ class SequenceText:
             return self._release(full[:cut], final=True)
         return self._release(full, final=False)
 
+    def end(self) -> None:
+        """End the sequence now, as a stop would (the caller decided the output is complete)."""
+        if not self.finished:
+            self.finish_reason = "stop"
+
     def finish_for_length(self) -> str:
         """Mark the sequence as cut by ``max_new_tokens``; release what was held back.
 

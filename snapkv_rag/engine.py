@@ -22,11 +22,20 @@ from .prefix_cache import PrefixCache, default_prefix_cache_bytes
 from .prompts import PromptLike, question_tail_tokens, render_prompt
 from .results import GenerationResult, GenerationStats, Usage
 from .sampling import GenerationParams
-from .tools import TEXT, OutputSpec, ToolCallDelta, ToolCallStream, build_output_spec, parse_json_output, parse_tool_calls
+from .tools import (
+    TEXT,
+    OutputSpec,
+    ToolCallDelta,
+    ToolCallStream,
+    build_output_spec,
+    complete_calls_text,
+    parse_json_output,
+    parse_tool_calls,
+)
 
 Compression = CompressionPolicy | str | None
 StreamPiece = str | ToolCallDelta
-_OUTPUT_KEYS = ("tools", "tool_choice", "response_format", "parallel_tool_calls")
+_OUTPUT_KEYS = ("tools", "tool_choice", "response_format", "parallel_tool_calls", "max_tool_calls")
 
 
 def output_specs(n: int, options: dict[str, Any], *, per_row: bool = False) -> list[OutputSpec]:
@@ -40,6 +49,7 @@ def output_specs(n: int, options: dict[str, Any], *, per_row: bool = False) -> l
     choice = options.get("tool_choice")
     fmt = options.get("response_format")
     parallel = options.get("parallel_tool_calls", False)
+    max_calls = options.get("max_tool_calls")
 
     def rows(value: Any, is_per_row: bool) -> list[Any]:
         if not (per_row and is_per_row):
@@ -56,7 +66,7 @@ def output_specs(n: int, options: dict[str, Any], *, per_row: bool = False) -> l
         if not t and c is None and f is None:
             specs.append(TEXT)
         else:
-            specs.append(build_output_spec(t, c, f, parallel))
+            specs.append(build_output_spec(t, c, f, parallel, max_calls))
     return specs
 
 
@@ -483,6 +493,8 @@ class Engine:
                         break
                     for i, token in enumerate(tokens.tolist()):
                         yield from pieces(i, texts[i].add(token))
+                        if calls[i] is not None and calls[i].duplicate:
+                            texts[i].end()  # a repeated call: the turn's calls are all written
                     if all(t.finished for t in texts):
                         break
             finally:
@@ -504,7 +516,7 @@ class Engine:
             )
             spec = request.spec(i)
             if spec.constrained and result.finish_reason != "cancelled":
-                result = self._structured(result, spec, calls[i], i, request.constraint.complete(i))
+                result = self._structured(result, spec, calls[i], i, request.constraint.complete(i) or bool(calls[i] and calls[i].duplicate))
             results.append(result)
         yield results
 
@@ -517,6 +529,11 @@ class Engine:
         """
         where = f" (batch row {row})" if row else ""
         try:
+            tail_dropped = False
+            if not complete and spec.calls_tools and stream is not None and stream.completed:
+                # Out of tokens inside a later call: the calls already written are the turn's answer.
+                result = replace(result, text=complete_calls_text(result.text) or result.text)
+                complete = tail_dropped = True
             if not complete:
                 raise StructuredOutputError(
                     f"the output stopped ({result.finish_reason}) before the structured output was complete: {result.text[-200:]!r}"
@@ -525,7 +542,12 @@ class Engine:
             if spec.calls_tools:
                 text, tool_calls = parse_tool_calls(result.text, spec, stream.ids if stream is not None else ())
                 if tool_calls:
-                    return replace(result, text=text, tool_calls=tool_calls, finish_reason="tool_calls")
+                    stats = replace(
+                        result.stats,
+                        tool_call_tail_dropped=tail_dropped,
+                        duplicate_tool_calls=bool(stream is not None and stream.duplicate),
+                    )
+                    return replace(result, text=text, tool_calls=tool_calls, finish_reason="tool_calls", stats=stats)
                 if spec.json_schema is None:
                     return replace(result, text=text)
             return replace(result, parsed=parse_json_output(result.text, spec))
@@ -602,7 +624,11 @@ class Engine:
         ``tools`` (OpenAI function specs), ``tool_choice`` (``"auto"`` (default), ``"required"``,
         ``"none"`` or ``{"type": "function", "function": {"name": ...}}``), ``response_format``
         (``{"type": "json_object"}`` or ``{"type": "json_schema", "json_schema": {"name",
-        "schema", "strict"}}``), ``parallel_tool_calls`` (False: at most one call). Text pieces
+        "schema", "strict"}}``), ``parallel_tool_calls`` (False: at most one call) and
+        ``max_tool_calls`` (5: the most calls of one turn with parallel calls). A call repeating
+        an earlier one of the turn is dropped and ends the turn; running out of tokens inside a
+        call after complete ones returns the complete ones (``finish_reason="tool_calls"``,
+        ``stats.tool_call_tail_dropped``). Text pieces
         are ``str``; tool calls stream as :class:`~snapkv_rag.tools.ToolCallDelta`.
         ``prefix_cache=False``: this call neither reuses nor stores prompt K/V.
         Arguments are validated, the prompt rendered and prefilled before this returns.

@@ -57,6 +57,8 @@ class GenerationStats:
     low_rank_state_tokens: float = 0.0  # the state's bytes in cached tokens of this model (K and V, all layers)
     low_rank_ms_per_step: float | None = None  # LESS: median time of the low-rank part of a decode step
     decode_ms_quartiles: tuple[float, float] | None = None  # 25th/75th percentile of step times (4+ steps after the first)
+    tool_call_tail_dropped: bool = False  # max_new_tokens ran out inside a call after complete ones; those were returned
+    duplicate_tool_calls: bool = False  # the model repeated a call of this turn; the repeat was dropped and the turn ended
 
     @property
     def compression_ratio(self) -> float:

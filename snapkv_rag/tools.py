@@ -26,6 +26,9 @@ from typing import Any
 
 from .errors import StructuredOutputError
 
+# At most this many calls in one turn with parallel_tool_calls; then the turn ends. A small model
+# with parallel calls allowed can write call after call until max_new_tokens runs out.
+DEFAULT_MAX_TOOL_CALLS = 5
 CALL_OPEN = "<tool_call>\n"
 CALL_CLOSE = "\n</tool_call>"
 MARKER = "<tool_call>"
@@ -107,6 +110,11 @@ class OutputSpec:
     parallel_tool_calls: bool = False
     json_schema: dict[str, Any] | None = None  # response_format, as a schema ({"type": "object"} for json_object)
     schema_name: str | None = None
+    max_tool_calls: int = DEFAULT_MAX_TOOL_CALLS  # with parallel_tool_calls: calls per turn at most
+
+    @property
+    def call_limit(self) -> int:
+        return self.max_tool_calls if self.parallel_tool_calls else 1
 
     @property
     def renders_tools(self) -> bool:
@@ -196,8 +204,13 @@ def build_output_spec(
     tool_choice: Any = None,
     response_format: Any = None,
     parallel_tool_calls: bool = False,
+    max_tool_calls: int | None = None,
 ) -> OutputSpec:
     """Validate one row's request; raises :class:`StructuredOutputError` on anything malformed."""
+    if max_tool_calls is None:
+        max_tool_calls = DEFAULT_MAX_TOOL_CALLS
+    if isinstance(max_tool_calls, bool) or not isinstance(max_tool_calls, int) or max_tool_calls < 1:
+        raise StructuredOutputError(f"max_tool_calls must be a positive integer, got {max_tool_calls!r}")
     if tools is None:
         tools = ()
     if isinstance(tools, (str, bytes, Mapping)) or not isinstance(tools, Sequence):
@@ -230,7 +243,7 @@ def build_output_spec(
     schema, schema_name = _response_schema(response_format)
     if schema is not None and choice in ("required", "function"):
         raise StructuredOutputError("response_format cannot be combined with a tool_choice that forces a call")
-    return OutputSpec(specs, choice, forced, parallel_tool_calls, schema, schema_name)
+    return OutputSpec(specs, choice, forced, parallel_tool_calls, schema, schema_name, max_tool_calls)
 
 
 def validate_instance(value: Any, schema: dict[str, Any], what: str) -> None:
@@ -286,11 +299,30 @@ def split_calls(text: str) -> ParsedOutput:
     return ParsedOutput("".join(prose), calls)
 
 
+def complete_calls_text(text: str) -> str | None:
+    """``text`` up to the end of its last complete call block (the unfinished one after it
+    dropped), or None when it holds no complete call."""
+    end = text.rfind("}" + CALL_CLOSE)
+    return None if end < 0 else text[: end + 1 + len(CALL_CLOSE)]
+
+
+def call_key(name: str, arguments: Any) -> str:
+    return name + "\x00" + json.dumps(arguments, sort_keys=True)
+
+
 def parse_tool_calls(text: str, spec: OutputSpec, ids: Sequence[str] = ()) -> tuple[str, list[ToolCall]]:
-    """Prose and validated :class:`ToolCall` objects of a finished row (ids reused from streaming)."""
+    """Prose and validated :class:`ToolCall` objects of a finished row (ids reused from streaming).
+    Identical calls (same name and arguments) in one turn count once."""
     parsed = split_calls(text)
     calls = []
-    for i, (name, arguments) in enumerate(parsed.calls):
+    seen: set[str] = set()
+    unique = []
+    for name, arguments in parsed.calls:
+        key = call_key(name, arguments)
+        if key not in seen:
+            seen.add(key)
+            unique.append((name, arguments))
+    for i, (name, arguments) in enumerate(unique):
         tool = spec.tool(name)
         if tool is None or (spec.forced is not None and name != spec.forced):
             raise StructuredOutputError(f"the model called {name!r}, which it was not offered")
@@ -325,6 +357,11 @@ class ToolCallStream:
     Text outside call blocks passes through (a tail that may start a marker is held back
     until it is settled); inside a block the name is announced once known, then argument
     fragments follow, never including the block's own closing ``}``.
+
+    The first call streams as it is written. A later call is held until it is complete and
+    released only when it is not identical to an earlier one: a repeated call is dropped (and
+    ``duplicate`` set, so the engine can end the turn), and an unfinished later call at the
+    end of the row (``max_new_tokens``) is never announced.
     """
 
     _END = "}" + CALL_CLOSE
@@ -336,6 +373,17 @@ class ToolCallStream:
         self._index = -1
         self._after_call = False
         self.ids: list[str] = []
+        self._keys: list[str] = []  # name + arguments of each released call
+        self._name = ""
+        self._args = ""
+        self._id = ""
+        self._held: list[ToolCallDelta] | None = None  # events of a later call, until it completes
+        self.duplicate = False  # the last call repeated an earlier one (dropped)
+        self.completed = 0  # complete calls released
+        self.dropped_tail = False  # an unfinished call was cut off at the end
+
+    def _emit(self, out: list, event: ToolCallDelta) -> None:
+        (out if self._held is None else self._held).append(event)
 
     def feed(self, piece: str) -> list[str | ToolCallDelta]:
         self._buffer += piece
@@ -354,12 +402,15 @@ class ToolCallStream:
     def finish(self) -> list[str | ToolCallDelta]:
         """Flush what is held back at the end of the row."""
         out: list[str | ToolCallDelta] = []
+        if self._in_call:
+            self.dropped_tail = True
         if self._buffer:
             if not self._in_call:
                 out.append(self._buffer)
-            elif self._named:
+            elif self._named and self._held is None:
                 out.append(ToolCallDelta(self._index, arguments=self._buffer))
         self._buffer = ""
+        self._held = None  # an unfinished later call is never announced
         return out
 
     def _text_state(self, out: list) -> None:
@@ -387,9 +438,9 @@ class ToolCallStream:
     def _name_state(self, out: list) -> None:
         match = self._NAME_RE.match(self._buffer)
         if match:
-            self._index += 1
-            self.ids.append(new_call_id())
-            out.append(ToolCallDelta(self._index, id=self.ids[-1], name=json.loads(match.group(1))))
+            self._name, self._args, self._id = json.loads(match.group(1)), "", new_call_id()
+            self._held = [] if self.completed else None
+            self._emit(out, ToolCallDelta(self._index + 1, id=self._id, name=self._name))
             self._buffer = self._buffer[match.end() :]
             self._named = True
 
@@ -397,13 +448,31 @@ class ToolCallStream:
         end = self._buffer.find(self._END)
         if end >= 0:
             if end:
-                out.append(ToolCallDelta(self._index, arguments=self._buffer[:end]))
+                self._args += self._buffer[:end]
+                self._emit(out, ToolCallDelta(self._index + 1, arguments=self._buffer[:end]))
             self._buffer = self._buffer[end + len(self._END) :]
             self._in_call = self._named = False
             self._after_call = True
+            self._close_call(out)
             return
         keep = _partial_suffix(self._buffer, self._END)
         release = self._buffer[: len(self._buffer) - keep]
         if release:
-            out.append(ToolCallDelta(self._index, arguments=release))
+            self._args += release
+            self._emit(out, ToolCallDelta(self._index + 1, arguments=release))
             self._buffer = self._buffer[len(release) :]
+
+    def _close_call(self, out: list) -> None:
+        try:
+            key = call_key(self._name, json.loads(self._args))
+        except json.JSONDecodeError:
+            key = self._name + "\x00" + self._args
+        held, self._held = self._held, None
+        if key in self._keys:
+            self.duplicate = True  # dropped: a model repeating a call would go on repeating it
+            return
+        self._keys.append(key)
+        self._index += 1
+        self.completed += 1
+        self.ids.append(self._id)
+        out.extend(held or ())
