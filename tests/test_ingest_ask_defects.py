@@ -106,25 +106,6 @@ def test_ask_with_a_mistyped_store_creates_nothing(tmp_path, model_dir, capsys):
     assert not typo.exists()
 
 
-def test_ask_numbers_chunks_from_one_like_the_app():
-    from types import SimpleNamespace as NS
-
-    from snapkv_rag.rag.cli import _describe
-
-    chunk = NS(title="Ferry", source="/docs/ferry.md", position=0, score=0.7)
-    stats = NS(kept_tokens_per_layer=[10], compression=None, compression_ratio=1.0, prefill_seconds=0.1, decode_ms_per_token=None)
-    answer = NS(
-        citations=[NS(route="attributed", number=1)],
-        sources=[(1, chunk)],
-        invalid_citations=[],
-        context=NS(chunks=[chunk], document_tokens=20, budget_tokens=100, left_out=0, duplicates=0),
-        result=NS(stats=stats, usage=NS(prompt_tokens=40)),
-        unsupported=[],
-    )
-    text = "\n".join(_describe(answer))
-    assert "(chunk 1," in text and "chunk 0" not in text
-
-
 def test_top_level_help_lists_every_command(capsys):
     with pytest.raises(SystemExit):
         main(["--help"])

@@ -191,6 +191,19 @@ def fact_gate(sentence: str, question: str, chunk_texts: Sequence[str]) -> tuple
     return (whole if any(whole) else [bool(f) for f in found]), missing
 
 
+def choose_gated(row: Sequence[float], gate: tuple[list[bool], set[str]] | None, threshold: float, margin: float) -> tuple[int, ...]:
+    """:func:`choose` among the chunks ``gate`` (from :func:`fact_gate`; None: all) lets support
+    the sentence. A chunk holding the sentence's numbers and names is evidence enough: the
+    similarity threshold applies only where the gate did not narrow the choice."""
+    if gate is None:
+        return choose(row, threshold, margin)
+    eligible = gate[0]
+    if not any(eligible):
+        return ()
+    gated = [score if ok else float("-inf") for score, ok in zip(row, eligible)]
+    return choose(gated, threshold if all(eligible) else float("-inf"), margin)
+
+
 def choose(row: Sequence[float], threshold: float, margin: float, max_cited: int = 3) -> tuple[int, ...]:
     """0-based chunk indices cited for one sentence's scores: the best when it clears
     ``threshold``, with every chunk within ``margin`` of it (at most ``max_cited``), best first."""
@@ -250,12 +263,10 @@ class EvidenceAttributor:
             return []
         out = []
         for sentence, row in zip(sentences, self.scores(question, sentences, chunk_texts)):
-            eligible, missing = fact_gate(sentence, question, chunk_texts) if self.fact_check else ([True] * len(chunk_texts), set())
-            gated = [score if ok else float("-inf") for score, ok in zip(row, eligible)]
-            # A chunk holding the sentence's numbers and names is evidence enough: no similarity threshold then.
-            threshold = float("-inf") if self.fact_check and not all(eligible) else self.threshold
-            chosen = choose(gated, threshold, self.margin) if any(eligible) else ()
-            out.append(SentenceSupport(sentence, tuple(i + 1 for i in chosen), tuple(round(row[i], 4) for i in chosen), tuple(sorted(missing))))
+            gate = fact_gate(sentence, question, chunk_texts) if self.fact_check else None
+            chosen = choose_gated(row, gate, self.threshold, self.margin)
+            missing = tuple(sorted(gate[1])) if gate else ()
+            out.append(SentenceSupport(sentence, tuple(i + 1 for i in chosen), tuple(round(row[i], 4) for i in chosen), missing))
         return out
 
 
@@ -266,11 +277,12 @@ def sweep(
     ``grid``, keyed ``"method:threshold=T,margin=M"``; each method's scores are computed once."""
     sentences = answer_sentences(answer)
     matrices = score_matrices(embedder, question, sentences, chunk_texts, sorted({m for m, _, _ in grid})) if sentences and chunk_texts else {}
+    gates = [fact_gate(s, question, chunk_texts) for s in sentences]
     out = {}
     for method, threshold, margin in grid:
         cited: set[int] = set()
-        for row in matrices.get(method, []):
-            cited.update(i + 1 for i in choose(row, threshold, margin))
+        for row, gate in zip(matrices.get(method, []), gates):
+            cited.update(i + 1 for i in choose_gated(row, gate, threshold, margin))
         out[sweep_key(method, threshold, margin)] = sorted(cited)
     return out
 
