@@ -1,25 +1,24 @@
-"""Right tool decisions under tool_choice="auto" on the embedded model (issue 28).
+"""Tool decisions under tool_choice="auto" on the embedded model (issue 28): where they stand.
 
 Four tools (weather, multiply, currency, document search) are offered with every prompt of
 eval/data/tool_decisions.jsonl: 20 prompts that need one of them (several phrasings each)
 and 20 that need none. A decision is right when a prompt that needs a tool calls that tool
 first, and a prompt that needs none gets an answer without a call.
 
-1. ``free``: the model decides freely (the call grammar lets it start a call anywhere); the
-   engine records the log-probability of the call marker's first token at the first step.
-2. The call-or-answer threshold on that log-probability is chosen on the even-numbered prompts
-   (calibration half) and checked on the odd-numbered ones (held out), then
-3. ``threshold``: the engine decides at the first token with it, and the model picks the tool
-   (forced-call grammar) or writes the answer (grammar without calls).
+1. ``free``: the engine as shipped (the call grammar lets the model start a call anywhere).
+2. An analysis, not shipped: each tool's call prefix ``<tool_call>\n{"name": "<tool>"`` is
+   scored by teacher forcing after the prompt, minus the same score after content-free
+   prompts (contextual calibration); a threshold on the best calibrated score (plus 3x the
+   log-probability of the marker's first token) is fitted on one half of the prompts and
+   checked on the other, both ways.
 
-    .venv/bin/python eval/tool_decisions.py [--out eval/results/tool_decisions] [--threshold T]
+    .venv/bin/python eval/tool_decisions.py [--out eval/results/tool_decisions]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 from pathlib import Path
 
@@ -46,32 +45,36 @@ TOOLS = [
 MAX_NEW_TOKENS = 48
 
 
-def run(engine: Engine, prompts: list[dict], threshold: float | None) -> list[dict]:
+def run(engine: Engine, prompts: list[dict]) -> list[dict]:
     out = []
     for item in prompts:
         try:
-            result = engine.generate(item["prompt"], tools=TOOLS, tool_choice="auto", tool_call_threshold=threshold,
-                                     max_new_tokens=MAX_NEW_TOKENS)
-            called = [c.name for c in result.tool_calls]
-            decision = result.stats.tool_decision or {}
-            text, error = result.text, None
+            result = engine.generate(item["prompt"], tools=TOOLS, tool_choice="auto", max_new_tokens=MAX_NEW_TOKENS)
+            called, text, error = [c.name for c in result.tool_calls], result.text, None
         except StructuredOutputError as exc:  # a call cut by max_new_tokens: it did start a call
-            called, decision, text, error = ["(unfinished call)"], {}, "", str(exc)[:200]
+            called, text, error = ["(unfinished call)"], "", str(exc)[:200]
         right = called[:1] == [item["tool"]] if item["tool"] else not called
-        out.append({**item, "called": called, "right": right, "marker_logprob": decision.get("marker_logprob"),
-                    "text": text[:200], "error": error})
+        out.append({**item, "called": called, "right": right, "text": text[:200], "error": error})
     return out
 
 
-def best_threshold(rows: list[dict]) -> float:
-    """The threshold that separates tool prompts from the others best on ``rows`` (midpoint of the gap)."""
-    values = sorted({r["marker_logprob"] for r in rows})
-    candidates = [values[0] - 1] + [(a + b) / 2 for a, b in zip(values, values[1:])] + [values[-1] + 1]
+def call_scores(engine: Engine, prompt: str) -> dict[str, float]:
+    """Log-probability of each tool's call prefix right after ``prompt`` (teacher forcing)."""
+    import torch
 
-    def accuracy(t: float) -> float:
-        return sum((r["marker_logprob"] >= t) == bool(r["tool"]) for r in rows) / len(rows)
+    from snapkv_rag.tools import CALL_OPEN, build_output_spec, call_prefix
 
-    return max(candidates, key=lambda t: (accuracy(t), -abs(t - sum(values) / len(values))))
+    (row,) = engine._render_within_context([prompt], None, 32, [build_output_spec(TOOLS, "auto")])
+    out = {}
+    for tool in TOOLS:
+        name = tool["function"]["name"]
+        cont = engine.tokenizer(CALL_OPEN + call_prefix(name).removesuffix(', "arguments": '), add_special_tokens=False)["input_ids"]
+        with torch.no_grad():
+            logits = engine.model(torch.tensor([row + cont]), use_cache=False).logits[0, len(row) - 1 : -1].float()
+        lp = torch.log_softmax(logits, -1)[torch.arange(len(cont)), torch.tensor(cont)]
+        out[name] = float(lp.sum())
+        out["first_token"] = float(lp[0])
+    return out
 
 
 def table(name: str, rows: list[dict]) -> str:
@@ -84,38 +87,49 @@ def table(name: str, rows: list[dict]) -> str:
             f"{(right_tool + prose) / len(rows):.0%} |")
 
 
+def calibrated(rows: list[dict], prior: dict[str, float], threshold: float) -> list[dict]:
+    names = [t["function"]["name"] for t in TOOLS]
+    out = []
+    for r in rows:
+        cal = {n: r["scores"][n] - prior[n] for n in names}
+        best = max(names, key=cal.get)
+        call = cal[best] + 3 * r["scores"]["first_token"] >= threshold
+        called = [best] if call else []
+        out.append({**r, "called": called, "right": called[:1] == [r["tool"]] if r["tool"] else not called})
+    return out
+
+
+def fit(rows: list[dict], prior: dict[str, float]) -> float:
+    grid = [x / 2 for x in range(-100, 21)]
+    return max(grid, key=lambda t: sum(r["right"] for r in calibrated(rows, prior, t)))
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=str(ROOT / "eval/results/tool_decisions"))
-    ap.add_argument("--threshold", type=float, default=None, help="skip calibration and use this threshold")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     prompts = [json.loads(line) for line in (ROOT / "eval/data/tool_decisions.jsonl").read_text().splitlines() if line.strip()]
     engine = Engine.default()
-    free = run(engine, prompts, None)
-    calibration, held_out = free[0::2], free[1::2]
-    threshold = args.threshold if args.threshold is not None else best_threshold([r for r in calibration if r["marker_logprob"] is not None])
-    decided = run(engine, prompts, threshold)
+    free = run(engine, prompts)
+    scored = [{**p, "scores": call_scores(engine, p["prompt"])} for p in prompts]
+    empty = [call_scores(engine, p) for p in ("N/A", "...", "Hello.")]
+    prior = {k: sum(e[k] for e in empty) / len(empty) for k in empty[0]}
+    even, odd = scored[0::2], scored[1::2]
+    t_even, t_odd = fit(even, prior), fit(odd, prior)
     lines = [
         "| decision | called a tool when one was needed | right tool | no call when none was needed | right decisions |",
         "|---|---|---|---|---|",
-        table("free (the model decides anywhere)", free),
-        table(f"threshold {threshold:.2f} at the first token, all 40", decided),
-        table("  of which the held-out (odd) prompts", decided[1::2]),
+        table("free (as shipped)", free),
+        table(f"calibrated prefix score, fitted on even prompts (t={t_even}), odd prompts", calibrated(odd, prior, t_even)),
+        table(f"calibrated prefix score, fitted on odd prompts (t={t_odd}), even prompts", calibrated(even, prior, t_odd)),
     ]
-    separable = [r["marker_logprob"] for r in free if r["marker_logprob"] is not None]
-    lines += ["", f"threshold chosen on the 20 even prompts: {threshold:.3f} (log-probability of {engine.tokenizer.decode([engine._grammar_tokenizer.marker_first_id])!r} at the first token)",
-              "marker log-probability, tool prompts: " + ", ".join(f"{r['marker_logprob']:.2f}" for r in free if r["tool"] and r["marker_logprob"] is not None),
-              "marker log-probability, no-tool prompts: " + ", ".join(f"{r['marker_logprob']:.2f}" for r in free if not r["tool"] and r["marker_logprob"] is not None)]
-    if held_out and separable:
-        lines.append(f"(held-out prompts by the free run's log-probabilities alone: {sum((r['marker_logprob'] >= threshold) == bool(r['tool']) for r in held_out)}/{len(held_out)})")
     (out / "records.jsonl").write_text("".join(json.dumps({"run": "free", **r}) + "\n" for r in free)
-                                       + "".join(json.dumps({"run": "threshold", "threshold": threshold, **r}) + "\n" for r in decided))
+                                       + "".join(json.dumps({"run": "scores", **r}) + "\n" for r in scored))
     text = "\n".join(lines)
     (out / "table.md").write_text(text + "\n")
     print(text)
-    assert math.isfinite(threshold)
     return 0
 
 

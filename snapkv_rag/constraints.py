@@ -23,7 +23,6 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -67,9 +66,6 @@ def closed_objects(schema: Any) -> Any:
 def _json_rule(schema: dict[str, Any]) -> str:
     options = {**(schema.get("x-guidance") or {}), **JSON_OPTIONS}
     return "%json " + json.dumps({**closed_objects(schema), "x-guidance": options}, ensure_ascii=False)
-
-
-TEXT_ONLY_GRAMMAR = f"%llguidance {{}}\nstart: TEXT\nTEXT: /(.|\\n)+/ & ~/(.|\\n)*{MARKER}(.|\\n)*/\n"
 
 
 def grammar_for(spec: OutputSpec) -> str | None:
@@ -175,8 +171,6 @@ class GrammarTokenizer:
         # Tokens that can open or close a JSON string or container: the only ones whose effect
         # on JsonDepth depends on more than "leave it as it is".
         self.structural_ids = np.array([i for i, t in enumerate(self.token_texts) if _STRUCTURAL.intersection(t)], dtype=np.int64)
-        # The first token of a call block as the model would write it at the start of a reply.
-        self.marker_first_id = int(tokenizer(CALL_OPEN, add_special_tokens=False)["input_ids"][0])
 
     def matcher(self, grammar: str):
         import llguidance
@@ -200,32 +194,11 @@ def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
     return bits.view(bitmask.shape[0], -1)[:, :vocab_size]
 
 
-@dataclass
-class CallDecision:
-    """One "auto" tool row's call-or-answer decision at its first token."""
-
-    call_matcher: Any | None  # the row's grammar with a call forced (None: no threshold, nothing to decide)
-    text_matcher: Any | None  # text that never starts a call
-    threshold: float | None
-    logprob: float | None = None  # log-probability of the call marker's first token at step 0
-    call: bool | None = None  # the decision (None without a threshold)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"marker_logprob": self.logprob, "threshold": self.threshold, "call": self.call}
-
-
 class BatchConstraint:
     """Per-row grammar matchers for one decode run; ``None`` rows are unconstrained."""
 
-    def __init__(
-        self,
-        matchers: Sequence[Any | None],
-        grammar_tokenizer: GrammarTokenizer,
-        max_new_tokens: int | None = None,
-        decisions: Sequence["CallDecision | None"] | None = None,
-    ):
+    def __init__(self, matchers: Sequence[Any | None], grammar_tokenizer: GrammarTokenizer, max_new_tokens: int | None = None):
         self.matchers = list(matchers)
-        self.decisions = list(decisions) if decisions is not None else [None] * len(self.matchers)
         self.grammar_tokenizer = grammar_tokenizer
         self.vocab_size = vocab_size = grammar_tokenizer.vocab_size
         self.eos_token_ids = eos_token_ids = grammar_tokenizer.eos_token_ids
@@ -248,31 +221,14 @@ class BatchConstraint:
         if all(g is None for g in grammars):
             return None
         matchers = [grammar_tokenizer.matcher(g) if g is not None else None for g in grammars]
-        decisions = [
-            CallDecision(grammar_tokenizer.matcher(grammar_for(replace(s, tool_choice="required"))), grammar_tokenizer.matcher(TEXT_ONLY_GRAMMAR), s.call_threshold)
-            if s.decides_call else CallDecision(None, None, None) if s.calls_tools and s.tool_choice == "auto" else None
-            for s in specs
-        ]
-        return cls(matchers, grammar_tokenizer, max_new_tokens, decisions)
+        return cls(matchers, grammar_tokenizer, max_new_tokens)
 
     def subset(self, indices: Sequence[int]) -> "BatchConstraint | None":
         """The constraint of some rows (before any step), for a batch that runs in buckets."""
         matchers = [self.matchers[i] for i in indices]
         if all(m is None for m in matchers):
             return None
-        return BatchConstraint(matchers, self.grammar_tokenizer, self.max_new_tokens, [self.decisions[i] for i in indices])
-
-    def _decide(self, logits: torch.Tensor) -> None:
-        """At the first step of "auto" tool rows: record the call marker's log-probability and,
-        where a threshold is set, commit the row to a call or to an answer by it."""
-        marker = self.grammar_tokenizer.marker_first_id
-        for i, decision in enumerate(self.decisions):
-            if decision is None or decision.logprob is not None:
-                continue
-            decision.logprob = float(torch.log_softmax(logits[i].float(), dim=-1)[marker])
-            if decision.threshold is not None:
-                decision.call = decision.logprob >= decision.threshold
-                self.matchers[i] = decision.call_matcher if decision.call else decision.text_matcher
+        return BatchConstraint(matchers, self.grammar_tokenizer, self.max_new_tokens)
 
     def _active(self) -> list[int]:
         return [i for i, m in enumerate(self.matchers) if m is not None and not m.is_stopped()]
@@ -283,8 +239,6 @@ class BatchConstraint:
     def mask(self, logits: torch.Tensor) -> torch.Tensor:
         """Set disallowed logits of constrained rows to -inf (in place); returns ``logits``."""
         start = time.perf_counter()
-        if self.steps == 0:
-            self._decide(logits)
         rows = self._constrained()
         if rows:
             row_bytes = self._words * 4

@@ -35,7 +35,7 @@ from .tools import (
 
 Compression = CompressionPolicy | str | None
 StreamPiece = str | ToolCallDelta
-_OUTPUT_KEYS = ("tools", "tool_choice", "response_format", "parallel_tool_calls", "max_tool_calls", "tool_call_threshold")
+_OUTPUT_KEYS = ("tools", "tool_choice", "response_format", "parallel_tool_calls", "max_tool_calls")
 
 
 def output_specs(n: int, options: dict[str, Any], *, per_row: bool = False) -> list[OutputSpec]:
@@ -50,7 +50,6 @@ def output_specs(n: int, options: dict[str, Any], *, per_row: bool = False) -> l
     fmt = options.get("response_format")
     parallel = options.get("parallel_tool_calls", False)
     max_calls = options.get("max_tool_calls")
-    threshold = options.get("tool_call_threshold")
 
     def rows(value: Any, is_per_row: bool) -> list[Any]:
         if not (per_row and is_per_row):
@@ -67,7 +66,7 @@ def output_specs(n: int, options: dict[str, Any], *, per_row: bool = False) -> l
         if not t and c is None and f is None:
             specs.append(TEXT)
         else:
-            specs.append(build_output_spec(t, c, f, parallel, max_calls, threshold))
+            specs.append(build_output_spec(t, c, f, parallel, max_calls))
     return specs
 
 
@@ -591,14 +590,7 @@ class Engine:
             low_rank_state_bytes=run.row_low_rank_bytes(),
             low_rank_state_tokens=run.row_low_rank_bytes() / info.kv_bytes_per_token,
             low_rank_ms_per_step=run.low_rank_ms_per_step,
-            tool_decision=self._tool_decision(request, row),
         )
-
-    @staticmethod
-    def _tool_decision(request: _Request, row: int) -> dict[str, Any] | None:
-        decisions = request.constraint.decisions if request.constraint is not None else None
-        decision = decisions[row] if decisions is not None else None
-        return decision.to_dict() if decision is not None and decision.logprob is not None else None
 
     def _stream_request(self, request: _Request, cancel: threading.Event | None = None) -> GenerationStream:
         cancel = cancel or threading.Event()

@@ -59,7 +59,6 @@ class GenerationStats:
     decode_ms_quartiles: tuple[float, float] | None = None  # 25th/75th percentile of step times (4+ steps after the first)
     tool_call_tail_dropped: bool = False  # max_new_tokens ran out inside a call after complete ones; those were returned
     duplicate_tool_calls: bool = False  # the model repeated a call of this turn; the repeat was dropped and the turn ended
-    tool_decision: dict[str, Any] | None = None  # tool_choice="auto": the call marker's log-probability at the first token, threshold, decision
 
     @property
     def compression_ratio(self) -> float:

@@ -111,13 +111,6 @@ class OutputSpec:
     json_schema: dict[str, Any] | None = None  # response_format, as a schema ({"type": "object"} for json_object)
     schema_name: str | None = None
     max_tool_calls: int = DEFAULT_MAX_TOOL_CALLS  # with parallel_tool_calls: calls per turn at most
-    # "auto" only: decide call-or-answer once, at the first token, by the log-probability of the
-    # call marker's first token against this threshold (None: the model may start a call anywhere).
-    call_threshold: float | None = None
-
-    @property
-    def decides_call(self) -> bool:
-        return self.call_threshold is not None and self.calls_tools and self.tool_choice == "auto" and self.json_schema is None
 
     @property
     def call_limit(self) -> int:
@@ -212,7 +205,6 @@ def build_output_spec(
     response_format: Any = None,
     parallel_tool_calls: bool = False,
     max_tool_calls: int | None = None,
-    call_threshold: float | None = None,
 ) -> OutputSpec:
     """Validate one row's request; raises :class:`StructuredOutputError` on anything malformed."""
     if max_tool_calls is None:
@@ -251,9 +243,7 @@ def build_output_spec(
     schema, schema_name = _response_schema(response_format)
     if schema is not None and choice in ("required", "function"):
         raise StructuredOutputError("response_format cannot be combined with a tool_choice that forces a call")
-    if call_threshold is not None and (isinstance(call_threshold, bool) or not isinstance(call_threshold, (int, float))):
-        raise StructuredOutputError(f"tool_call_threshold must be a number (a log-probability) or None, got {call_threshold!r}")
-    return OutputSpec(specs, choice, forced, parallel_tool_calls, schema, schema_name, max_tool_calls, call_threshold)
+    return OutputSpec(specs, choice, forced, parallel_tool_calls, schema, schema_name, max_tool_calls)
 
 
 def validate_instance(value: Any, schema: dict[str, Any], what: str) -> None:

@@ -10,20 +10,11 @@ import sys
 
 import pytest
 
-from conftest import build_tokenizer, tiny_model
+from test_rag_cli import model_dir  # noqa: F401 (a tiny Llama saved to disk, shared fixture)
 from snapkv_rag.cli import main
 from snapkv_rag.rag.loaders import iter_files, load_file
 
 FERRY = "# Ferry\n\nThe first ferry leaves the harbour at 6:40 on weekdays. Tickets cost 3.40 crowns."
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny-llama-defects")
-    tokenizer = build_tokenizer()
-    tiny_model("llama", len(tokenizer), context=2048).save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return str(path)
 
 
 @pytest.fixture()

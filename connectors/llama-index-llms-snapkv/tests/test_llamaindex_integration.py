@@ -104,3 +104,23 @@ def test_function_agent_calls_its_tool_and_answers(llm, streaming):
     assert bool(deltas) == streaming
     roles = [m.role.value for m in memory.get_all()]
     assert roles[:3] == ["user", "assistant", "tool"] and roles[-1] == "assistant"
+
+
+def test_function_agent_with_default_settings_does_not_crash(embedded_engine):
+    """Issue 28: FunctionAgent's defaults (parallel tool calls allowed, SnapKVLLM's defaults) on the
+    embedded model. SmolLM2 used to write the same call until max_new_tokens ran out and the
+    engine raised through the agent; whatever the model decides now, the run ends cleanly."""
+
+    def multiply(a: int, b: int) -> int:
+        """Multiply two integers."""
+        return a * b
+
+    agent = FunctionAgent(tools=[multiply], llm=SnapKVLLM(embedded_engine))
+
+    async def run():
+        return await agent.run("What is 12 times 7? Use the tool.")
+
+    result = asyncio.run(run())
+    assert str(result.response.content).strip() or result.tool_calls
+    for call in result.tool_calls:
+        assert call.tool_name == "multiply" and not call.tool_output.is_error

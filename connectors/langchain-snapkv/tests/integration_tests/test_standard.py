@@ -101,3 +101,21 @@ class TestSnapKVStuffingRetriever(RetrieversIntegrationTests):
     @property
     def num_results_arg_name(self) -> str:
         return "k"
+
+
+@pytest.mark.integration
+def test_create_agent_with_default_settings_does_not_crash():
+    """Issue 28: langchain's create_agent with ChatSnapKV's defaults and tool_choice left to the model."""
+    from langchain.agents import create_agent
+    from langchain_core.messages import HumanMessage
+    from langchain_core.tools import tool
+
+    @tool
+    def multiply(a: int, b: int) -> int:
+        """Multiply two integers."""
+        return a * b
+
+    agent = create_agent(ChatSnapKV(model="default"), tools=[multiply])
+    state = agent.invoke({"messages": [HumanMessage("What is 12 times 7? Use the tool.")]})
+    last = state["messages"][-1]
+    assert last.type == "ai" and (last.content or last.tool_calls)
