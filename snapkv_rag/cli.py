@@ -96,11 +96,14 @@ def cmd_chat(args) -> int:
 
 
 def cmd_info(args) -> int:
+    from .loading import cpu_bf16_support
+
     info = load_engine(args).info()
+    details = {**info.to_dict(), "cpu_native_bf16": cpu_bf16_support() or "no"}
     if args.json:
-        print(json.dumps(info.to_dict(), indent=2))
+        print(json.dumps(details, indent=2))
     else:
-        for key, value in info.to_dict().items():
+        for key, value in details.items():
             print(f"{key:>20}: {value}")
     return 0
 

@@ -94,6 +94,22 @@ def _check_device(dev: torch.device) -> None:
         raise InvalidDeviceError(f"device {str(dev)!r} is not available here; use cpu or cuda")
 
 
+def cpu_bf16_support() -> str | None:
+    """The CPU feature that computes bf16 natively (AMX-BF16, AVX512-BF16, ARM BF16), or None."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return None
+    flags: set[str] = set()
+    for line in text.splitlines():
+        if line.startswith(("flags", "Features")):
+            flags.update(line.split(":", 1)[-1].split())
+    for flag, name in (("amx_bf16", "AMX-BF16"), ("avx512_bf16", "AVX512-BF16"), ("bf16", "ARM BF16")):
+        if flag in flags:
+            return name
+    return None
+
+
 def choose_device(device: str | torch.device | None = None, dtype: str | torch.dtype | None = None) -> DeviceChoice:
     """cuda when present, else cpu; bf16 on GPU, fp32 on CPU (this CPU has no native bf16).
 

@@ -1,0 +1,76 @@
+"""bf16 against fp32 on the embedded model: next-token KL, top-1 and greedy agreement (issue 25).
+
+The eval's fidelity prompts (document collections with a question, ``fidelity_prompt``) of
+about 2K and 4K tokens, seeds 0-1, and needle prompts: the fp32 model's own 32-token greedy
+continuation is the reference; both dtypes are teacher-forced over it (full cache, and SnapKV
+1024 with the question window) and the bf16 model's greedy continuation is compared with it.
+
+    .venv/bin/python eval/dtype_fidelity.py [--out eval/results/dtype_fidelity]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+from snapkv_rag import Engine  # noqa: E402
+from snapkv_rag.evaluation.needle import build_needle_case  # noqa: E402
+from snapkv_rag.evaluation.runner import fidelity_prompt  # noqa: E402
+from snapkv_rag.metrics import greedy_agreement  # noqa: E402
+
+CONTINUATION = 32
+METHODS = {"full": None, "snapkv 1024": "snapkv:budget=1024,window=question"}
+
+
+def prompts(tokenizer) -> list[tuple[str, object]]:
+    out = [(f"documents {n}, seed {s}", fidelity_prompt(n, s)) for n in (2000, 4000) for s in (0, 1)]
+    out += [(f"needle {n}", build_needle_case(tokenizer, n, 0.5, seed=3).prompt) for n in (2000, 4000)]
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=str(ROOT / "eval/results/dtype_fidelity"))
+    args = ap.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    fp32, bf16 = Engine.default(dtype="float32"), Engine.default(dtype="bfloat16")
+    records = []
+    for name, prompt in prompts(fp32.tokenizer):
+        for method, spec in METHODS.items():
+            reference = fp32.generate(prompt, compression=spec, max_new_tokens=CONTINUATION, ignore_eos=True)
+            ids = reference.token_ids[:CONTINUATION]
+            p = torch.log_softmax(fp32.score(prompt, ids, compression=spec), -1)
+            q = torch.log_softmax(bf16.score(prompt, ids, compression=spec), -1)
+            kl = (p.exp() * (p - q)).sum(-1)
+            own = bf16.generate(prompt, compression=spec, max_new_tokens=CONTINUATION, ignore_eos=True).token_ids[:CONTINUATION]
+            prefix, overall = greedy_agreement(ids, own)
+            records.append({"prompt": name, "prompt_tokens": reference.usage.prompt_tokens, "method": method,
+                            "mean_kl": float(kl.mean()), "max_kl": float(kl.max()),
+                            "top1": float((p.argmax(-1) == q.argmax(-1)).float().mean()),
+                            "greedy_prefix": prefix, "greedy_overall": overall, "same_text": own == ids})
+            print(json.dumps(records[-1]), flush=True)
+    (out / "records.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    lines = ["| cache | prompts | mean KL(fp32 ‖ bf16) | max KL | top-1 agreement | greedy agreement (prefix) | greedy agreement (overall) | identical 32-token continuations |",
+             "|---|---|---|---|---|---|---|---|"]
+    for method in METHODS:
+        rows = [r for r in records if r["method"] == method]
+        lines.append(f"| {method} | {len(rows)} | {statistics.mean(r['mean_kl'] for r in rows):.4f} | {max(r['max_kl'] for r in rows):.3f} | "
+                     f"{statistics.mean(r['top1'] for r in rows):.3f} | {statistics.mean(r['greedy_prefix'] for r in rows):.3f} | "
+                     f"{statistics.mean(r['greedy_overall'] for r in rows):.3f} | {sum(r['same_text'] for r in rows)}/{len(rows)} |")
+    table = "\n".join(lines)
+    (out / "table.md").write_text(table + "\n")
+    print(table)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
