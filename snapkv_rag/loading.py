@@ -94,12 +94,15 @@ def _check_device(dev: torch.device) -> None:
         raise InvalidDeviceError(f"device {str(dev)!r} is not available here; use cpu or cuda")
 
 
-def cpu_bf16_support() -> str | None:
-    """The CPU feature that computes bf16 natively (AMX-BF16, AVX512-BF16, ARM BF16), or None."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return None
+def cpu_bf16_support(cpuinfo: str | None = None) -> str | None:
+    """The CPU feature that computes bf16 natively (AMX-BF16, AVX512-BF16, ARM BF16), or None.
+    Read from ``/proc/cpuinfo`` (or the ``cpuinfo`` text given); None where it cannot be read."""
+    text = cpuinfo
+    if text is None:
+        try:
+            text = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            return None
     flags: set[str] = set()
     for line in text.splitlines():
         if line.startswith(("flags", "Features")):
