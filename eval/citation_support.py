@@ -86,8 +86,8 @@ def main() -> int:
     (out / "records.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
 
     lines = [
-        f"| attribution | gold precision | gold recall | gold F1 (macro) | gold F1, right answers | answerable: sentences cited | "
-        f"unanswerable: sentences cited | unanswerable: answers citing anything |",
+        "| attribution | gold precision | gold recall | gold F1 (macro) | gold F1, right answers | answerable: sentences cited | "
+        "unanswerable: sentences cited | unanswerable: answers citing anything |",
         "|---|---|---|---|---|---|---|---|",
     ]
     ans = [r for r in records if r["set"] == "answerable"]

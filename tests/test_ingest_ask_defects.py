@@ -3,7 +3,6 @@ drops, noise, encodings, budgets that hold nothing, a mistyped store, chunk numb
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
