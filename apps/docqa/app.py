@@ -721,7 +721,8 @@ def answer_question(question: str, engine: Engine | None, engine_error: str | No
         except Exception as exc:  # say so in the page, keep the app running and every answer already made
             turn.error = str(exc) if isinstance(exc, SnapKVRagError) else f"Answering failed: {type(exc).__name__}: {exc}"
             turn.runs = [r for r in runs if r.answer is not None]
-            st.error(f"{runs[len(turn.runs)].label}: {turn.error}" if turn.runs else turn.error)
+            failed = runs[len(turn.runs)].label if 0 < len(turn.runs) < len(runs) else None
+            st.error(f"{failed}: {turn.error}" if failed else turn.error)
             return turn
         turn.runs = runs
         if len(runs) == 2:

@@ -1,0 +1,61 @@
+"""bf16 against fp32 on the RAG answers: the 40 sample questions, 1000 stuffed tokens, full cache and
+the default SnapKV (question window, 1024), 32 new tokens, greedy. Accuracy = the gold answer string
+appears in the answer; also how many answers are identical across the two dtypes.
+
+    .venv/bin/python eval/dtype_answers.py [--out eval/results/dtype_answers]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from snapkv_rag import Engine  # noqa: E402
+from snapkv_rag.evaluation.rag_citation import answer_correct, load_questions  # noqa: E402
+from snapkv_rag.rag import DocumentQA, DocumentStore  # noqa: E402
+
+METHODS = {"full": None, "snapkv 1024 (default)": "snapkv:budget=1024,window=question"}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=str(ROOT / "eval/results/dtype_answers"))
+    args = ap.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    questions = load_questions(ROOT / "examples/sample_questions.jsonl")
+    records = []
+    with tempfile.TemporaryDirectory(prefix="snapkv-dtype-") as tmp:
+        store = DocumentStore("dtype-answers", path=tmp)
+        store.ingest([ROOT / "examples/sample_corpus"])
+        for dtype in ("float32", "bfloat16"):
+            qa = DocumentQA(Engine.default(dtype=dtype), store, compression=None, context_tokens=1000, max_new_tokens=32)
+            for q in questions:
+                context = qa.retrieve(q.question)
+                for method, spec in METHODS.items():
+                    answer = qa.answer_context(context, compression=spec)
+                    records.append({"dtype": dtype, "method": method, "question": q.question, "answer": answer.text,
+                                    "correct": answer_correct(answer.text, q.answer)})
+    (out / "records.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    lines = ["| cache | fp32 accuracy | bf16 accuracy | identical answers | right in fp32 only | right in bf16 only |", "|---|---|---|---|---|---|"]
+    for method in METHODS:
+        a = {r["question"]: r for r in records if r["method"] == method and r["dtype"] == "float32"}
+        b = {r["question"]: r for r in records if r["method"] == method and r["dtype"] == "bfloat16"}
+        n = len(a)
+        lines.append(f"| {method} | {sum(r['correct'] for r in a.values())}/{n} | {sum(r['correct'] for r in b.values())}/{n} | "
+                     f"{sum(a[k]['answer'] == b[k]['answer'] for k in a)}/{n} | {sum(a[k]['correct'] and not b[k]['correct'] for k in a)} | "
+                     f"{sum(b[k]['correct'] and not a[k]['correct'] for k in a)} |")
+    table = "\n".join(lines)
+    (out / "table.md").write_text(table + "\n")
+    print(table)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
