@@ -40,7 +40,9 @@ def test_info_json(model_dir, capsys):
     assert main(["info", "--model", model_dir, "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert (data["num_layers"], data["num_query_heads"], data["num_kv_heads"], data["head_dim"]) == (2, 4, 2, 16)
-    assert data["kv_bytes_per_token"] == 2 * 2 * 2 * 16 * 4
+    # bf16 by default on a CPU that computes it natively, fp32 elsewhere (issue 25)
+    assert data["dtype"] == ("float32" if data["cpu_native_bf16"] == "no" else "bfloat16")
+    assert data["kv_bytes_per_token"] == 2 * 2 * 2 * 16 * {"float32": 4, "bfloat16": 2}[data["dtype"]]
 
 
 def test_chat_reads_turns(model_dir, capsys, monkeypatch):
