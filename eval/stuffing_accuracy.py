@@ -1,0 +1,70 @@
+"""Answer accuracy against stuffed tokens on the embedded model (issue 30: defaults a user can trust).
+
+The 40 sample questions over examples/sample_corpus, retrieval-ranked chunks stuffed into 1K,
+2K, 4K and "fill" (everything that fits the 8K context) LLM tokens, answered with the full
+cache and with DocumentQA's default policy (SnapKV 1024, question window), 32 new tokens,
+greedy, the engine's default dtype. Accuracy = the gold answer string appears in the answer.
+
+    .venv/bin/python eval/stuffing_accuracy.py [--out eval/results/stuffing_accuracy] [--questions N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from snapkv_rag import Engine  # noqa: E402
+from snapkv_rag.evaluation.rag_citation import answer_correct, is_gold_file, load_questions  # noqa: E402
+from snapkv_rag.rag import DocumentQA, DocumentStore  # noqa: E402
+from snapkv_rag.rag.qa import DEFAULT_COMPRESSION  # noqa: E402
+
+SIZES = {"1K": 1000, "2K": 2000, "4K": 4000, "fill": None}
+METHODS = {"full": None, "snapkv 1024 (default)": DEFAULT_COMPRESSION}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=str(ROOT / "eval/results/stuffing_accuracy"))
+    ap.add_argument("--questions", type=int, default=None)
+    args = ap.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    questions = load_questions(ROOT / "examples/sample_questions.jsonl", args.questions)
+    engine = Engine.default()
+    records = []
+    with tempfile.TemporaryDirectory(prefix="snapkv-stuffing-") as tmp:
+        store = DocumentStore("stuffing-accuracy", path=tmp)
+        store.ingest([ROOT / "examples/sample_corpus"])
+        for size, tokens in SIZES.items():
+            qa = DocumentQA(engine, store, compression=None, context_tokens=tokens, max_new_tokens=32)
+            for q in questions:
+                context = qa.retrieve(q.question)
+                gold_in = any(is_gold_file(c.file, q.gold) for c in context.chunks)
+                for method, policy in METHODS.items():
+                    answer = qa.answer_context(context, compression=policy)
+                    records.append({"size": size, "method": method, "question": q.question, "prompt_tokens": answer.result.usage.prompt_tokens,
+                                    "chunks": len(context.chunks), "gold_stuffed": gold_in, "answer": answer.text,
+                                    "correct": answer_correct(answer.text, q.answer), "prefill_seconds": answer.result.stats.prefill_seconds})
+                    print(json.dumps(records[-1]), flush=True)
+    (out / "records.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    lines = ["| stuffed | median prompt tokens | gold file stuffed | full cache accuracy | SnapKV 1024 (default) accuracy |", "|---|---|---|---|---|"]
+    for size in SIZES:
+        rows = {m: [r for r in records if r["size"] == size and r["method"] == m] for m in METHODS}
+        full, snap = rows["full"], rows["snapkv 1024 (default)"]
+        lines.append(f"| {size} | {statistics.median(r['prompt_tokens'] for r in full):.0f} | {sum(r['gold_stuffed'] for r in full)}/{len(full)} | "
+                     f"{sum(r['correct'] for r in full)}/{len(full)} | {sum(r['correct'] for r in snap)}/{len(snap)} |")
+    table = "\n".join(lines)
+    (out / "table.md").write_text(table + "\n")
+    print(table)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
