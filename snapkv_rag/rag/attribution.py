@@ -26,8 +26,9 @@ precision unchanged (0.988), so 0.2 is hybrid's default.
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from functools import lru_cache
 
 from .embeddings import Embedder
 
@@ -76,17 +77,19 @@ def _numbers(text: str) -> set[str]:
     return {_normal_number(raw) for raw in _NUMBER.findall(text)}
 
 
-def _counted(text: str) -> set[str]:
-    """Each number with the word that follows it when that word says what is counted
-    ("12 beds" -> "12 bed"), so "12 beds" is not supported by a chunk's "12 bakeries"."""
+def _number_words(text: str, reach: int) -> Iterator[tuple[str, str]]:
+    """``(normalised number, word)`` for each word of 3+ letters among the ``reach`` tokens after a number."""
     tokens = _TOKEN.findall(text)
-    out = set()
     for i, token in enumerate(tokens):
-        if token[0].isdigit() and ":" not in _normal_number(token) and i + 1 < len(tokens):
-            unit = tokens[i + 1].lower()
-            if unit[0].isalpha() and len(unit) >= 3 and unit not in STOPWORDS and unit not in _NOT_UNITS:
-                out.add(f"{_normal_number(token)} {unit}")
-    return out
+        if token[0].isdigit():
+            number = _normal_number(token)
+            yield from ((number, w.lower()) for w in tokens[i + 1 : i + 1 + reach] if w[0].isalpha() and len(w) >= 3)
+
+
+def _counted(text: str) -> set[str]:
+    """Each number with the word right after it when that word says what is counted
+    ("12 beds"), so "12 beds" is not supported by a chunk's "12 bakeries". Times have no unit."""
+    return {f"{n} {w}" for n, w in _number_words(text, 1) if ":" not in n and w not in STOPWORDS and w not in _NOT_UNITS}
 
 
 _NOT_UNITS = frozenset({"a.m", "p.m", "am", "pm", "and", "or", "per", "years", "year"})
@@ -109,13 +112,32 @@ def key_facts(sentence: str, question: str = "") -> set[str]:
     return facts
 
 
+@dataclass(frozen=True)
+class _ChunkEvidence:
+    numbers: frozenset[str]  # normalised numbers, and "N unit" (4 letters) for words up to 3 after each
+    words: frozenset[str]  # lower-cased words, with and without trailing '.', ':' or "'"
+    stems: frozenset[str]  # first five letters of words of 4+ letters (not stopwords)
+
+
+@lru_cache(maxsize=4096)
+def _evidence(chunk_text: str) -> _ChunkEvidence:
+    """What the fact gate looks up in one chunk, computed once per chunk text (every answer
+    sentence and every sweep setting asks the same chunks)."""
+    words = [w.lower() for w in _WORD.findall(chunk_text)]
+    counted = {f"{n} {w[:4]}" for n, w in _number_words(chunk_text, 3)}
+    return _ChunkEvidence(
+        frozenset(_numbers(chunk_text) | counted),
+        frozenset(words) | frozenset(w.strip(".:'") for w in words),
+        frozenset(w[:5] for w in words if len(w) >= 4 and w not in STOPWORDS),
+    )
+
+
 def facts_in(facts: set[str], chunk_text: str) -> set[str]:
     """The ``facts`` that ``chunk_text`` contains."""
     if not facts:
         return set()
-    numbers = _numbers(chunk_text) | _counted_near(chunk_text)
-    words = {w.lower() for w in _WORD.findall(chunk_text)} | {w.lower().strip(".:'") for w in _WORD.findall(chunk_text)}
-    return {f for f in facts if _unit_prefix(f) in numbers or f in words}
+    evidence = _evidence(chunk_text)
+    return {f for f in facts if _unit_prefix(f) in evidence.numbers or f in evidence.words}
 
 
 def _unit_prefix(fact: str) -> str:
@@ -124,16 +146,6 @@ def _unit_prefix(fact: str) -> str:
     number, _, unit = fact.partition(" ")
     return f"{number} {unit[:4]}" if unit else fact
 
-
-def _counted_near(text: str, reach: int = 3) -> set[str]:
-    """Like :func:`_counted`, but with any of the next ``reach`` words ("12 single beds")."""
-    tokens = _TOKEN.findall(text)
-    out = set()
-    for i, token in enumerate(tokens):
-        if token[0].isdigit():
-            number = _normal_number(token)
-            out.update(f"{number} {w.lower()[:4]}" for w in tokens[i + 1 : i + 1 + reach] if w[0].isalpha() and len(w) >= 3)
-    return out
 
 
 def split_sentences(text: str) -> list[str]:
@@ -163,7 +175,7 @@ def _stems(text: str) -> set[str]:
 def absent_subjects(sentence: str, question: str, chunk_texts: Sequence[str]) -> set[str]:
     """Words the sentence takes from the question (4+ letters, not stopwords) that no chunk
     contains, compared by their first five letters: the documents do not talk about them."""
-    present = set().union(*(_stems(t) for t in chunk_texts)) if chunk_texts else set()
+    present = set().union(*(_evidence(t).stems for t in chunk_texts))
     asked = _stems(question)
     return {w.lower() for w in _WORD.findall(sentence) if len(w) >= 4 and w.lower()[:5] in asked and w.lower()[:5] not in present and w.lower() not in STOPWORDS}
 
