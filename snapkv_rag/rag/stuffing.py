@@ -148,19 +148,21 @@ class StuffingRetriever:
                 f"no room is left in the {context}-token context for documents"
             )
         room = cap - overhead if cap is not None else None
-        if self.context_tokens is None:
-            recommended = getattr(self.engine, "recommended_context_tokens", None)
-            if recommended is not None and not self.whole_collection:  # a model that answers best from a shorter stuffing
-                return (min(recommended, room) if room is not None else recommended), cap if cap is not None else overhead + recommended
-            if room is None:
-                raise ContextBudgetError("the model reports no context length; pass context_tokens")
-            return room, cap
-        if room is not None and self.context_tokens > room:
-            raise ContextBudgetError(
-                f"context_tokens={self.context_tokens} does not fit: the model's context is {context} tokens, "
-                f"max_new_tokens={self.max_new_tokens} and the rest of the prompt takes {overhead}; use at most {room}"
-            )
-        return self.context_tokens, cap if cap is not None else overhead + self.context_tokens
+        recommended = None if self.whole_collection else getattr(self.engine, "recommended_context_tokens", None)
+        if self.context_tokens is not None:
+            if room is not None and self.context_tokens > room:
+                raise ContextBudgetError(
+                    f"context_tokens={self.context_tokens} does not fit: the model's context is {context} tokens, "
+                    f"max_new_tokens={self.max_new_tokens} and the rest of the prompt takes {overhead}; use at most {room}"
+                )
+            budget = self.context_tokens
+        elif recommended is not None:  # a model that answers best from a shorter stuffing
+            budget = recommended if room is None else min(recommended, room)
+        elif room is None:
+            raise ContextBudgetError("the model reports no context length; pass context_tokens")
+        else:
+            budget = room
+        return budget, cap if cap is not None else overhead + budget
 
     def _candidates(self, question: str, budget: int) -> tuple[list[StoredChunk], int]:
         """(distinct candidates, best first; how many repeated a better-ranked chunk's text)."""
