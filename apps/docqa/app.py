@@ -38,6 +38,7 @@ from snapkv_rag.loading import cache_root  # noqa: E402
 from snapkv_rag.metrics import citation_prf  # noqa: E402
 from snapkv_rag.rag import Answer, DocumentQA, DocumentStore, Embedder, IngestReport, Skipped  # noqa: E402
 from snapkv_rag.rag.kept import DocumentKept, kept_per_document  # noqa: E402
+from snapkv_rag.rag.qa import small_model_note  # noqa: E402
 from snapkv_rag.rag.loaders import SUPPORTED_SUFFIXES, iter_files  # noqa: E402
 from snapkv_rag.rag.store import default_store_dir, make_client, validate_collection_name  # noqa: E402
 
@@ -150,21 +151,6 @@ class Settings:
     def sampling(self) -> dict[str, Any]:
         # A fixed seed makes sampled answers repeatable, so both sides of a comparison draw alike.
         return {"temperature": self.temperature, **({"seed": 0} if self.temperature > 0 else {})}
-
-
-SMALL_MODEL_PARAMETERS = 1_000_000_000
-
-
-def model_note(engine: Engine) -> str | None:
-    """What to expect of a small model's answers, said where the answer is read."""
-    info = engine.info()
-    if not info.parameters or info.parameters >= SMALL_MODEL_PARAMETERS:
-        return None
-    return (
-        f"Answered by a {info.parameters / 1e6:.0f}M-parameter model: it is often wrong even with the full cache, may invent "
-        "numbers or names the documents do not contain (the sources say \"not supported\" then), and answers in English. "
-        "For better answers start the app with a larger instruct model: `snapkv-rag app --model PATH_OR_HUB_ID`."
-    )
 
 
 def checked_policy(settings: Settings, engine: Engine | None):
@@ -706,7 +692,7 @@ def answer_question(question: str, engine: Engine | None, engine_error: str | No
             st.error(problem)
             turn.error = problem
             return turn
-        turn.model_note = model_note(engine)
+        turn.model_note = small_model_note(engine, "For better answers start the app with a larger instruct model: `snapkv-rag app --model PATH_OR_HUB_ID`.")
         qa = DocumentQA(engine, store, compression=None, context_tokens=settings.context_tokens, max_new_tokens=settings.max_new_tokens)
         runs = [Run("Full cache", "full")] if settings.side_by_side else []
         runs.append(Run(settings.label, settings.method))

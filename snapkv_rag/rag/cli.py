@@ -129,7 +129,7 @@ def _describe(answer) -> list[str]:
 
 def cmd_ask(args) -> int:
     from ..cli_common import load_engine
-    from .qa import DocumentQA
+    from .qa import DocumentQA, small_model_note
 
     sampling, compression = _qa_kwargs(args)
     store = _store(args, create=False)
@@ -153,18 +153,7 @@ def cmd_ask(args) -> int:
         sys.stdout.write(piece)
         sys.stdout.flush()
     print("\n".join(_describe(stream.answer)))
-    note = small_model_note(qa.engine)
+    note = small_model_note(qa.engine, "--model PATH_OR_HUB_ID takes a larger instruct model.")
     if note:
-        print(note, file=sys.stderr)
+        print(f"note: {note}", file=sys.stderr)
     return 0
-
-
-def small_model_note(engine) -> str | None:
-    """What to expect of a model under 1B parameters, said beside its answer."""
-    parameters = engine.info().parameters
-    if not parameters or parameters >= 1_000_000_000:
-        return None
-    return (
-        f"note: a {parameters / 1e6:.0f}M-parameter model answered; it is often wrong even with the full cache and "
-        "answers in English. --model PATH_OR_HUB_ID takes a larger instruct model."
-    )

@@ -141,6 +141,21 @@ def cite_with_support(
     return citations, invalid, supports
 
 
+SMALL_MODEL_PARAMETERS = 1_000_000_000
+
+
+def small_model_note(engine, remedy: str) -> str | None:
+    """What to expect of a model under 1B parameters, said where its answer is read (the CLI,
+    the app); ``remedy`` says how to use a larger one there. None for larger models."""
+    parameters = engine.info().parameters
+    if not parameters or parameters >= SMALL_MODEL_PARAMETERS:
+        return None
+    return (
+        f"Answered by a {parameters / 1e6:.0f}M-parameter model: it is often wrong even with the full cache, may invent "
+        'numbers or names the documents do not contain (marked "not supported"), and answers in English. ' + remedy
+    )
+
+
 class AnswerStream:
     """Iterate for answer text pieces; ``answer`` once exhausted."""
 
