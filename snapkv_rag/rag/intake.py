@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import SnapKVRagError
-from .loaders import SUPPORTED_SUFFIXES, Skipped, iter_files
+from .loaders import BINARY, Skipped, is_binary, iter_files, unsupported_reason
 from .store import validate_collection_name
 
 
@@ -43,12 +43,14 @@ def upload_problem(upload: Upload) -> str | None:
     name = upload.name
     if not name or Path(name).name != name or name.startswith(".") or name in (".", ".."):
         return "not a valid file name (no folders, not hidden)"
-    if Path(name).suffix.lower() not in SUPPORTED_SUFFIXES:
-        return f"unsupported file type {Path(name).suffix or '(none)'!r}"
+    suffix = Path(name).suffix
+    reason = unsupported_reason(suffix)
+    if reason is not None:
+        return reason
     if not upload.data:
         return "empty file"
-    if Path(name).suffix.lower() != ".pdf" and b"\x00" in upload.data[:8192]:
-        return "binary file (contains NUL bytes)"
+    if suffix.lower() != ".pdf" and is_binary(upload.data):  # the loader's own test, before anything is written
+        return BINARY
     return None
 
 

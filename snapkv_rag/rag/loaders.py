@@ -59,19 +59,28 @@ def iter_files(paths: Iterable[str | os.PathLike]) -> Iterator[Path | Skipped]:
                         yield Skipped(str(child.resolve()), f"hidden {kind} (name starts with '.'); name it explicitly to ingest it")
                     continue
                 if child.is_file():
-                    if child.suffix.lower() in SUPPORTED_SUFFIXES:
-                        yield child.resolve()
-                    else:
-                        yield Skipped(str(child.resolve()), f"unsupported file type {child.suffix or '(none)'!r}")
+                    reason = unsupported_reason(child.suffix)
+                    yield child.resolve() if reason is None else Skipped(str(child.resolve()), reason)
         elif path.is_file():
             yield path.resolve()
         else:
             yield Skipped(str(path), "no such file or folder")
 
 
+BINARY = "binary file (contains NUL bytes)"
+
+
+def unsupported_reason(suffix: str) -> str | None:
+    return None if suffix.lower() in SUPPORTED_SUFFIXES else f"unsupported file type {suffix or '(none)'!r}"
+
+
+def is_binary(data: bytes) -> bool:
+    return b"\x00" in data[:8192]
+
+
 def _decode(data: bytes) -> str:
-    if b"\x00" in data[:8192]:
-        raise _SkipFile("binary file (contains NUL bytes)")
+    if is_binary(data):
+        raise _SkipFile(BINARY)
     try:
         return data.decode("utf-8-sig")
     except UnicodeDecodeError as exc:
@@ -214,8 +223,9 @@ def load_file(
     source = str(path)
     suffix = path.suffix.lower()
     try:
-        if suffix not in SUPPORTED_SUFFIXES:
-            raise _SkipFile(f"unsupported file type {suffix or '(none)'!r}")
+        reason = unsupported_reason(suffix)
+        if reason is not None:
+            raise _SkipFile(reason)
         size = path.stat().st_size
         if size == 0:
             raise _SkipFile("empty file")
