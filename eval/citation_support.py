@@ -27,6 +27,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from results_io import write_records, write_table  # noqa: E402
+
 from snapkv_rag import Engine  # noqa: E402
 from snapkv_rag.evaluation.rag_citation import is_gold_file, load_questions  # noqa: E402
 from snapkv_rag.metrics import citation_prf  # noqa: E402
@@ -50,7 +52,6 @@ def main() -> int:
     ap.add_argument("--stored", default=str(ROOT / "eval/results/attribution/citation.jsonl"))
     args = ap.parse_args()
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
 
     engine = Engine.default()
     stored = [json.loads(line) for line in Path(args.stored).read_text().splitlines() if line.strip()]
@@ -83,7 +84,7 @@ def main() -> int:
                 row[name] = {"cited": numbers, "sentences": sentences, "cited_sentences": with_citation}
             row["top-2 retrieval"] = {"cited": [1, 2][: len(answer.context.chunks)]}
             records.append(row)
-    (out / "records.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    write_records(out, records)
 
     lines = [
         "| attribution | gold precision | gold recall | gold F1 (macro) | gold F1, right answers | answerable: sentences cited | "
@@ -115,9 +116,7 @@ def main() -> int:
             f"{name}: answers cited, right {sum(1 for r in correct if r[name]['cited'])}/{len(correct)}, "
             f"wrong {sum(1 for r in wrong if r[name]['cited'])}/{len(wrong)}"
         )
-    table = "\n".join(lines)
-    (out / "table.md").write_text(table + "\n")
-    print(table)
+    write_table(out, lines)
     return 0
 
 

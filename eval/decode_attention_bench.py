@@ -20,6 +20,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from results_io import write_records, write_table  # noqa: E402
+
 import torch  # noqa: E402
 
 from snapkv_rag import Engine  # noqa: E402
@@ -38,7 +40,6 @@ def main() -> int:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     records = []
     for dtype in ("float32", "bfloat16"):
         engine = Engine.default(dtype=dtype)
@@ -55,7 +56,7 @@ def main() -> int:
                         print(json.dumps(records[-1]), flush=True)
         runtime.FAST_DECODE_ATTENTION = True
         del engine
-    (out / "records.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    write_records(out, records)
     lines = ["| dtype | prompt tokens | cache | SDPA ms/token | decode path ms/token | speed-up | pass key found (SDPA / path) |", "|---|---|---|---|---|---|---|"]
     keys = sorted({(r["dtype"], r["length"], r["method"]) for r in records}, key=lambda k: (k[0] != "float32", k[1], k[2]))
     for dtype, length, method in keys:
@@ -65,9 +66,7 @@ def main() -> int:
         n = sum(1 for r in rows if r["path"] == "sdpa")
         lines.append(f"| {dtype} | {rows[0]['prompt_tokens']} | {method} | {ms['sdpa']:.1f} | {ms['decode_attention']:.1f} | "
                      f"{ms['sdpa'] / ms['decode_attention']:.2f}x | {found['sdpa']}/{n} / {found['decode_attention']}/{n} |")
-    table = "\n".join(lines)
-    (out / "table.md").write_text(table + "\n")
-    print(table)
+    write_table(out, lines)
     return 0
 
 

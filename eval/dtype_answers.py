@@ -8,13 +8,14 @@ appears in the answer; also how many answers are identical across the two dtypes
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from results_io import write_records, write_table  # noqa: E402
 
 from snapkv_rag import Engine  # noqa: E402
 from snapkv_rag.evaluation.rag_citation import answer_correct, load_questions  # noqa: E402
@@ -28,7 +29,6 @@ def main() -> int:
     ap.add_argument("--out", default=str(ROOT / "eval/results/dtype_answers"))
     args = ap.parse_args()
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     questions = load_questions(ROOT / "examples/sample_questions.jsonl")
     records = []
     with tempfile.TemporaryDirectory(prefix="snapkv-dtype-") as tmp:
@@ -42,7 +42,7 @@ def main() -> int:
                     answer = qa.answer_context(context, compression=spec)
                     records.append({"dtype": dtype, "method": method, "question": q.question, "answer": answer.text,
                                     "correct": answer_correct(answer.text, q.answer)})
-    (out / "records.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    write_records(out, records)
     lines = ["| cache | fp32 accuracy | bf16 accuracy | identical answers | right in fp32 only | right in bf16 only |", "|---|---|---|---|---|---|"]
     for method in METHODS:
         a = {r["question"]: r for r in records if r["method"] == method and r["dtype"] == "float32"}
@@ -51,9 +51,7 @@ def main() -> int:
         lines.append(f"| {method} | {sum(r['correct'] for r in a.values())}/{n} | {sum(r['correct'] for r in b.values())}/{n} | "
                      f"{sum(a[k]['answer'] == b[k]['answer'] for k in a)}/{n} | {sum(a[k]['correct'] and not b[k]['correct'] for k in a)} | "
                      f"{sum(b[k]['correct'] and not a[k]['correct'] for k in a)} |")
-    table = "\n".join(lines)
-    (out / "table.md").write_text(table + "\n")
-    print(table)
+    write_table(out, lines)
     return 0
 
 

@@ -19,6 +19,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from results_io import write_records, write_table  # noqa: E402
+
 import torch  # noqa: E402
 
 from snapkv_rag import Engine  # noqa: E402
@@ -41,7 +43,6 @@ def main() -> int:
     ap.add_argument("--out", default=str(ROOT / "eval/results/dtype_fidelity"))
     args = ap.parse_args()
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     fp32, bf16 = Engine.default(dtype="float32"), Engine.default(dtype="bfloat16")
     records = []
     for name, prompt in prompts(fp32.tokenizer):
@@ -58,7 +59,7 @@ def main() -> int:
                             "top1": float((p.argmax(-1) == q.argmax(-1)).float().mean()),
                             "greedy_prefix": prefix, "greedy_overall": overall, "same_text": own == ids})
             print(json.dumps(records[-1]), flush=True)
-    (out / "records.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    write_records(out, records)
     lines = ["| cache | prompts | mean KL(fp32 ‖ bf16) | max KL | top-1 agreement | greedy agreement (prefix) | greedy agreement (overall) | identical 32-token continuations |",
              "|---|---|---|---|---|---|---|---|"]
     for method in METHODS:
@@ -66,9 +67,7 @@ def main() -> int:
         lines.append(f"| {method} | {len(rows)} | {statistics.mean(r['mean_kl'] for r in rows):.4f} | {max(r['max_kl'] for r in rows):.3f} | "
                      f"{statistics.mean(r['top1'] for r in rows):.3f} | {statistics.mean(r['greedy_prefix'] for r in rows):.3f} | "
                      f"{statistics.mean(r['greedy_overall'] for r in rows):.3f} | {sum(r['same_text'] for r in rows)}/{len(rows)} |")
-    table = "\n".join(lines)
-    (out / "table.md").write_text(table + "\n")
-    print(table)
+    write_table(out, lines)
     return 0
 
 

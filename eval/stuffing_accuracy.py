@@ -20,6 +20,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from results_io import write_records, write_table  # noqa: E402
+
 from snapkv_rag import Engine  # noqa: E402
 from snapkv_rag.evaluation.rag_citation import answer_correct, is_gold_file, load_questions  # noqa: E402
 from snapkv_rag.rag import DocumentQA, DocumentStore  # noqa: E402
@@ -35,7 +37,6 @@ def main() -> int:
     ap.add_argument("--questions", type=int, default=None)
     args = ap.parse_args()
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     questions = load_questions(ROOT / "examples/sample_questions.jsonl", args.questions)
     engine = Engine.default()
     records = []
@@ -53,16 +54,14 @@ def main() -> int:
                                     "chunks": len(context.chunks), "gold_stuffed": gold_in, "answer": answer.text,
                                     "correct": answer_correct(answer.text, q.answer), "prefill_seconds": answer.result.stats.prefill_seconds})
                     print(json.dumps(records[-1]), flush=True)
-    (out / "records.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    write_records(out, records)
     lines = ["| stuffed | median prompt tokens | gold file stuffed | full cache accuracy | SnapKV 1024 (default) accuracy |", "|---|---|---|---|---|"]
     for size in SIZES:
         rows = {m: [r for r in records if r["size"] == size and r["method"] == m] for m in METHODS}
         full, snap = rows["full"], rows["snapkv 1024 (default)"]
         lines.append(f"| {size} | {statistics.median(r['prompt_tokens'] for r in full):.0f} | {sum(r['gold_stuffed'] for r in full)}/{len(full)} | "
                      f"{sum(r['correct'] for r in full)}/{len(full)} | {sum(r['correct'] for r in snap)}/{len(snap)} |")
-    table = "\n".join(lines)
-    (out / "table.md").write_text(table + "\n")
-    print(table)
+    write_table(out, lines)
     return 0
 
 

@@ -25,6 +25,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from results_io import write_records, write_table  # noqa: E402
+
 from snapkv_rag import Engine  # noqa: E402
 from snapkv_rag.errors import StructuredOutputError  # noqa: E402
 
@@ -109,7 +111,6 @@ def main() -> int:
     ap.add_argument("--out", default=str(ROOT / "eval/results/tool_decisions"))
     args = ap.parse_args()
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     prompts = [json.loads(line) for line in (ROOT / "eval/data/tool_decisions.jsonl").read_text().splitlines() if line.strip()]
     engine = Engine.default()
     free = run(engine, prompts)
@@ -125,11 +126,8 @@ def main() -> int:
         table(f"calibrated prefix score, fitted on even prompts (t={t_even}), odd prompts", calibrated(odd, prior, t_even)),
         table(f"calibrated prefix score, fitted on odd prompts (t={t_odd}), even prompts", calibrated(even, prior, t_odd)),
     ]
-    (out / "records.jsonl").write_text("".join(json.dumps({"run": "free", **r}) + "\n" for r in free)
-                                       + "".join(json.dumps({"run": "scores", **r}) + "\n" for r in scored))
-    text = "\n".join(lines)
-    (out / "table.md").write_text(text + "\n")
-    print(text)
+    write_records(out, [{"run": "free", **r} for r in free] + [{"run": "scores", **r} for r in scored])
+    write_table(out, lines)
     return 0
 
 

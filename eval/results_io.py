@@ -1,0 +1,22 @@
+"""How the eval scripts in this folder leave their results: records.jsonl and table.md under --out."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from pathlib import Path
+
+
+def write_records(out: Path, records: Iterable[dict]) -> None:
+    """One JSON line per record in ``out/records.jsonl`` (written before the table, so a long run's
+    records survive a failure while the table is built)."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "records.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+
+
+def write_table(out: Path, lines: list[str]) -> str:
+    """``lines`` as ``out/table.md``, printed; returns the table."""
+    table = "\n".join(lines)
+    (out / "table.md").write_text(table + "\n")
+    print(table)
+    return table
