@@ -62,7 +62,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="snapkv-support-") as tmp:
         store = DocumentStore("support", path=tmp)
         store.ingest([ROOT / "examples/sample_corpus"])
-        qa = DocumentQA(engine, store, compression=None, context_tokens=CONTEXT_TOKENS, max_new_tokens=MAX_NEW_TOKENS)
+        qa = DocumentQA(engine, store, compression=None, context_tokens=CONTEXT_TOKENS, max_new_tokens=MAX_NEW_TOKENS, kv_reuse="prefix")
         attributors = {"similarity only": EvidenceAttributor(store.embedder, fact_check=False), "key-fact gate": EvidenceAttributor(store.embedder)}
         for r in stored:
             context = qa.retrieve(r["question"])

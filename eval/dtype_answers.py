@@ -35,7 +35,7 @@ def main() -> int:
         store = DocumentStore("dtype-answers", path=tmp)
         store.ingest([ROOT / "examples/sample_corpus"])
         for dtype in ("float32", "bfloat16"):
-            qa = DocumentQA(Engine.default(dtype=dtype), store, compression=None, context_tokens=1000, max_new_tokens=32)
+            qa = DocumentQA(Engine.default(dtype=dtype), store, compression=None, context_tokens=1000, max_new_tokens=32, kv_reuse="prefix")
             for q in questions:
                 context = qa.retrieve(q.question)
                 for method, spec in METHODS.items():

@@ -44,7 +44,7 @@ def main() -> int:
         store = DocumentStore("stuffing-accuracy", path=tmp)
         store.ingest([ROOT / "examples/sample_corpus"])
         for size, tokens in SIZES.items():
-            qa = DocumentQA(engine, store, compression=None, context_tokens=tokens, max_new_tokens=32)
+            qa = DocumentQA(engine, store, compression=None, context_tokens=tokens, max_new_tokens=32, kv_reuse="prefix")
             for q in questions:
                 context = qa.retrieve(q.question)
                 gold_in = any(is_gold_file(c.file, q.gold) for c in context.chunks)

@@ -18,8 +18,10 @@ from .errors import EmptyPromptError, InvalidGenerationParameterError, InvalidPr
 from .generation import DecodeRun, cache_bytes
 from .loading import DEFAULT_MODEL, RECOMMENDED_CONTEXT_TOKENS, load_model_and_tokenizer
 from .memory import PeakMemory
-from .prefix_cache import PrefixCache, default_prefix_cache_bytes
-from .prompts import PromptLike, question_tail_tokens, render_prompt
+from .blending import DEFAULT_RECOMPUTE, RopeShift, SegmentReuseUnsupported, SegmentRequest
+from .prefix_cache import PrefixCache, default_prefix_cache_bytes, reuse_tail
+from .prompts import PromptLike, question_tail_tokens, render_prompt, segment_spans
+from .segment_store import SegmentKVStore, model_signature
 from .results import GenerationResult, GenerationStats, Usage
 from .sampling import GenerationParams
 from .tools import (
@@ -36,6 +38,7 @@ from .tools import (
 Compression = CompressionPolicy | str | None
 StreamPiece = str | ToolCallDelta
 _OUTPUT_KEYS = ("tools", "tool_choice", "response_format", "parallel_tool_calls", "max_tool_calls")
+_SEGMENT_KEYS = ("reuse_segments", "segment_store", "recompute")
 
 
 def output_specs(n: int, options: dict[str, Any], *, per_row: bool = False) -> list[OutputSpec]:
@@ -239,6 +242,8 @@ class _Request:
     specs: tuple[OutputSpec, ...] = ()
     constraint: Any = None
     use_prefix_cache: bool = True
+    segments: SegmentRequest | None = None  # single-prompt calls with reuse_segments
+    segment_note: str | None = None  # why segment reuse was asked for but not applied
 
     def spec(self, row: int) -> OutputSpec:
         return self.specs[row] if self.specs else TEXT
@@ -274,10 +279,14 @@ class Engine:
     Calls are serialized by a lock, so concurrent callers never share a cache or interleave steps.
     """
 
-    def __init__(self, model, tokenizer, *, name: str = "custom", prefix_cache_bytes: int | None = None):
+    def __init__(
+        self, model, tokenizer, *, name: str = "custom", prefix_cache_bytes: int | None = None, segment_store: SegmentKVStore | None = None
+    ):
         """``prefix_cache_bytes``: bound of the prefix cache (uncompressed K/V of recent
         prompts, reused by later prompts that start with the same tokens); None for the
-        default (1 GiB on CPU, a tenth of GPU memory within 1-8 GiB on CUDA), 0 disables."""
+        default (1 GiB on CPU, a tenth of GPU memory within 1-8 GiB on CUDA), 0 disables.
+        ``segment_store``: where ``reuse_segments`` K/V live when a call names no store (by
+        default in this process's memory, bounded like the prefix cache)."""
         register_attention_functions()
         base = model.config._attn_implementation
         if base not in WRAPPED_IMPLEMENTATIONS and base not in {wrapped_name(b) for b in WRAPPED_IMPLEMENTATIONS}:
@@ -299,6 +308,9 @@ class Engine:
         if isinstance(prefix_cache_bytes, bool) or not isinstance(prefix_cache_bytes, int) or prefix_cache_bytes < 0:
             raise ValueError(f"prefix_cache_bytes must be an integer >= 0 (0 disables) or None, got {prefix_cache_bytes!r}")
         self.prefix_cache = PrefixCache(prefix_cache_bytes)
+        self.segment_store = segment_store if segment_store is not None else SegmentKVStore(max_bytes=max(prefix_cache_bytes, 1 << 20))
+        self._signature: str | None = None
+        self._rope_shift: RopeShift | SegmentReuseUnsupported | None = None  # checked on first use
 
     # ----------------------------------------------------------------- construction
     @classmethod
@@ -425,6 +437,9 @@ class Engine:
         """
         if not isinstance(prefix_cache, bool):
             raise InvalidGenerationParameterError(f"prefix_cache must be True or False, got {prefix_cache!r}")
+        reuse = {k: sampling.pop(k) for k in _SEGMENT_KEYS if k in sampling}
+        if per_row and reuse.get("reuse_segments") is not None:
+            raise InvalidGenerationParameterError("reuse_segments applies to one prompt (generate/stream), not generate_batch")
         options = {k: v for k, v in sampling.items() if k in _OUTPUT_KEYS}
         params = GenerationParams.build(**{k: v for k, v in sampling.items() if k not in _OUTPUT_KEYS})
         specs = output_specs(len(prompts), options, per_row=per_row)
@@ -433,7 +448,55 @@ class Engine:
         policy = as_policy(compression)
         rows = self._render_within_context(prompts, chat, params.max_new_tokens, specs)
         row_policies = self._resolve_policy(policy, prompts, chat, questions, specs)
-        return _Request(rows, params, policy, row_policies, tuple(specs), self._constraint(specs, params.max_new_tokens), prefix_cache)
+        segments, note = self._segment_request(prompts[0], rows[0], chat, specs[0], policy, reuse) if reuse else (None, None)
+        constraint = self._constraint(specs, params.max_new_tokens)
+        return _Request(rows, params, policy, row_policies, tuple(specs), constraint, prefix_cache, segments, note)
+
+    @property
+    def signature(self) -> str:
+        """Identifies this model's K/V (name, config, dtype, a weight sample): the key space of segment stores."""
+        if self._signature is None:
+            self._signature = model_signature(self.model, self.name)
+        return self._signature
+
+    def rope_shift(self) -> RopeShift:
+        """The check-once rotation that moves stored keys; raises :class:`SegmentReuseUnsupported`."""
+        if self._rope_shift is None:
+            try:
+                with self._lock:
+                    self._rope_shift = RopeShift(self.model)
+            except SegmentReuseUnsupported as exc:
+                self._rope_shift = exc
+        if isinstance(self._rope_shift, SegmentReuseUnsupported):
+            raise self._rope_shift
+        return self._rope_shift
+
+    def _segment_request(
+        self, prompt: PromptLike, row: list[int], chat: bool | None, spec: OutputSpec, policy: CompressionPolicy | None, options: dict[str, Any]
+    ) -> tuple[SegmentRequest | None, str | None]:
+        """Validate ``reuse_segments``/``segment_store``/``recompute``; the request for the
+        blended prefill, or None and the reason it will not run."""
+        segments = options.get("reuse_segments")
+        store = options.get("segment_store")
+        recompute = options.get("recompute", DEFAULT_RECOMPUTE)
+        if isinstance(recompute, bool) or not isinstance(recompute, (int, float)) or not 0.0 <= recompute <= 1.0:
+            raise InvalidGenerationParameterError(f"recompute must be a number in [0, 1], got {recompute!r}")
+        if store is not None and not isinstance(store, SegmentKVStore):
+            raise InvalidGenerationParameterError(f"segment_store must be a SegmentKVStore, got {type(store).__name__}")
+        if segments is None:
+            return None, None
+        if isinstance(segments, (str, bytes)) or not isinstance(segments, Sequence) or not all(isinstance(t, str) for t in segments):
+            raise InvalidGenerationParameterError("reuse_segments must be a list of strings (texts that appear in the prompt)")
+        if policy is not None and reuse_tail(policy) is None:
+            return None, f"{policy.name} needs every prompt query; prefilled whole"
+        try:
+            shift = self.rope_shift()
+        except SegmentReuseUnsupported as exc:
+            return None, f"refused: {exc}"
+        spans = segment_spans(self.tokenizer, prompt, segments, len(row), chat=chat, tools=spec.tools if spec.renders_tools else ())
+        if not spans:
+            return None, "no segment found in the rendered prompt"
+        return SegmentRequest(spans, row[:1], store or self.segment_store, self.signature, float(recompute), shift), None
 
     def _prefix_cache_for(self, use: bool) -> PrefixCache | None:
         return self.prefix_cache if use and self.prefix_cache.max_bytes > 0 else None
@@ -481,7 +544,8 @@ class Engine:
         cancelled = False
         with PeakMemory(self.device) as peak:
             run = DecodeRun(
-                self.model, rows, params, request.row_policies, self._pad_id, request.constraint, self._prefix_cache_for(request.use_prefix_cache)
+                self.model, rows, params, request.row_policies, self._pad_id, request.constraint, self._prefix_cache_for(request.use_prefix_cache),
+                segments=request.segments,
             )
             steps = run.steps()
             try:
@@ -572,6 +636,10 @@ class Engine:
             prompt_tokens_padded=run.padded_length,
             reused_prompt_tokens=run.reused_tokens[row],
             prefilled_prompt_tokens=run.row_lengths[row] - run.reused_tokens[row],
+            recomputed_prompt_tokens=run.recomputed_tokens,
+            segment_hits=run.segment_hits,
+            segment_misses=run.segment_misses,
+            segment_reuse="blended" if run.segments is not None else request.segment_note,
             kept_tokens_per_layer=run.row_kept_tokens(row),
             prompt_kv_bytes_full=full,
             prompt_kv_bytes_kept=kept,
@@ -633,6 +701,12 @@ class Engine:
         ``stats.tool_call_tail_dropped``). Text pieces
         are ``str``; tool calls stream as :class:`~snapkv_rag.tools.ToolCallDelta`.
         ``prefix_cache=False``: this call neither reuses nor stores prompt K/V.
+
+        Segment reuse (blended prefill, see :mod:`snapkv_rag.blending`): ``reuse_segments``, texts
+        that appear in the prompt (document chunks, tool-log blocks), each with its K/V computed
+        once and stored in ``segment_store`` (default: :attr:`segment_store`); later prompts
+        reuse it at the segment's new position and recompute the ``recompute`` share (0.15) of
+        its tokens that deviate most. ``recompute=1.0`` equals a full prefill.
         Arguments are validated, the prompt rendered and prefilled before this returns.
         ``close()`` or leaving ``with engine.stream(...) as s:`` cancels the rest.
         """

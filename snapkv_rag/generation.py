@@ -19,7 +19,8 @@ import torch
 from .compression.base import CompressionPolicy
 from .compression.less import LESS
 from .compression.runtime import PrefillCompression, compressing, low_rank_attention, sliding_layers
-from .prefix_cache import PrefixCache, reusable_tokens
+from .blending import SegmentRequest, assemble, blended_mask, blending_cache, recompute_positions
+from .prefix_cache import PrefixCache, reusable_tokens, reuse_tail
 from .sampling import GenerationParams, make_generator, select_next_tokens
 
 
@@ -102,6 +103,7 @@ class DecodeRun:
         pad_id: int,
         constraint: TokenConstraint | None = None,
         prefix_cache: PrefixCache | None = None,
+        segments: SegmentRequest | None = None,
     ):
         from transformers import DynamicCache
 
@@ -125,7 +127,11 @@ class DecodeRun:
         # Prefix reuse needs plain (non-sliding) layers: a sliding layer keeps only its window.
         sliding_cache = any(self.sliding) or any(getattr(self.cache, "is_sliding", []))
         self.prefix_cache = prefix_cache if prefix_cache is not None and prefix_cache.max_bytes > 0 and not sliding_cache else None
-        self.reused_tokens = [0] * len(rows)  # per row: prompt tokens taken from the prefix cache
+        self.reused_tokens = [0] * len(rows)  # per row: prompt tokens whose K/V came from a cache, not recomputed
+        # Segment reuse (one prompt at a time; policies that need every prompt query prefill whole)
+        self.segments = segments if segments is not None and segments.spans and len(rows) == 1 and reuse_tail(self._row_policy(0)) is not None else None
+        self.recomputed_tokens = 0  # reused-segment tokens computed again (blended prefill)
+        self.segment_hits = self.segment_misses = 0
         self.timings = DecodeTimings()
         self.kept_tokens_per_layer: list[int] = []
         self.prompt_kv_bytes_kept = 0
@@ -235,6 +241,9 @@ class DecodeRun:
         stored back before compression shrinks the cache.
         """
         start = time.perf_counter()
+        if self.segments is not None:
+            self._blended_prefill()
+            return self._finish_prefill(start, self.attention_mask)
         if self.prefix_cache is not None:
             plan = self._plan_reuse()
             if any(take for _, take in plan):
@@ -258,6 +267,9 @@ class DecodeRun:
             self._store_prefixes(full_kv)
             if self.session is not None:
                 self.session.full_kv = None  # the stored copies are the prefix cache's now
+        return self._finish_prefill(start, mask)
+
+    def _finish_prefill(self, start: float, mask: torch.Tensor) -> torch.Tensor:
         self.timings.prefill_seconds = time.perf_counter() - start
         self.kept_tokens_per_layer = [layer_entries(layer) for layer in self.cache.layers]
         self.prompt_kv_bytes_kept = cache_bytes(self.cache)
@@ -267,6 +279,24 @@ class DecodeRun:
             if compressed is not None and any(self.sliding) and not all(self.sliding):
                 self._sliding_mask = mask
         return self.last_logits
+
+    def _blended_prefill(self) -> None:
+        """Prefill one prompt from stored segment K/V plus the tokens it must compute
+        (see :mod:`snapkv_rag.blending`); the policy selects during that forward as usual."""
+        row, request = self.rows[0], self.segments
+        prompt = assemble(self.model, row, request)
+        self.segment_hits, self.segment_misses = prompt.hits, prompt.misses
+        positions = recompute_positions(self.model, row, prompt, reuse_tail(self._row_policy(0)), request.recompute)
+        n = len(row)
+        self.reused_tokens = [n - positions.numel()]
+        self.recomputed_tokens = int(prompt.covered[positions].sum())
+        self.cache = blending_cache(self.model, prompt, positions)
+        positions = positions.to(self.device)
+        self._last_position = torch.tensor([[n - 1]], device=self.device)
+        self.session = PrefillCompression(self.policy, self.cache, None, self.sliding, self.low_rank) if self.policy is not None else None
+        with compressing(self.session):
+            self._forward(self.input_ids[:, positions], blended_mask(positions, n, self.device), positions[None])
+        self.cache.scatter = None
 
     def row_low_rank_bytes(self) -> int:
         """Bytes of one row's LESS state (``H`` and ``z`` of every layer); 0 without LESS."""

@@ -233,6 +233,19 @@ def render_prompt(tokenizer, prompt: PromptLike, *, chat: bool | None = None, to
     return _single_bos(list(ids), tokenizer, tokenizer_adds_bos(tokenizer))
 
 
+def segment_spans(
+    tokenizer, prompt: PromptLike, segments: Sequence[str], n_tokens: int, *, chat: bool | None = None, tools: Sequence[Any] = ()
+) -> list[tuple[int, int]]:
+    """Token spans of ``segments`` (texts that appear in the prompt, in order) within the
+    ``n_tokens`` ids :func:`render_prompt` gives; see :func:`snapkv_rag.blending.segment_token_spans`."""
+    from .blending import segment_token_spans
+
+    text, add_special = _rendered_text(tokenizer, prompt, chat, tools)
+    offsets = tokenizer(text, add_special_tokens=add_special, return_offsets_mapping=True)["offset_mapping"]
+    # render_prompt only adds or drops a BOS at the front: count that difference as a shift
+    return segment_token_spans(offsets, text, segments, shift=n_tokens - len(offsets))
+
+
 def last_paragraph(text: str) -> str:
     """The text after the last blank line (the whole text when it has none), stripped."""
     paragraphs = [p for p in re.split(r"\n[ \t]*\n", text) if p.strip()]

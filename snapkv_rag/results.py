@@ -35,8 +35,8 @@ class GenerationStats:
     decode_steps: int
     total_seconds: float
     prompt_tokens_padded: int  # width of the batch the row ran in (= prompt tokens alone)
-    reused_prompt_tokens: int  # this row's prompt tokens taken from the prefix cache
-    prefilled_prompt_tokens: int  # this row's prompt tokens run through the model
+    reused_prompt_tokens: int  # this row's prompt tokens whose K/V came from a cache (prefix or segments), not computed
+    prefilled_prompt_tokens: int  # this row's prompt tokens run through the model (recomputed ones included)
     kept_tokens_per_layer: list[int]  # real prompt tokens of this row kept, per layer
     prompt_kv_bytes_full: int  # this row's prompt K/V without compression
     prompt_kv_bytes_kept: int  # this row's prompt K/V kept (real tokens only)
@@ -57,6 +57,10 @@ class GenerationStats:
     low_rank_state_tokens: float = 0.0  # the state's bytes in cached tokens of this model (K and V, all layers)
     low_rank_ms_per_step: float | None = None  # LESS: median time of the low-rank part of a decode step
     decode_ms_quartiles: tuple[float, float] | None = None  # 25th/75th percentile of step times (4+ steps after the first)
+    recomputed_prompt_tokens: int = 0  # stored-segment tokens computed again by the blended prefill
+    segment_hits: int = 0  # reuse_segments found in the segment store
+    segment_misses: int = 0  # reuse_segments computed (and stored) by this call
+    segment_reuse: str | None = None  # "blended", or why reuse_segments were not applied (None: not asked)
     tool_call_tail_dropped: bool = False  # max_new_tokens ran out inside a call after complete ones; those were returned
     duplicate_tool_calls: bool = False  # the model repeated a call of this turn; the repeat was dropped and the turn ended
 

@@ -15,6 +15,7 @@ from ..compression import SnapKV
 from ..metrics import parse_citations
 from ..results import GenerationResult
 from .attribution import EvidenceAttributor, SentenceSupport
+from .kv_reuse import check_kv_reuse, chunk_kv_store, precompute_chunk_kv, reuse_options
 from .store import DocumentStore, StoredChunk
 from .stuffing import SYSTEM_PROMPT, StuffedContext, StuffingRetriever
 
@@ -189,6 +190,10 @@ class DocumentQA:
     ``compression``: the default policy of every ask (a question-aligned SnapKV window with
     budget 1024 unless given; None for the full cache). Retrieval options as in
     :class:`StuffingRetriever`. ``routes``: which citation routes to compute.
+    ``kv_reuse``: ``"chunks"`` (default: each chunk's K/V computed once, stored in ``kv_dir``,
+    by default beside the Chroma store, bounded by ``kv_cache_bytes``, and reused by later
+    questions at any position), ``"prefix"`` or ``"off"``; see :mod:`snapkv_rag.rag.kv_reuse`.
+    ``recompute``: the share of reused chunk tokens recomputed (None: the engine's default).
     """
 
     def __init__(
@@ -207,6 +212,10 @@ class DocumentQA:
         system_prompt: str = SYSTEM_PROMPT,
         routes: tuple[str, ...] = ROUTES,
         attributor: EvidenceAttributor | None = None,
+        kv_reuse: str = "chunks",
+        kv_dir: str | None = None,
+        kv_cache_bytes: int | None = None,
+        recompute: float | None = None,
     ):
         unknown = set(routes) - set(ROUTES)
         if unknown:
@@ -229,15 +238,28 @@ class DocumentQA:
             system_prompt=system_prompt,
         )
         self.attributor = attributor or EvidenceAttributor(store.embedder)
+        self.kv_reuse = check_kv_reuse(kv_reuse)
+        self.kv_store = chunk_kv_store(store, kv_dir, kv_cache_bytes) if kv_reuse == "chunks" else None
+        self.recompute = recompute
+
+    def precompute_kv(self, *, progress: bool = False) -> tuple[int, int]:
+        """Compute every stored chunk's K/V now (``kv_reuse="chunks"``); returns ``(computed, already stored)``."""
+        if self.kv_store is None:
+            raise ValueError('precompute_kv needs kv_reuse="chunks"')
+        return precompute_chunk_kv(self.engine, self.store.all_chunks(), self.kv_store, progress=progress)
 
     def retrieve(self, question: str) -> StuffedContext:
         return self.retriever.retrieve(question)
 
     def _kwargs(self, context: StuffedContext, compression: Any, sampling: dict[str, Any]) -> dict[str, Any]:
+        reuse = reuse_options(self.kv_reuse, context, self.kv_store)
+        if self.recompute is not None and "reuse_segments" in reuse:
+            reuse["recompute"] = self.recompute
         return {
             "compression": self.compression if compression is _DEFAULT else compression,
             "question": context.question_text,
             "max_new_tokens": sampling.pop("max_new_tokens", self.max_new_tokens),
+            **reuse,
             **sampling,
         }
 

@@ -53,6 +53,11 @@ class StuffedContext:
     def fill(self) -> float:
         return self.document_tokens / self.budget_tokens if self.budget_tokens else 0.0
 
+    @property
+    def segments(self) -> list[str]:
+        """Each document's text as it appears in the prompt: the reusable segments (the "[n] title" labels change with position, so they stay out)."""
+        return [chunk_segment(c) for c in self.chunks]
+
     def chunk_for(self, number: int) -> StoredChunk | None:
         return self.chunks[number - 1] if 1 <= number <= len(self.chunks) else None
 
@@ -73,9 +78,13 @@ class StuffedContext:
         }
 
 
+def chunk_segment(chunk: StoredChunk) -> str:
+    return chunk.text.strip()
+
+
 def format_document(number: int, chunk: StoredChunk) -> str:
     title = f" {chunk.title}" if chunk.title else ""
-    return f"[{number}]{title}\n{chunk.text.strip()}"
+    return f"[{number}]{title}\n{chunk_segment(chunk)}"
 
 
 def build_messages(question: str, chunks: Sequence[StoredChunk], system_prompt: str = SYSTEM_PROMPT) -> tuple[list[dict[str, str]], str]:

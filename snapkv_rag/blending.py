@@ -1,0 +1,281 @@
+"""Blended prefill: reuse stored segment K/V at new positions, recompute only what changed most.
+
+How a prompt's segments map to tokens (:func:`segment_token_spans`): each segment text is
+found in the rendered prompt (in any order; a repeated text is matched once per occurrence),
+and its span is the tokens lying wholly inside it. A token that straddles a segment boundary (a tokenizer that merges
+across it, a chat template that glues text to it) belongs to no span and is computed fresh,
+so a boundary can shrink a span but never corrupt one. A segment not found is computed fresh.
+
+Moving K/V (:class:`RopeShift`): a segment is computed once after a fixed anchor (the
+prompt's first token: BOS or the template's opening token, so the segment's own first
+token does not turn into an attention sink), at positions ``a..a+m-1``; a RoPE rotation is
+additive in the position, so rotating every stored key by ``p - a`` gives the key at the
+segment's new start ``p``. The rotation comes from the model's own rotary module
+(its inverse frequencies, scaling and partial rotary dims), never from per-family code, and
+is checked once per model: layer-0 keys (which depend only on the token and its position)
+computed at an offset must equal the shifted ones. A model without RoPE, with
+position-dependent scaling (dynamic NTK, LongRoPE) or with sliding-window layers (their own
+rotary and a cache that keeps only a window) is refused; its prompts are prefilled whole.
+
+Which reused tokens are recomputed (:func:`recompute_positions`), as CacheBlend does: run the
+first layers over the whole prompt, measure on the probe layer how far each reused token's
+K/V lies from the fresh one (the cross-attention a chunk missed while computed alone), and
+recompute the ``recompute`` share that deviate most, through every layer. Everything not
+covered by a stored segment, and the policy's observation window, is always computed.
+The blended forward runs only those tokens, attending to the whole prompt's cache in
+position order (:class:`BlendingCache` writes their K/V into their slots), so the
+compression policy then selects exactly as after a full prefill. With ``recompute=1.0``
+every token is computed and the result equals a full prefill.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from .segment_store import SegmentKV, SegmentKVStore
+
+#: Share of reused tokens recomputed by default (CacheBlend's 15%; see eval/RESULTS.md for the curve).
+DEFAULT_RECOMPUTE = 0.15
+_OFFSET_CHECK = 37
+_REFUSED_ROPE_TYPES = ("dynamic", "longrope")
+
+
+class SegmentReuseUnsupported(Exception):
+    """This model cannot move stored K/V to new positions; the reason is the message."""
+
+
+def segment_token_spans(offsets: Sequence[tuple[int, int]], text: str, segments: Sequence[str], shift: int = 0) -> list[tuple[int, int]]:
+    """Token spans ``[start, end)``, in prompt order, of ``segments`` found in ``text`` (each at its
+    first occurrence that overlaps no other segment's), whose tokens have character ``offsets``;
+    ``shift`` is added to every index (tokens added or removed at the front after tokenizing,
+    such as a BOS). Segments not found or covering no whole token are left out."""
+    import bisect
+
+    starts = [start for start, _ in offsets]
+    taken: list[tuple[int, int]] = []  # character ranges already placed
+    spans: list[tuple[int, int]] = []
+    for segment in segments:
+        if not segment:
+            continue
+        at = text.find(segment)
+        while at >= 0 and any(at < end and at + len(segment) > begin for begin, end in taken):
+            at = text.find(segment, at + 1)
+        if at < 0:
+            continue
+        end_char = at + len(segment)
+        taken.append((at, end_char))
+        first = bisect.bisect_left(starts, at)
+        last = first
+        while last < len(offsets) and offsets[last][0] < end_char and offsets[last][1] <= end_char:
+            last += 1
+        inside = [i for i in range(first, last) if offsets[i][1] > offsets[i][0]]
+        if inside:
+            spans.append((inside[0] + shift, inside[-1] + 1 + shift))
+    return sorted(spans)
+
+
+def _decoder(model):
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else model.model
+    return getattr(decoder, "language_model", decoder)
+
+
+class RopeShift:
+    """Rotate stored keys by a position offset with the model's own rotary embedding."""
+
+    def __init__(self, model):
+        from .compression.runtime import sliding_layers
+
+        if any(sliding_layers(model.config)):
+            raise SegmentReuseUnsupported("sliding-window layers keep only a window of the prompt")
+        decoder = _decoder(model)
+        rotary = getattr(decoder, "rotary_emb", None)
+        if rotary is None or not hasattr(rotary, "inv_freq"):
+            raise SegmentReuseUnsupported("the model has no rotary position embedding to move stored keys with")
+        if getattr(rotary, "rope_type", "default") in _REFUSED_ROPE_TYPES:
+            raise SegmentReuseUnsupported(f"rope type {rotary.rope_type!r} depends on the sequence length")
+        self.rotary = rotary
+        self.scaling = float(getattr(rotary, "attention_scaling", 1.0) or 1.0)
+        self.dtype = model.dtype
+        self.device = next(model.parameters()).device
+        self._check(model)
+
+    def __call__(self, keys: torch.Tensor, offset: int) -> torch.Tensor:
+        """``keys [..., m, head_dim]`` computed at positions ``0..m-1``, moved to ``offset..``."""
+        if offset == 0:
+            return keys
+        probe = torch.zeros(1, 1, 1, dtype=torch.float32, device=keys.device)
+        position = torch.tensor([[offset]], device=keys.device)
+        cos, sin = self.rotary(probe, position_ids=position)
+        cos, sin = cos[0, 0] / self.scaling, sin[0, 0] / self.scaling  # [rotary_dim]
+        rotary_dim = cos.shape[-1]
+        rotated, rest = keys[..., :rotary_dim].float(), keys[..., rotary_dim:]
+        half = rotary_dim // 2
+        turned = torch.cat((-rotated[..., half:], rotated[..., :half]), dim=-1)
+        moved = (rotated * cos + turned * sin).to(keys.dtype)
+        return torch.cat((moved, rest), dim=-1) if rest.shape[-1] else moved
+
+    @torch.inference_mode()
+    def _check(self, model) -> None:
+        vocab = model.get_input_embeddings().num_embeddings
+        ids = torch.arange(3, 3 + 8, device=self.device).remainder(vocab)[None]
+        at_zero = layer_kv(model, ids, torch.arange(8, device=self.device)[None], layers=1)[0][0]
+        at_offset = layer_kv(model, ids, torch.arange(_OFFSET_CHECK, _OFFSET_CHECK + 8, device=self.device)[None], layers=1)[0][0]
+        moved = self(at_zero, _OFFSET_CHECK).float()
+        tolerance = (1e-3 if self.dtype == torch.float32 else 3e-2) * float(at_offset.float().abs().max()) + 1e-5
+        if float((moved - at_offset.float()).abs().max()) > tolerance:
+            raise SegmentReuseUnsupported("shifted layer-0 keys differ from keys computed at the offset (not a rotate-half RoPE)")
+
+
+class _ProbeDone(Exception):
+    pass
+
+
+def layer_kv(model, ids: torch.Tensor, positions: torch.Tensor, *, layers: int | None = None) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Per-layer K and V ``[1, kv_heads, n, head_dim]`` of ``ids`` at ``positions`` with a plain
+    causal forward; ``layers``: stop after that many decoder layers (a cheap probe)."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=model.config)
+    hook = None
+    if layers is not None and layers < len(_decoder(model).layers):
+
+        def stop(*_):
+            raise _ProbeDone
+
+        hook = _decoder(model).layers[layers - 1].register_forward_hook(stop)
+    try:
+        model(input_ids=ids, position_ids=positions, cache=cache, use_cache=True, logits_to_keep=1)
+    except _ProbeDone:
+        pass
+    finally:
+        if hook is not None:
+            hook.remove()
+    count = layers if layers is not None else len(cache.layers)
+    return [cache.layers[i].keys for i in range(count)], [cache.layers[i].values for i in range(count)]
+
+
+@torch.inference_mode()
+def compute_segment(model, token_ids: list[int], anchor: Sequence[int] = ()) -> SegmentKV:
+    """A segment's K/V (every layer, uncompressed) computed after ``anchor`` alone: at
+    positions ``len(anchor)..``; the anchor's own K/V are dropped."""
+    device = next(model.parameters()).device
+    ids = torch.tensor([[*anchor, *token_ids]], device=device)
+    keys, values = layer_kv(model, ids, torch.arange(ids.shape[1], device=device)[None])
+    skip = len(anchor)
+    return SegmentKV(list(token_ids), torch.cat(keys)[:, :, skip:].cpu(), torch.cat(values)[:, :, skip:].cpu(), list(anchor))
+
+
+@dataclass
+class SegmentRequest:
+    """What one prompt asks of segment reuse: its token spans, where entries live, how much to recompute."""
+
+    spans: list[tuple[int, int]]
+    anchor: list[int]  # the tokens each segment is computed after (the prompt's first token)
+    store: SegmentKVStore
+    signature: str
+    recompute: float
+    shift: RopeShift
+
+
+@dataclass
+class AssembledPrompt:
+    """The prompt's K/V assembled from stored segments, before the blended forward."""
+
+    keys: list[torch.Tensor]  # per layer [1, kv_heads, n, head_dim]; zeros where not covered
+    values: list[torch.Tensor]
+    covered: torch.Tensor  # [n] bool: K/V came from a stored segment
+    hits: int
+    misses: int
+
+
+def assemble(model, row: list[int], request: SegmentRequest) -> AssembledPrompt:
+    """Load (or compute and store) every span's segment and place it at its position."""
+    config = model.config.get_text_config(decoder=True)
+    device = next(model.parameters()).device
+    layers = config.num_hidden_layers
+    kv_heads = config.num_key_value_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    n = len(row)
+    keys = [torch.zeros(1, kv_heads, n, head_dim, dtype=model.dtype, device=device) for _ in range(layers)]
+    values = [torch.zeros_like(k) for k in keys]
+    covered = torch.zeros(n, dtype=torch.bool)
+    hits = misses = 0
+    for start, end in request.spans:
+        tokens = row[start:end]
+        entry = request.store.get(request.signature, model.dtype, tokens, (layers, kv_heads, head_dim), request.anchor)
+        if entry is None:
+            misses += 1
+            entry = compute_segment(model, tokens, request.anchor)
+            request.store.put(request.signature, model.dtype, entry)
+        else:
+            hits += 1
+        moved = request.shift(entry.keys.to(device), start - len(request.anchor))
+        stored_values = entry.values.to(device)
+        for layer in range(layers):
+            keys[layer][0, :, start:end] = moved[layer]
+            values[layer][0, :, start:end] = stored_values[layer]
+        covered[start:end] = True
+    return AssembledPrompt(keys, values, covered, hits, misses)
+
+
+def recompute_positions(model, row: list[int], prompt: AssembledPrompt, tail: int, ratio: float, probe_layer: int = 1) -> torch.Tensor:
+    """Sorted positions to run through the model: everything not covered, the last ``tail``
+    tokens, and the ``ratio`` share of covered tokens whose K/V deviate most on ``probe_layer``.
+
+    The probe's fresh K/V of layers ``0..probe_layer`` replace the assembled ones for every
+    token (they were computed anyway, and they are exact)."""
+    n = len(row)
+    fresh = ~prompt.covered
+    fresh[max(0, n - tail) :] = True
+    reused = (~fresh).nonzero().flatten()
+    count = int(round(ratio * reused.numel()))
+    if count >= reused.numel():
+        return torch.arange(n)
+    if count > 0:
+        device = prompt.keys[0].device
+        probe_layer = min(probe_layer, len(prompt.keys) - 1)
+        ids = torch.tensor([row], device=device)
+        keys, values = layer_kv(model, ids, torch.arange(n, device=device)[None], layers=probe_layer + 1)
+        deviation = (keys[probe_layer] - prompt.keys[probe_layer]).float().pow(2).sum(dim=(0, 1, 3))
+        deviation += (values[probe_layer] - prompt.values[probe_layer]).float().pow(2).sum(dim=(0, 1, 3))
+        if globals().get("_SELECT") == "random":
+            chosen = reused[torch.randperm(reused.numel())[:count]]
+        else:
+            chosen = reused[deviation.cpu()[reused].topk(count).indices]
+        fresh[chosen] = True
+        for layer in range(probe_layer + 1):
+            prompt.keys[layer], prompt.values[layer] = keys[layer], values[layer]
+    return fresh.nonzero().flatten()
+
+
+def blending_cache(model, prompt: AssembledPrompt, positions: torch.Tensor):
+    """A cache holding the assembled K/V of every layer whose next update writes the computed
+    tokens' K/V into their slots (``positions``) instead of appending them."""
+    from transformers import DynamicCache
+
+    class BlendingCache(DynamicCache):
+        scatter: torch.Tensor | None = None
+
+        def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+            if self.scatter is None:
+                return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+            layer = self.layers[layer_idx]
+            layer.keys.index_copy_(2, self.scatter, key_states)
+            layer.values.index_copy_(2, self.scatter, value_states)
+            return layer.keys, layer.values
+
+    cache = BlendingCache(config=model.config)
+    for layer, (keys, values) in enumerate(zip(prompt.keys, prompt.values)):
+        cache.layers[layer].lazy_initialization(keys, values)
+        cache.layers[layer].keys, cache.layers[layer].values = keys, values
+    cache.scatter = positions.to(prompt.keys[0].device)
+    return cache
+
+
+def blended_mask(positions: torch.Tensor, n: int, device: torch.device) -> torch.Tensor:
+    """``[1, 1, len(positions), n]`` bool: each computed token attends to every position up to its own."""
+    positions = positions.to(device)
+    return (torch.arange(n, device=device)[None, :] <= positions[:, None])[None, None]

@@ -1,0 +1,88 @@
+"""How document QA reuses prompt K/V: per chunk (blended prefill), by exact prefix, or not at all.
+
+``"chunks"`` (the default) hands every stuffed chunk's text to the engine as a reusable
+segment; its K/V are stored beside the Chroma store (``<store>/kv-segments``; under the
+cache directory for a Chroma server), shared by every process that opens the same store,
+so a new question over chunks seen before (in any order) prefills only its question, the
+chunk labels and the recomputed share. ``"prefix"`` reuses only an identical leading run of
+tokens (the engine's in-memory prefix cache); ``"off"`` prefills every prompt whole.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from ..segment_store import DEFAULT_MAX_BYTES, SegmentKVStore
+from .store import DocumentStore, StoredChunk
+from .stuffing import StuffedContext, build_messages, chunk_segment
+
+KV_REUSE_MODES = ("chunks", "prefix", "off")
+SEGMENT_DIR = "kv-segments"
+
+
+def check_kv_reuse(mode: str) -> str:
+    if mode not in KV_REUSE_MODES:
+        raise ValueError(f"kv_reuse must be one of {KV_REUSE_MODES}, got {mode!r}")
+    return mode
+
+
+def default_kv_dir(store: DocumentStore) -> Path:
+    """``<embedded store>/kv-segments``; for a Chroma server, the cache directory (per server and collection)."""
+    from ..loading import cache_root
+
+    location = str(store.location)
+    if "://" in location or not Path(location).is_dir():
+        safe = "".join(c if c.isalnum() or c in "-._" else "_" for c in location)
+        return cache_root() / SEGMENT_DIR / safe
+    return Path(location) / SEGMENT_DIR
+
+
+def chunk_kv_store(store: DocumentStore, directory: str | Path | None = None, max_bytes: int | None = None) -> SegmentKVStore:
+    return SegmentKVStore(directory or default_kv_dir(store), max_bytes=DEFAULT_MAX_BYTES if max_bytes is None else max_bytes)
+
+
+def reuse_options(mode: str, context: StuffedContext, kv_store: SegmentKVStore | None) -> dict[str, Any]:
+    """The engine keywords for one answer under ``mode``."""
+    if mode == "off":
+        return {"prefix_cache": False}
+    if mode == "chunks" and context.chunks:
+        return {"reuse_segments": context.segments, "segment_store": kv_store}
+    return {}
+
+
+def precompute_chunk_kv(engine, chunks: list[StoredChunk], kv_store: SegmentKVStore, *, progress: bool = False) -> tuple[int, int]:
+    """Compute and store the K/V of every chunk not stored yet; returns ``(computed, already stored)``.
+
+    Each chunk's tokens are taken as they appear in a real prompt (rendered with the same
+    template and numbering), so the entries are the ones a question will look up.
+    """
+    from ..blending import compute_segment
+    from ..prompts import render_prompt, segment_spans
+
+    engine.rope_shift()  # refuse models that cannot reuse moved K/V before computing anything
+    config = engine.model.config.get_text_config(decoder=True)
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    shape = (config.num_hidden_layers, config.num_key_value_heads, head_dim)
+    computed = stored = 0
+    iterator = chunks
+    if progress:
+        from tqdm.auto import tqdm
+
+        iterator = tqdm(chunks, desc="chunk K/V", unit="chunk")
+    for chunk in iterator:
+        messages, _ = build_messages("?", [chunk])
+        row = render_prompt(engine.tokenizer, messages)
+        spans = segment_spans(engine.tokenizer, messages, [chunk_segment(chunk)], len(row))
+        if not spans:
+            continue
+        tokens = row[spans[0][0] : spans[0][1]]
+        anchor = row[:1]
+        if kv_store.get(engine.signature, engine.model.dtype, tokens, shape, anchor) is not None:
+            stored += 1
+            continue
+        with engine._lock:
+            entry = compute_segment(engine.model, tokens, anchor)
+        kv_store.put(engine.signature, engine.model.dtype, entry)
+        computed += 1
+    return computed, stored
