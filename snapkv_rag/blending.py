@@ -30,7 +30,7 @@ every token is computed and the result equals a full prefill.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch
@@ -182,43 +182,56 @@ class SegmentRequest:
 
 @dataclass
 class AssembledPrompt:
-    """The prompt's K/V assembled from stored segments, before the blended forward."""
+    """Where each stored segment goes in the prompt; a layer's K/V are assembled only when that
+    layer runs (:meth:`layer`), so no more than one layer's uncompressed K/V exists at once."""
 
-    keys: list[torch.Tensor]  # per layer [1, kv_heads, n, head_dim]; zeros where not covered
-    values: list[torch.Tensor]
-    covered: torch.Tensor  # [n] bool: K/V came from a stored segment
+    n: int
+    placed: list[tuple[int, SegmentKV]]  # (start position, entry)
+    covered: torch.Tensor  # [n] bool: K/V come from a stored segment
     hits: int
     misses: int
+    shift: RopeShift
+    anchor_length: int
+    shape: tuple[int, int]  # (kv_heads, head_dim)
+    dtype: torch.dtype
+    device: torch.device
+    exact: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)  # layers the probe computed whole
+
+    def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``[1, kv_heads, n, head_dim]`` K and V of one layer: stored segments moved into place, zeros elsewhere."""
+        if index in self.exact:
+            return self.exact.pop(index)
+        kv_heads, head_dim = self.shape
+        keys = torch.zeros(1, kv_heads, self.n, head_dim, dtype=self.dtype, device=self.device)
+        values = torch.zeros_like(keys)
+        for start, entry in self.placed:
+            end = start + len(entry.token_ids)
+            keys[0, :, start:end] = self.shift(entry.keys[index].to(self.device), start - self.anchor_length)
+            values[0, :, start:end] = entry.values[index].to(self.device)
+        return keys, values
 
 
 def assemble(model, row: list[int], request: SegmentRequest) -> AssembledPrompt:
-    """Load (or compute and store) every span's segment and place it at its position."""
+    """Load (or compute and store) every span's segment and note where it goes."""
     config = model.config.get_text_config(decoder=True)
-    device = next(model.parameters()).device
-    layers = config.num_hidden_layers
-    kv_heads = config.num_key_value_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    n = len(row)
-    keys = [torch.zeros(1, kv_heads, n, head_dim, dtype=model.dtype, device=device) for _ in range(layers)]
-    values = [torch.zeros_like(k) for k in keys]
-    covered = torch.zeros(n, dtype=torch.bool)
+    shape = (config.num_hidden_layers, config.num_key_value_heads, head_dim)
+    covered = torch.zeros(len(row), dtype=torch.bool)
+    placed: list[tuple[int, SegmentKV]] = []
     hits = misses = 0
     for start, end in request.spans:
         tokens = row[start:end]
-        entry = request.store.get(request.signature, model.dtype, tokens, (layers, kv_heads, head_dim), request.anchor)
+        entry = request.store.get(request.signature, model.dtype, tokens, shape, request.anchor)
         if entry is None:
             misses += 1
             entry = compute_segment(model, tokens, request.anchor)
             request.store.put(request.signature, model.dtype, entry)
         else:
             hits += 1
-        moved = request.shift(entry.keys.to(device), start - len(request.anchor))
-        stored_values = entry.values.to(device)
-        for layer in range(layers):
-            keys[layer][0, :, start:end] = moved[layer]
-            values[layer][0, :, start:end] = stored_values[layer]
+        placed.append((start, entry))
         covered[start:end] = True
-    return AssembledPrompt(keys, values, covered, hits, misses)
+    device = next(model.parameters()).device
+    return AssembledPrompt(len(row), placed, covered, hits, misses, request.shift, len(request.anchor), shape[1:], model.dtype, device)
 
 
 def recompute_positions(model, row: list[int], prompt: AssembledPrompt, tail: int, ratio: float, probe_layer: int = 1) -> torch.Tensor:
@@ -235,25 +248,23 @@ def recompute_positions(model, row: list[int], prompt: AssembledPrompt, tail: in
     if count >= reused.numel():
         return torch.arange(n)
     if count > 0:
-        device = prompt.keys[0].device
-        probe_layer = min(probe_layer, len(prompt.keys) - 1)
+        device = prompt.device
+        probe_layer = min(probe_layer, len(_decoder(model).layers) - 1)
         ids = torch.tensor([row], device=device)
         keys, values = layer_kv(model, ids, torch.arange(n, device=device)[None], layers=probe_layer + 1)
-        deviation = (keys[probe_layer] - prompt.keys[probe_layer]).float().pow(2).sum(dim=(0, 1, 3))
-        deviation += (values[probe_layer] - prompt.values[probe_layer]).float().pow(2).sum(dim=(0, 1, 3))
-        if globals().get("_SELECT") == "random":
-            chosen = reused[torch.randperm(reused.numel())[:count]]
-        else:
-            chosen = reused[deviation.cpu()[reused].topk(count).indices]
+        stored_keys, stored_values = prompt.layer(probe_layer)
+        deviation = (keys[probe_layer] - stored_keys).float().pow(2).sum(dim=(0, 1, 3))
+        deviation += (values[probe_layer] - stored_values).float().pow(2).sum(dim=(0, 1, 3))
+        score = deviation.cpu()
+        chosen = reused[score[reused].topk(count).indices]
         fresh[chosen] = True
-        for layer in range(probe_layer + 1):
-            prompt.keys[layer], prompt.values[layer] = keys[layer], values[layer]
+        prompt.exact.update({layer: (keys[layer], values[layer]) for layer in range(probe_layer + 1)})
     return fresh.nonzero().flatten()
 
 
 def blending_cache(model, prompt: AssembledPrompt, positions: torch.Tensor):
-    """A cache holding the assembled K/V of every layer whose next update writes the computed
-    tokens' K/V into their slots (``positions``) instead of appending them."""
+    """A cache whose first update of each layer takes that layer's assembled K/V and writes the
+    computed tokens' K/V into their slots (``positions``) instead of appending them."""
     from transformers import DynamicCache
 
     class BlendingCache(DynamicCache):
@@ -262,16 +273,16 @@ def blending_cache(model, prompt: AssembledPrompt, positions: torch.Tensor):
         def update(self, key_states, value_states, layer_idx, *args, **kwargs):
             if self.scatter is None:
                 return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+            keys, values = prompt.layer(layer_idx)
+            keys.index_copy_(2, self.scatter, key_states)
+            values.index_copy_(2, self.scatter, value_states)
             layer = self.layers[layer_idx]
-            layer.keys.index_copy_(2, self.scatter, key_states)
-            layer.values.index_copy_(2, self.scatter, value_states)
-            return layer.keys, layer.values
+            layer.lazy_initialization(keys, values)
+            layer.keys, layer.values = keys, values
+            return keys, values
 
     cache = BlendingCache(config=model.config)
-    for layer, (keys, values) in enumerate(zip(prompt.keys, prompt.values)):
-        cache.layers[layer].lazy_initialization(keys, values)
-        cache.layers[layer].keys, cache.layers[layer].values = keys, values
-    cache.scatter = positions.to(prompt.keys[0].device)
+    cache.scatter = positions.to(prompt.device)
     return cache
 
 

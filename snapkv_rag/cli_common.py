@@ -11,7 +11,7 @@ import argparse
 def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="default", help="'default' (embedded SmolLM2), a model dir, a .gguf file or a hub id")
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
-    p.add_argument("--dtype", default=None, help="float32, bfloat16, float16 (default: bf16 on GPU, fp32 on CPU)")
+    p.add_argument("--dtype", default=None, help="float32, bfloat16, float16 (default: bf16 on GPU and on CPUs with native bf16, else fp32)")
     p.add_argument("--json", action="store_true", help="print machine-readable JSON")
 
 

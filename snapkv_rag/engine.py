@@ -20,7 +20,8 @@ from .loading import DEFAULT_MODEL, RECOMMENDED_CONTEXT_TOKENS, load_model_and_t
 from .memory import PeakMemory
 from .blending import DEFAULT_RECOMPUTE, RopeShift, SegmentReuseUnsupported, SegmentRequest
 from .prefix_cache import PrefixCache, default_prefix_cache_bytes, reuse_tail
-from .prompts import PromptLike, question_tail_tokens, render_prompt, segment_spans
+from .offered import OFFERED
+from .prompts import PromptLike, question_tail_tokens, render_prompt, rendered_text, segment_spans
 from .segment_store import SegmentKVStore, model_signature
 from .results import GenerationResult, GenerationStats, Usage
 from .sampling import GenerationParams
@@ -448,7 +449,8 @@ class Engine:
         policy = as_policy(compression)
         rows = self._render_within_context(prompts, chat, params.max_new_tokens, specs)
         row_policies = self._resolve_policy(policy, prompts, chat, questions, specs)
-        segments, note = self._segment_request(prompts[0], rows[0], chat, specs[0], policy, reuse) if reuse else (None, None)
+        row_policy = row_policies[0] if isinstance(row_policies, list) else row_policies
+        segments, note = self._segment_request(prompts[0], rows[0], chat, specs[0], row_policy, reuse) if reuse else (None, None)
         constraint = self._constraint(specs, params.max_new_tokens)
         return _Request(rows, params, policy, row_policies, tuple(specs), constraint, prefix_cache, segments, note)
 
@@ -485,18 +487,23 @@ class Engine:
             raise InvalidGenerationParameterError(f"segment_store must be a SegmentKVStore, got {type(store).__name__}")
         if segments is None:
             return None, None
-        if isinstance(segments, (str, bytes)) or not isinstance(segments, Sequence) or not all(isinstance(t, str) for t in segments):
-            raise InvalidGenerationParameterError("reuse_segments must be a list of strings (texts that appear in the prompt)")
+        if segments != "offered" and (
+            isinstance(segments, (str, bytes)) or not isinstance(segments, Sequence) or not all(isinstance(t, str) for t in segments)
+        ):
+            raise InvalidGenerationParameterError('reuse_segments must be a list of strings (texts that appear in the prompt) or "offered"')
         if policy is not None and reuse_tail(policy) is None:
             return None, f"{policy.name} needs every prompt query; prefilled whole"
         try:
             shift = self.rope_shift()
         except SegmentReuseUnsupported as exc:
             return None, f"refused: {exc}"
-        spans = segment_spans(self.tokenizer, prompt, segments, len(row), chat=chat, tools=spec.tools if spec.renders_tools else ())
+        tools = spec.tools if spec.renders_tools else ()
+        if segments == "offered":
+            segments = OFFERED.found_in(rendered_text(self.tokenizer, prompt, chat, tools))
+        spans = segment_spans(self.tokenizer, prompt, segments, len(row), chat=chat, tools=tools)
         if not spans:
             return None, "no segment found in the rendered prompt"
-        return SegmentRequest(spans, row[:1], store or self.segment_store, self.signature, float(recompute), shift), None
+        return SegmentRequest(spans, row[:1], store if store is not None else self.segment_store, self.signature, float(recompute), shift), None
 
     def _prefix_cache_for(self, use: bool) -> PrefixCache | None:
         return self.prefix_cache if use and self.prefix_cache.max_bytes > 0 else None
@@ -703,7 +710,8 @@ class Engine:
         ``prefix_cache=False``: this call neither reuses nor stores prompt K/V.
 
         Segment reuse (blended prefill, see :mod:`snapkv_rag.blending`): ``reuse_segments``, texts
-        that appear in the prompt (document chunks, tool-log blocks), each with its K/V computed
+        that appear in the prompt (document chunks, tool-log blocks), or ``"offered"`` for the texts
+        retrievers and memories offered (:mod:`snapkv_rag.offered`), each with its K/V computed
         once and stored in ``segment_store`` (default: :attr:`segment_store`); later prompts
         reuse it at the segment's new position and recompute the ``recompute`` share (0.15) of
         its tokens that deviate most. ``recompute=1.0`` equals a full prefill.

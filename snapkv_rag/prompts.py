@@ -226,6 +226,11 @@ def _rendered_text(tokenizer, prompt: PromptLike, chat: bool | None, tools: Sequ
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True), False
 
 
+def rendered_text(tokenizer, prompt: PromptLike, chat: bool | None = None, tools: Sequence[Any] = ()) -> str:
+    """The prompt as the model reads it, before tokenization."""
+    return _rendered_text(tokenizer, prompt, chat, tools)[0]
+
+
 def render_prompt(tokenizer, prompt: PromptLike, *, chat: bool | None = None, tools: Sequence[Any] = ()) -> list[int]:
     """Token ids for ``prompt``; see the module docstring for the rules (and :func:`_rendered_text` for ``tools``)."""
     text, add_special = _rendered_text(tokenizer, prompt, chat, tools)

@@ -192,11 +192,12 @@ def test_side_by_side_compares_full_and_compressed(app_env):
     assert {"Prefill", "Time to first token", "Decode", "KV cache kept / full", "Prompt entries kept per layer", "Sources cited"} <= set(table.index)
     full_kept, snap_kept = table.loc["Prompt entries kept per layer"]
     assert full_kept.split(" / ")[0] == full_kept.split(" / ")[1] and snap_kept.startswith("64 / ")
-    # The engine's prefix cache reports reuse: the compressed run asks about the same stuffed
-    # prompt right after the full run, so it reuses all of it but the recomputed window.
-    full_reused, snap_reused = (int(str(v).replace(",", "")) for v in table.loc["Prefix tokens reused"])
+    # Document K/V are reused by default: the compressed run reads the documents the full run
+    # stored, so all of them come from the store; labels, question and the recomputed share do not.
+    full_reused, snap_reused = (int(str(v).replace(",", "")) for v in table.loc["Prompt tokens reused"])
     prompt_tokens = int(full_kept.split(" / ")[1].replace(",", ""))
     assert full_reused >= 0 and 0 < snap_reused < prompt_tokens
+    assert ", 0 computed now," in str(table.loc["Document K/V"].iloc[1])
 
 
 def test_full_cache_alone_draws_no_kept_picture(app_env):

@@ -554,3 +554,37 @@ def test_32k_token_prompt_with_snapkv_keeps_one_full_layer_at_most(tmp_path, emb
     assert answer.context.fill >= 0.95
     assert answer.result.stats.kept_tokens_per_layer == [512, 512]
     assert max(full_layers) <= 1 and full_layers[0] == 0
+
+
+def test_document_qa_reuses_chunk_kv_stored_beside_the_store(filled_store, long_engine, tmp_path):
+    from snapkv_rag.rag.kv_reuse import default_kv_dir
+
+    kv_dir = tmp_path / "kv"
+    qa = DocumentQA(long_engine, filled_store, context_tokens=600, max_new_tokens=2, kv_dir=str(kv_dir))
+    assert default_kv_dir(filled_store) == Path(filled_store.location) / "kv-segments"
+    first = qa.ask("When did the ferry open?")
+    stats = first.result.stats
+    assert stats.segment_reuse == "blended" and stats.segment_hits + stats.segment_misses == len(first.context.chunks) > 1
+    assert len(list(kv_dir.glob("*/*.safetensors"))) == stats.segment_hits + stats.segment_misses
+    # another process (a new store object on the same directory), the same chunks at other positions
+    reordered = DocumentQA(long_engine, filled_store, context_tokens=600, max_new_tokens=2, kv_dir=str(kv_dir), recompute=0.0, system_prompt="Answer briefly.")
+    again = reordered.ask("When did the ferry open?")
+    assert sorted(c.id for c in again.context.chunks) == sorted(c.id for c in first.context.chunks)
+    assert (again.result.stats.segment_hits, again.result.stats.segment_misses, again.result.stats.recomputed_prompt_tokens) == (len(again.context.chunks), 0, 0)
+    assert again.result.stats.reused_prompt_tokens > again.result.usage.prompt_tokens // 2
+    for mode in ("prefix", "off"):
+        other = DocumentQA(long_engine, filled_store, context_tokens=600, max_new_tokens=2, kv_reuse=mode).ask("When did the ferry open?")
+        assert other.result.stats.segment_reuse is None and other.result.stats.segment_hits == 0
+    with pytest.raises(ValueError, match="kv_reuse"):
+        DocumentQA(long_engine, filled_store, kv_reuse="always")
+
+
+def test_precompute_kv_stores_every_chunk_once(filled_store, long_engine, tmp_path):
+    qa = DocumentQA(long_engine, filled_store, context_tokens=600, max_new_tokens=2, kv_dir=str(tmp_path / "kv"))
+    computed, stored = qa.precompute_kv()
+    assert (computed, stored) == (filled_store.count(), 0)
+    assert qa.precompute_kv() == (0, filled_store.count())
+    answer = qa.ask("When did the museum open?")
+    assert answer.result.stats.segment_misses == 0 and answer.result.stats.segment_hits == len(answer.context.chunks)
+    with pytest.raises(ValueError, match="chunks"):
+        DocumentQA(long_engine, filled_store, kv_reuse="prefix").precompute_kv()

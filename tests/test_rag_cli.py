@@ -98,3 +98,23 @@ def test_ingest_of_nothing_usable_fails(tmp_path, capsys):
     (tmp_path / "only.bin").write_bytes(b"\x00")
     assert main(["ingest", str(tmp_path / "only.bin"), "--collection", "empty", "--store", str(tmp_path / "s"), "--no-progress"]) == 1
     assert "unsupported file type" in capsys.readouterr().err
+
+
+def test_ask_reuses_chunk_kv_by_default_and_ingest_can_precompute_it(docs, tmp_path, model_dir, capsys):
+    from pathlib import Path
+
+    store = str(tmp_path / "store")
+    assert main(["ingest", str(docs), "--collection", "notes", "--store", store, "--precompute-kv", "--model", model_dir, "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["kv_computed"] == 2 and report["kv_dir"] == str(Path(store) / "kv-segments")
+    args = ["ask", "When does the first ferry leave?", "--collection", "notes", "--store", store, "--model", model_dir, "--max-new-tokens", "2", "--json"]
+    assert main(args) == 0
+    stats = json.loads(capsys.readouterr().out)["stats"]
+    assert stats["segment_reuse"] == "blended" and (stats["segment_hits"], stats["segment_misses"]) == (2, 0)
+    assert main([*args, "--kv-reuse", "off"]) == 0
+    stats = json.loads(capsys.readouterr().out)["stats"]
+    assert stats["segment_reuse"] is None and stats["reused_prompt_tokens"] == 0
+    assert main([*args[:-1], "--recompute", "0"]) == 0
+    assert "prompt tokens reused from stored chunk K/V, 0 recomputed; 2 chunks found, 0 computed now" in capsys.readouterr().out
+    assert main([*args, "--recompute", "2"]) == 2
+    assert "recompute must be a number in [0, 1]" in capsys.readouterr().err

@@ -42,6 +42,7 @@ def tok():
 
 def prefill(engine, prompt, policy, **reuse):
     request = engine._prepare([prompt], policy, None, dict(max_new_tokens=2, **reuse), [QUESTION])
+    assert (request.segments is not None) == bool(reuse.get("reuse_segments")), request.segment_note
     run = DecodeRun(engine.model, request.rows, request.params, request.row_policies, engine._pad_id, segments=request.segments)
     next(run.steps())
     return run
@@ -59,7 +60,11 @@ def test_shifted_layer0_keys_equal_keys_computed_at_the_offset(family, tok):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-@pytest.mark.parametrize("policy", [None, SnapKV(window_size=8, max_capacity_prompt=40, kernel_size=3)], ids=["full", "snapkv"])
+@pytest.mark.parametrize(
+    "policy",
+    [None, SnapKV(window_size=8, max_capacity_prompt=40, kernel_size=3), SnapKV(window_size="question", max_capacity_prompt=40, min_window=4, max_window=16)],
+    ids=["full", "snapkv", "snapkv-question"],
+)
 def test_recompute_everything_equals_a_full_prefill(family, policy, tok):
     engine = tiny_engine(family, tok)
     store = SegmentKVStore()

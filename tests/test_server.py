@@ -59,6 +59,25 @@ def ask(**kwargs):
     return {"model": "tiny", "messages": [{"role": "user", "content": "Say something."}], "max_tokens": 12, **kwargs}
 
 
+def test_reuse_segments_extension_stores_and_reuses_document_kv(client, engine):
+    docs = [f"Document {i}: the harbour light number {i} is green and was repaired in {1990 + i}." * 2 for i in range(3)]
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "\n\n".join(docs) + "\n\nWhich light is green?"}]
+    first = client.chat.completions.create(model="tiny", messages=messages, max_tokens=4, extra_body={"reuse_segments": docs})
+    assert first.model_extra["snapkv"]["segment_reuse"] == "blended"
+    flipped = [messages[0], {"role": "user", "content": "\n\n".join(docs[::-1]) + "\n\nWhich light was repaired last?"}]
+    again = client.chat.completions.create(model="tiny", messages=flipped, max_tokens=4, extra_body={"reuse_segments": docs, "recompute": 0})
+    stats = again.model_extra["snapkv"]
+    assert (stats["segment_hits"], stats["segment_misses"]) == (3, 0) and stats["reused_prompt_tokens"] > 0
+    direct = engine.generate(flipped, max_new_tokens=4, compression="snapkv:budget=64", reuse_segments=docs, recompute=0)
+    assert again.choices[0].message.content == direct.text
+    # with recompute 0 only the policy's observation window (always fresh) is computed inside a document
+    assert stats["recomputed_prompt_tokens"] == direct.stats.recomputed_prompt_tokens <= direct.stats.compression["window_size"]
+    for body, param in (({"reuse_segments": "text"}, "reuse_segments"), ({"reuse_segments": [1]}, "reuse_segments"), ({"reuse_segments": docs, "recompute": 2}, "recompute")):
+        with pytest.raises(openai.BadRequestError) as err:
+            client.chat.completions.create(model="tiny", messages=messages, max_tokens=2, extra_body=body)
+        assert err.value.body["param"] == param
+
+
 def test_chat_answer_is_the_engines_own_with_the_servers_compression(client, engine):
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": LONG_QUESTION}]
     response = client.chat.completions.create(model="tiny", messages=messages, max_tokens=12)

@@ -50,6 +50,7 @@ METHODS = {
     "streamingllm": "StreamingLLM",
     "h2o": "H2O",
 }
+KV_REUSE = {"chunks": "Chunks (stored document K/V)", "prefix": "Prefix only", "off": "Off"}
 NEW_COLLECTION = "+ New collection…"
 UPLOAD_TYPES = sorted(s.lstrip(".") for s in SUPPORTED_SUFFIXES)
 COLORS = {"kept (cited)": "#d1495b", "kept": "#4c78a8", "dropped": "#dcdfe4"}
@@ -126,6 +127,7 @@ class Settings:
     max_new_tokens: int
     temperature: float
     side_by_side: bool
+    kv_reuse: str = "chunks"
 
     def policy(self):
         """The compression policy (None for the full cache); raises InvalidCompressionError."""
@@ -245,14 +247,16 @@ def stats_row(run: Run) -> dict[str, str]:
         "Documents stuffed": f"{len(a.context.chunks)} ({a.context.document_tokens:,} tokens)",
         "Sources cited": " ".join(f"[{n}]" for n in cited_numbers(a)) or "none",
     }
-    reused = reused_prefix_tokens(s)
+    reused = reused_prompt_tokens(s)
     if reused is not None:
-        row["Prefix tokens reused"] = f"{reused:,}"
+        row["Prompt tokens reused"] = f"{reused:,}"
+    if getattr(s, "segment_reuse", None) == "blended":
+        row["Document K/V"] = f"{s.segment_hits} stored, {s.segment_misses} computed now, {s.recomputed_prompt_tokens:,} tokens recomputed"
     return row
 
 
-def reused_prefix_tokens(stats) -> int | None:
-    """Prompt tokens served from the engine's prefix cache, when the engine reports them."""
+def reused_prompt_tokens(stats) -> int | None:
+    """Prompt tokens served from a cache (prefix or stored document K/V), when the engine reports them."""
     value = getattr(stats, "reused_prompt_tokens", None)
     if value is None:
         value = (getattr(stats, "extra", None) or {}).get("reused_prompt_tokens")
@@ -339,8 +343,8 @@ def render_sources(answer: Answer) -> None:
 def render_run_caption(run: Run) -> None:
     row = stats_row(run)
     parts = [run.label, f"prefill {row['Prefill']}", f"first token {row['Time to first token']}", row["Decode"], f"KV {row['KV cache kept / full']}"]
-    if "Prefix tokens reused" in row:
-        parts.append(f"{row['Prefix tokens reused']} prefix tokens reused")
+    if "Prompt tokens reused" in row:
+        parts.append(f"{row['Prompt tokens reused']} prompt tokens reused")
     parts.append(f"{row['Documents stuffed'].replace(' (', ' documents (', 1)} stuffed")
     st.caption(" · ".join(parts))
 
@@ -546,7 +550,14 @@ def sidebar_settings(engine: Engine | None) -> Settings:
         "Side by side with the full cache", value=False, key="side_by_side", disabled=not compressed,
         help="Answer each question twice: with the full KV cache and with the chosen compression.",
     )
-    settings = Settings(method, int(budget), window, int(window_size), int(context_tokens), int(max_new_tokens), float(temperature), bool(side_by_side and compressed))
+    kv_reuse = st.sidebar.selectbox(
+        "K/V reuse", list(KV_REUSE), format_func=KV_REUSE.get, key="kv_reuse",
+        help="Chunks: each document's K/V is computed once, stored beside the collection and reused wherever it lands in a "
+        "prompt (15% of its tokens recomputed). Prefix: only an identical prompt start is reused. Off: every prompt is read whole.",
+    )
+    settings = Settings(
+        method, int(budget), window, int(window_size), int(context_tokens), int(max_new_tokens), float(temperature), bool(side_by_side and compressed), kv_reuse
+    )
     try:
         checked_policy(settings, engine)
     except SnapKVRagError as exc:
@@ -693,7 +704,7 @@ def answer_question(question: str, engine: Engine | None, engine_error: str | No
             turn.error = problem
             return turn
         turn.model_note = small_model_note(engine, "For better answers start the app with a larger instruct model: `snapkv-rag app --model PATH_OR_HUB_ID`.")
-        qa = DocumentQA(engine, store, compression=None, context_tokens=settings.context_tokens, max_new_tokens=settings.max_new_tokens)
+        qa = DocumentQA(engine, store, compression=None, context_tokens=settings.context_tokens, max_new_tokens=settings.max_new_tokens, kv_reuse=settings.kv_reuse)
         runs = [Run("Full cache", "full")] if settings.side_by_side else []
         runs.append(Run(settings.label, settings.method))
         targets = st.columns(2, gap="large") if len(runs) == 2 else [st.container()]

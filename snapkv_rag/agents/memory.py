@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import AgentMemoryError, InvalidPromptError
+from ..offered import offer_segments
 from .messages import validate_message
 from .window import SUMMARY_PREFIX, CostCache, CountTokens, RenderedHistory, Summarizer, check_settings, fit_history
 
@@ -382,7 +383,7 @@ class AgentMemory:
         what is dropped or summarised, and where the cut lands.
         """
         thread_id = _thread(thread_id)
-        return fit_history(
+        rendered = fit_history(
             self.messages(thread_id),
             count_tokens=count_tokens,
             budget=budget,
@@ -394,6 +395,9 @@ class AgentMemory:
             summaries=_SqlSummaries(self, thread_id),
             costs=self._costs,
         )
+        # long tool logs are reusable segments: kv_reuse="chunks" reuses their K/V at any position
+        offer_segments(m["content"] for m in rendered.messages if m["role"] == "tool" and isinstance(m.get("content"), str))
+        return rendered
 
     def render_for(self, engine: Any, thread_id: str, *, max_new_tokens: int = 256, reserve: int = 0) -> RenderedHistory:
         """:meth:`render` with ``engine.count_tokens`` and ``context_budget(engine, ...)``."""

@@ -29,6 +29,11 @@ def _store(args, *, create: bool = True):
     return DocumentStore(args.collection, path=args.store, url=args.chroma_url, embedder=args.embedder, create=create)
 
 
+def _add_kv_args(p) -> None:
+    p.add_argument("--kv-dir", default=None, help="where chunk K/V are stored (default: STORE/kv-segments, or the cache directory for a Chroma server)")
+    p.add_argument("--kv-cache-bytes", type=int, default=None, help="bound of the chunk K/V directory (default 2 GiB; least recently used first)")
+
+
 def add_rag_parsers(sub, add_model_args, add_generation_args) -> None:
     ingest = sub.add_parser("ingest", help="add files and folders to a Chroma collection (idempotent)")
     ingest.add_argument("paths", nargs="+", help="files or folders (.txt .md .html .pdf .json .jsonl)")
@@ -37,8 +42,10 @@ def add_rag_parsers(sub, add_model_args, add_generation_args) -> None:
     ingest.add_argument("--overlap", type=int, default=40, help="tokens shared by consecutive chunks")
     ingest.add_argument("--text-field", default="text", help="the text field of .json/.jsonl records")
     ingest.add_argument("--max-file-mb", type=float, default=50.0, help="skip larger files")
-    ingest.add_argument("--json", action="store_true", help="print the report as JSON")
     ingest.add_argument("--no-progress", action="store_true")
+    ingest.add_argument("--precompute-kv", action="store_true", help="also compute every chunk's K/V for --kv-reuse chunks now (else on first use); takes the model options")
+    _add_kv_args(ingest)
+    add_model_args(ingest)
     ingest.set_defaults(func=cmd_ingest)
 
     ask = sub.add_parser("ask", help="answer a question over a collection, with numbered sources")
@@ -49,6 +56,9 @@ def add_rag_parsers(sub, add_model_args, add_generation_args) -> None:
     ask.add_argument("--min-score", type=float, default=None, help="drop chunks with lower cosine similarity")
     ask.add_argument("--order", choices=("score", "source"), default="score", help="document order in the prompt")
     ask.add_argument("--whole-collection", action="store_true", help="stuff every chunk in source order (same prefix for every question)")
+    ask.add_argument("--kv-reuse", choices=("chunks", "prefix", "off"), default="chunks", help="reuse stored chunk K/V at any position (default), only an identical prompt prefix, or nothing")
+    ask.add_argument("--recompute", type=float, default=None, help="share of reused chunk tokens computed again (default 0.15; 1.0 equals a full prefill)")
+    _add_kv_args(ask)
     add_model_args(ask)
     add_generation_args(ask)
     ask.set_defaults(func=cmd_ask, compression="default")
@@ -82,11 +92,23 @@ def cmd_ingest(args) -> int:
         # tqdm.write prints above the progress bar instead of into it.
         on_skip=None if args.json else (lambda s: tqdm.write(f"snapkv-rag: {s}", file=sys.stderr)),
     )
+    kv = _precompute_kv(args, store) if args.precompute_kv else None
     if args.json:
-        print(json.dumps({**report.to_dict(), "collection": store.name, "store": store.location, "total_chunks": store.count()}))
+        print(json.dumps({**report.to_dict(), "collection": store.name, "store": store.location, "total_chunks": store.count(), **(kv or {})}))
     else:
         print(f"{store.name}: {report.summary()}; the collection holds {store.count()} chunks")
+        if kv:
+            print(f"chunk K/V: {kv['kv_computed']} computed, {kv['kv_already_stored']} already stored, in {kv['kv_dir']}")
     return 0 if report.files or not report.skipped else 1
+
+
+def _precompute_kv(args, store) -> dict[str, Any]:
+    from ..cli_common import load_engine
+    from .kv_reuse import chunk_kv_store, precompute_chunk_kv
+
+    kv_store = chunk_kv_store(store, args.kv_dir, args.kv_cache_bytes)
+    computed, stored = precompute_chunk_kv(load_engine(args), store.all_chunks(), kv_store, progress=not args.no_progress and not args.json)
+    return {"kv_computed": computed, "kv_already_stored": stored, "kv_dir": str(kv_store.directory)}
 
 
 def _qa_kwargs(args) -> dict[str, Any]:
@@ -121,10 +143,21 @@ def _describe(answer) -> list[str]:
         f"Stuffed {len(ctx.chunks)} chunks, {ctx.document_tokens} of {ctx.budget_tokens} tokens ({ctx.left_out} candidates left out{f', {ctx.duplicates} duplicates dropped' if ctx.duplicates else ''}); "
         f"prompt {answer.result.usage.prompt_tokens} tokens, KV kept {max(kept) if kept else 0} per layer "
         f"({stats.compression['method'] if stats.compression else 'full cache'}, {stats.compression_ratio:.1f}x); "
-        f"prefill {stats.prefill_seconds:.1f} s"
+        f"prefill {stats.prefill_seconds:.1f} s{_reuse_note(stats, answer.result.usage.prompt_tokens)}"
         + (f", decode {stats.decode_ms_per_token:.0f} ms/token" if stats.decode_ms_per_token else "")
     )
     return lines
+
+
+def _reuse_note(stats, prompt_tokens: int) -> str:
+    if stats.segment_reuse == "blended":
+        return (f" ({stats.reused_prompt_tokens} of {prompt_tokens} prompt tokens reused from stored chunk K/V, "
+                f"{stats.recomputed_prompt_tokens} recomputed; {stats.segment_hits} chunks found, {stats.segment_misses} computed now)")
+    if stats.segment_reuse:
+        return f" (chunk K/V reuse not applied: {stats.segment_reuse})"
+    if stats.reused_prompt_tokens:
+        return f" ({stats.reused_prompt_tokens} of {prompt_tokens} prompt tokens reused from the prefix cache)"
+    return ""
 
 
 def cmd_ask(args) -> int:
@@ -142,6 +175,10 @@ def cmd_ask(args) -> int:
         min_score=args.min_score,
         order=args.order,
         whole_collection=args.whole_collection,
+        kv_reuse=args.kv_reuse,
+        kv_dir=args.kv_dir,
+        kv_cache_bytes=args.kv_cache_bytes,
+        recompute=args.recompute,
         **compression,
     )
     sampling.pop("max_new_tokens")

@@ -13,18 +13,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from ..offered import KV_REUSE_MODES, check_kv_reuse, reuse_kwargs  # noqa: F401 (re-exported)
 from ..segment_store import DEFAULT_MAX_BYTES, SegmentKVStore
 from .store import DocumentStore, StoredChunk
 from .stuffing import StuffedContext, build_messages, chunk_segment
 
-KV_REUSE_MODES = ("chunks", "prefix", "off")
 SEGMENT_DIR = "kv-segments"
-
-
-def check_kv_reuse(mode: str) -> str:
-    if mode not in KV_REUSE_MODES:
-        raise ValueError(f"kv_reuse must be one of {KV_REUSE_MODES}, got {mode!r}")
-    return mode
 
 
 def default_kv_dir(store: DocumentStore) -> Path:
@@ -44,11 +38,7 @@ def chunk_kv_store(store: DocumentStore, directory: str | Path | None = None, ma
 
 def reuse_options(mode: str, context: StuffedContext, kv_store: SegmentKVStore | None) -> dict[str, Any]:
     """The engine keywords for one answer under ``mode``."""
-    if mode == "off":
-        return {"prefix_cache": False}
-    if mode == "chunks" and context.chunks:
-        return {"reuse_segments": context.segments, "segment_store": kv_store}
-    return {}
+    return reuse_kwargs(mode, context.segments, kv_store)
 
 
 def precompute_chunk_kv(engine, chunks: list[StoredChunk], kv_store: SegmentKVStore, *, progress: bool = False) -> tuple[int, int]:

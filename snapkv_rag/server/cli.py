@@ -16,7 +16,7 @@ def add_serve_parser(sub) -> None:
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (chat, completions, embeddings)")
     p.add_argument("--model", default="default", help="'default' (embedded SmolLM2), a model dir, a .gguf file or a hub id")
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
-    p.add_argument("--dtype", default=None, help="float32, bfloat16, float16 (default: bf16 on GPU, fp32 on CPU)")
+    p.add_argument("--dtype", default=None, help="float32, bfloat16, float16 (default: bf16 on GPU and on CPUs with native bf16, else fp32)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: this machine only; 0.0.0.0 for all)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--compression", default=DEFAULT_COMPRESSION, help=f"default policy spec for requests that name none (default {DEFAULT_COMPRESSION}; 'full' for none)")
@@ -27,6 +27,8 @@ def add_serve_parser(sub) -> None:
     p.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES, help=f"larger request bodies get a 413 (default {DEFAULT_MAX_REQUEST_BYTES})")
     p.add_argument("--allow-origin", action="append", default=None, help="an origin browsers may call from (CORS), e.g. http://localhost:3000; repeatable; '*' for any")
     p.add_argument("--prefix-cache-bytes", type=int, default=None, help="bound of the prefix cache (default: 1 GiB on CPU; 0 disables)")
+    p.add_argument("--kv-dir", default=None, help="store the K/V of requests' reuse_segments here (shared with other processes, kept across restarts; default: in memory)")
+    p.add_argument("--kv-cache-bytes", type=int, default=None, help="bound of --kv-dir (default 2 GiB; least recently used first)")
     p.set_defaults(func=cmd_serve)
 
 
@@ -63,6 +65,10 @@ def build_config(args: argparse.Namespace):
         if args.embedder != "default":
             embedder_id = os.path.basename(os.path.normpath(args.embedder))
     engine = load_engine(args, prefix_cache_bytes=args.prefix_cache_bytes)
+    if args.kv_dir is not None:
+        from ..offered import segment_store_at
+
+        engine.segment_store = segment_store_at(args.kv_dir, args.kv_cache_bytes)
     return ServerConfig(
         engine,
         model_id=args.served_model_name or served_model_name(args.model),

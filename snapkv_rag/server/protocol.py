@@ -4,9 +4,11 @@ No HTTP here (see :mod:`.app`), so every rule can be tested on plain dicts. Requ
 OpenAI's Chat Completions, Completions and Embeddings APIs. A field the engine cannot honour
 (``n > 1``, log-probabilities, penalties, images) is one clear error, never silently ignored;
 fields that only label a request (``user``, ``metadata``, ``store`` ...) are accepted and
-ignored. One extension: ``compression``, a policy spec (``"snapkv:budget=512"``, ``"full"``)
-that overrides the server's default for this request; every response carries the engine's
-stats for it under ``snapkv``.
+ignored. Extensions: ``compression``, a policy spec (``"snapkv:budget=512"``, ``"full"``)
+that overrides the server's default for this request; ``reuse_segments``, texts of the
+prompt (the documents a client stuffed) whose K/V the server stores once and reuses at any
+position later, with ``recompute`` (0-1) the share recomputed (see :mod:`snapkv_rag.blending`).
+Every response carries the engine's stats for it under ``snapkv``.
 """
 
 from __future__ import annotations
@@ -50,7 +52,7 @@ def invalid(message: str, param: str | None = None, code: str | None = None) -> 
     return APIError(400, message, param=param, code=code)
 
 
-_SAMPLING_PARAMS = ("max_new_tokens", "temperature", "top_p", "stop", "seed")
+_SAMPLING_PARAMS = ("max_new_tokens", "temperature", "top_p", "stop", "seed", "reuse_segments", "recompute")
 
 
 def from_engine_error(exc: BaseException, kind: str = "chat") -> APIError:
@@ -144,7 +146,7 @@ class ParsedRequest:
     prompt: Any  # messages (chat) or a string (completion)
     stream: bool
     include_usage: bool
-    sampling: dict[str, Any] = field(default_factory=dict)  # temperature, top_p, stop, seed
+    sampling: dict[str, Any] = field(default_factory=dict)  # temperature, top_p, stop, seed, reuse_segments, recompute
     max_tokens: int | None = None
     constraints: dict[str, Any] = field(default_factory=dict)  # tools, tool_choice, parallel_tool_calls, response_format
     compression: str | None = None  # the request's own spec, or None for the server's default
@@ -154,7 +156,8 @@ class ParsedRequest:
         return {"max_new_tokens": max_new_tokens, "compression": compression, **self.sampling, **self.constraints, **chat}
 
 
-_COMMON = {"model", "stream", "stream_options", "max_tokens", "temperature", "top_p", "stop", "seed", "compression"}
+_COMMON = {"model", "stream", "stream_options", "max_tokens", "temperature", "top_p", "stop", "seed", "compression", "reuse_segments", "recompute"}
+MAX_REUSE_SEGMENTS = 1024
 CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "tools", "tool_choice", "parallel_tool_calls", "response_format"}
 COMPLETION_FIELDS = _COMMON | {"prompt"}
 
@@ -192,6 +195,16 @@ def _common(body: Any, kind: str, accepted: set[str]) -> ParsedRequest:
     seed = _optional(body, "seed", (int,), "an integer")
     if seed is not None:
         sampling["seed"] = seed
+    segments = _optional(body, "reuse_segments", (list,), "a list of strings (texts of the prompt to reuse)")
+    if segments is not None:
+        if len(segments) > MAX_REUSE_SEGMENTS or not all(isinstance(t, str) for t in segments):
+            raise invalid(f"reuse_segments must be a list of at most {MAX_REUSE_SEGMENTS} strings", "reuse_segments")
+        sampling["reuse_segments"] = segments
+    recompute = _optional(body, "recompute", (int, float), "a number in [0, 1]")
+    if recompute is not None:
+        if not 0 <= recompute <= 1:
+            raise invalid(f"recompute must be a number in [0, 1], got {recompute!r}", "recompute")
+        sampling["recompute"] = float(recompute)
     compression = _optional(body, "compression", (str,), "a policy spec such as 'snapkv:budget=1024' or 'full'")
     return ParsedRequest(kind, model, None, stream, include_usage, sampling, compression=compression)
 

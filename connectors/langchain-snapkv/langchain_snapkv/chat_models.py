@@ -39,10 +39,14 @@ from pydantic import ConfigDict, Field, PrivateAttr, model_validator
 
 from snapkv_rag import Engine, GenerationResult, ToolCallDelta
 from snapkv_rag.compression import as_policy
+from snapkv_rag.offered import check_kv_reuse, reuse_kwargs, segment_store_at
 
 PROVIDER = "snapkv"
 # Per-call keyword arguments passed to the engine as they are.
-_ENGINE_KWARGS = ("compression", "tools", "tool_choice", "response_format", "parallel_tool_calls", "question", "ignore_eos", "chat")
+_ENGINE_KWARGS = (
+    "compression", "tools", "tool_choice", "response_format", "parallel_tool_calls", "question", "ignore_eos", "chat",
+    "reuse_segments", "segment_store", "recompute", "prefix_cache",
+)
 # Per-call overrides of the model's own sampling fields: LangChain name -> engine name.
 _SAMPLING = {"max_tokens": "max_new_tokens", "max_new_tokens": "max_new_tokens", "temperature": "temperature", "top_p": "top_p", "seed": "seed"}
 
@@ -187,12 +191,21 @@ class ChatSnapKV(BaseChatModel):
     """Accepted for LangChain's standard parameters; local generation is not retried."""
     streaming: bool = False
     """When True, ``invoke`` streams internally (callbacks see tokens as they come)."""
+    kv_reuse: str = "chunks"
+    """``"chunks"``: documents a ``SnapKVStuffingRetriever`` (or agent memory) offered are reused
+    as stored K/V wherever they sit in a prompt (blended prefill, see ``snapkv_rag.blending``);
+    ``"prefix"``: only an identical prompt prefix is reused; ``"off"``: every prompt is prefilled whole."""
+    kv_dir: str | None = None
+    """Where chunk K/V are stored (shared by processes, kept across restarts); None: the engine's memory."""
+    recompute: float | None = None
+    """Share of reused chunk tokens computed again (None: the engine's default, 0.15)."""
 
     _engine: Any = PrivateAttr(default=None)
 
     @model_validator(mode="after")
     def _check(self) -> "ChatSnapKV":
         as_policy(self.compression)  # InvalidCompressionError now, not at the first call
+        check_kv_reuse(self.kv_reuse)
         if self.engine is not None and not isinstance(self.engine, Engine):
             raise TypeError(f"engine must be a snapkv_rag.Engine, got {type(self.engine).__name__}")
         return self
@@ -255,6 +268,9 @@ class ChatSnapKV(BaseChatModel):
     # ------------------------------------------------------------------ request
     def _engine_kwargs(self, stop: list[str] | None, kwargs: dict[str, Any]) -> dict[str, Any]:
         out: dict[str, Any] = {"compression": self.compression, "max_new_tokens": self.max_tokens, "temperature": self.temperature}
+        out.update(reuse_kwargs(self.kv_reuse, "offered", segment_store_at(self.kv_dir)))
+        if self.recompute is not None and "reuse_segments" in out:
+            out["recompute"] = self.recompute
         if self.top_p is not None:
             out["top_p"] = self.top_p
         if self.seed is not None:

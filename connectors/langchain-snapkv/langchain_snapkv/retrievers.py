@@ -18,6 +18,7 @@ from langchain_core.vectorstores import VectorStore
 from pydantic import ConfigDict, Field
 
 from snapkv_rag import Engine
+from snapkv_rag.offered import offer_segments
 from snapkv_rag.rag import DocumentStore, StuffedContext, StuffingRetriever
 from snapkv_rag.rag.store import StoredChunk
 from snapkv_rag.rag.stuffing import SYSTEM_PROMPT
@@ -168,4 +169,5 @@ class SnapKVStuffingRetriever(BaseRetriever):
 
     def _get_relevant_documents(self, query: str, *, run_manager: CallbackManagerForRetrieverRun, k: int | None = None) -> list[Document]:
         context = self.stuff(query, k=k)
+        offer_segments(context.segments)  # ChatSnapKV(kv_reuse="chunks") reuses their K/V wherever they land in a prompt
         return [chunk_to_document(i + 1, c) for i, c in enumerate(context.chunks)]

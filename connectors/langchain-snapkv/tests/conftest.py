@@ -33,6 +33,12 @@ def tiny_engine():
 
 
 @pytest.fixture(scope="session")
+def root_helpers():
+    """The root tests' helpers (tiny_engine(family, **kwargs) builds a fresh engine)."""
+    return _root_helpers()
+
+
+@pytest.fixture(scope="session")
 def smollm_tokenizer():
     return _root_helpers().load_smollm_tokenizer()
 

@@ -116,3 +116,31 @@ def test_memory_renders_append_only_so_the_prefix_cache_is_reused(llm):
     second = llm.chat(memory.get(), max_new_tokens=2)
     assert second.additional_kwargs["reused_prompt_tokens"] > 0
     assert second.additional_kwargs["reused_prompt_tokens"] >= first.additional_kwargs["prompt_tokens"] - 1 - 32
+
+
+def test_query_engine_reuses_the_kept_nodes_kv_in_any_order(tokenizer):
+    from llama_index.core.base.base_retriever import BaseRetriever
+    from llama_index.core.query_engine import RetrieverQueryEngine
+
+    from snapkv_root_conftest import tiny_engine
+
+    texts = [f"Report {i}: the {w} opened in {1900 + i} and keeps its records in hall {i}." * 2 for i, w in enumerate(["ferry", "museum", "tram"])]
+    order = [texts]
+
+    class Fixed(BaseRetriever):
+        def _retrieve(self, query_bundle):
+            return nodes(order[0])
+
+    engine = tiny_engine("llama", tokenizer, context=4096)
+    llm = SnapKVLLM(engine, max_new_tokens=2)
+    query_engine = RetrieverQueryEngine.from_args(Fixed(), llm=llm, node_postprocessors=[TokenBudgetPostprocessor(llm=llm, context_tokens=2000)])
+    query_engine.query("when did the tram open?")
+    assert (engine.segment_store.stats.hits, engine.segment_store.stats.misses) == (0, 3)
+    order[0] = texts[::-1]
+    query_engine.query("when did the museum open?")
+    assert (engine.segment_store.stats.hits, engine.segment_store.stats.misses) == (3, 3)
+    off = SnapKVLLM(engine, max_new_tokens=2, kv_reuse="off")
+    RetrieverQueryEngine.from_args(Fixed(), llm=off, node_postprocessors=[TokenBudgetPostprocessor(llm=off, context_tokens=2000)]).query("and the ferry?")
+    assert engine.segment_store.stats.hits == 3
+    with pytest.raises(ValueError, match="kv_reuse"):
+        SnapKVLLM(engine, kv_reuse="sometimes")

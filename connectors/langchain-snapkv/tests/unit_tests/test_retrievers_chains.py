@@ -116,6 +116,22 @@ def test_cited_chain_maps_citations_to_documents(store, tiny_engine, embedder):
     assert chain.invoke({"question": "When does the ferry leave?"})["answer"] == out["answer"]
 
 
+def test_chat_model_reuses_the_documents_the_retriever_offered(store, root_helpers):
+    engine = root_helpers.tiny_engine("llama", context=4096)
+    retriever = SnapKVStuffingRetriever(store=store, engine=engine, context_tokens=300, max_new_tokens=4)
+    chain = create_cited_qa_chain(ChatSnapKV(engine=engine, max_tokens=2, compression=None), retriever)
+    first = chain.invoke("Which code has the bakery?")
+    stored = engine.segment_store.stats.misses
+    assert stored == len(first["documents"]) > 1 and engine.segment_store.stats.hits == 0
+    chain.invoke("Which code has the garden?")  # overlapping documents, other order: the stored ones are hits
+    assert engine.segment_store.stats.hits >= 1
+    hits = engine.segment_store.stats.hits
+    create_cited_qa_chain(ChatSnapKV(engine=engine, max_tokens=2, compression=None, kv_reuse="prefix"), retriever).invoke("Which code has the bakery?")
+    assert engine.segment_store.stats.hits == hits
+    with pytest.raises(ValueError, match="kv_reuse"):
+        ChatSnapKV(engine=engine, kv_reuse="maybe")
+
+
 def test_cited_chain_end_to_end_on_a_tiny_engine(store, tiny_engine):
     llm = ChatSnapKV(engine=tiny_engine, max_tokens=8, compression="snapkv:budget=128,window=question")
     retriever = SnapKVStuffingRetriever(store=store, engine=tiny_engine, context_tokens=200, max_new_tokens=8)

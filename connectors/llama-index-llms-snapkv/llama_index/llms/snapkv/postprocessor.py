@@ -14,6 +14,7 @@ from llama_index.core.bridge.pydantic import Field, PrivateAttr
 from llama_index.core.postprocessor.types import BaseNodePostprocessor
 from llama_index.core.schema import MetadataMode, NodeWithScore, QueryBundle
 
+from snapkv_rag.offered import offer_segments
 from snapkv_rag.rag.packing import pack_greedy
 from snapkv_rag.rag.stuffing import ContextBudgetError
 
@@ -84,4 +85,6 @@ class TokenBudgetPostprocessor(BaseNodePostprocessor):
             "used_tokens": packing.used,
             "left_out_tokens": sum(packing.costs.get(i) or self._count(self.separator + texts[i]) for i in packing.left_out),
         }
+        # SnapKVLLM(kv_reuse="chunks") reuses the kept nodes' K/V wherever the synthesizer puts them
+        offer_segments(texts[i] for i in packing.kept)
         return [nodes[i] for i in packing.kept]

@@ -1,0 +1,177 @@
+"""Chunk-level K/V reuse (issue 24): prefill time and answer quality against a full prefill.
+
+For each corpus and stuffed size, every question's retrieved chunks are stuffed once
+(DocumentQA's retrieval, ranked order) and that very prompt is answered by:
+
+- ``off``: a full prefill, the reference (prefix cache off);
+- ``prefix``: the engine's exact-prefix cache (a new question shares only the system prompt);
+- ``chunks r=R``: blended prefill from the chunk K/V store, recomputing the share R of reused
+  tokens (0, 0.05, 0.15, 0.30, 0.50). Every chunk's K/V is precomputed first (``ingest
+  --precompute-kv``; its time is reported), so each question is one "whose chunks were all
+  seen before"; one cold question (nothing stored) is timed as well.
+
+With ``--snapkv-8x`` the off and default-recompute runs at the largest size are repeated under
+SnapKV (question window) at 1/8 of the prompt (compression composed with reuse). Quality: answer accuracy
+(gold string in the answer), answers lost against ``off`` (off right, this wrong), identical
+answers, and citation agreement F1 (attributed citations against off's). Greedy, 32 new
+tokens, the engine's default dtype; time to first token is measured on the stream.
+
+    .venv/bin/python eval/chunk_reuse.py --corpus sample --sizes 2000,8000 --snapkv-8x
+    .venv/bin/python eval/chunk_reuse.py --corpus generated --sizes 8000 --questions 20
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from results_io import write_records, write_table  # noqa: E402
+
+from snapkv_rag import Engine  # noqa: E402
+from snapkv_rag.compression import SnapKV  # noqa: E402
+from snapkv_rag.evaluation.rag_citation import RagQuestion, answer_correct, load_questions  # noqa: E402
+from snapkv_rag.metrics import citation_prf  # noqa: E402
+from snapkv_rag.rag import DocumentQA, DocumentStore  # noqa: E402
+from snapkv_rag.rag.kv_reuse import precompute_chunk_kv  # noqa: E402
+
+RATIOS = (0.0, 0.05, 0.15, 0.30, 0.50)
+MAX_NEW_TOKENS = 32
+
+PLACES = ["ferry terminal", "weather station", "archive", "tram depot", "lighthouse", "market hall", "seed bank", "clock tower",
+          "water works", "radio mast", "boat yard", "glass studio"]
+PEOPLE = ["Ada Quill", "Bram Osei", "Cora Lindqvist", "Dev Anand", "Elin Marsh", "Faisal Noor", "Greta Holm", "Hugo Varga"]
+
+
+def generated_corpus(folder: Path, documents: int = 120, seed: int = 0) -> list[RagQuestion]:
+    """``documents`` short reports about numbered sites, each with one unique code; a question per document."""
+    rng = random.Random(seed)
+    questions = []
+    for i in range(documents):
+        place = f"{PLACES[i % len(PLACES)]} {i // len(PLACES) + 1}"
+        code = f"{rng.choice('KMRTVX')}{rng.randint(100, 999)}"
+        keeper = rng.choice(PEOPLE)
+        opened = rng.randint(1890, 2015)
+        filler = " ".join(
+            f"Inspectors visited the {place} in {opened + k} and noted {rng.choice(['fresh paint', 'a new roof', 'repaired stairs', 'clean filters', 'a longer jetty'])}."
+            for k in range(6)
+        )
+        text = (f"# Report on the {place}\n\nThe {place} opened in {opened} and is kept by {keeper}. {filler} "
+                f"The access code of the {place} is {code}. Visitors sign the book at the gate.\n")
+        (folder / f"site-{i:03d}.md").write_text(text)
+        questions.append(RagQuestion(f"What is the access code of the {place}?", code, [f"site-{i:03d}.md"]))
+    return questions
+
+
+def time_to_first_token(engine, messages, kwargs) -> tuple[object, float]:
+    start = time.perf_counter()
+    stream = engine.stream(messages, **kwargs)
+    first = None
+    for _ in stream:
+        if first is None:
+            first = time.perf_counter() - start
+    stream.close()
+    return stream.result, first if first is not None else time.perf_counter() - start
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--corpus", choices=("sample", "generated"), default="sample")
+    ap.add_argument("--sizes", default="2000,4000,8000")
+    ap.add_argument("--questions", type=int, default=None)
+    ap.add_argument("--prefix-questions", type=int, default=5, help="questions also timed with the prefix cache")
+    ap.add_argument("--snapkv-8x", action="store_true")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    out = Path(args.out or ROOT / f"eval/results/chunk_reuse_{args.corpus}")
+    engine = Engine.default()
+    records: list[dict] = []
+    with tempfile.TemporaryDirectory(prefix="snapkv-chunk-reuse-") as tmp:
+        if args.corpus == "sample":
+            corpus = ROOT / "examples/sample_corpus"
+            questions = load_questions(ROOT / "examples/sample_questions.jsonl", args.questions)
+        else:
+            corpus = Path(tmp) / "corpus"
+            corpus.mkdir()
+            questions = generated_corpus(corpus)[:: max(1, 120 // (args.questions or 120))][: args.questions]
+        store = DocumentStore("chunk-reuse", path=Path(tmp) / "store")
+        store.ingest([corpus])
+        reference = DocumentQA(engine, store, compression=None, max_new_tokens=MAX_NEW_TOKENS, kv_reuse="off")
+        chunked = DocumentQA(engine, store, compression=None, max_new_tokens=MAX_NEW_TOKENS, kv_reuse="chunks")
+        for size in (int(s) for s in args.sizes.split(",")):
+            reference.retriever.context_tokens = size
+            if size == int(args.sizes.split(",")[0]):
+                context = reference.retrieve(questions[0].question)
+                _, cold = time_to_first_token(engine, context.messages, chunked._kwargs(context, None, {}))
+                start = time.perf_counter()
+                computed, _ = precompute_chunk_kv(engine, store.all_chunks(), chunked.kv_store)
+                records.append({"kind": "setup", "cold_ttft_seconds": cold, "precompute_seconds": time.perf_counter() - start,
+                                "chunks": store.count(), "computed": computed, "kv_bytes": chunked.kv_store.nbytes})
+                print(json.dumps(records[-1]), flush=True)
+            for qi, q in enumerate(questions):
+                context = reference.retrieve(q.question)
+                settings = [("off", reference, None, {})]
+                if qi < args.prefix_questions:
+                    settings.append(("prefix", reference, None, {"prefix_cache": True}))
+                settings += [(f"chunks r={r:.2f}", chunked, None, {"recompute": r}) for r in RATIOS]
+                if args.snapkv_8x and size == max(int(s) for s in args.sizes.split(",")):
+                    policy = SnapKV(window_size="question", max_capacity_prompt=max(64, context.prompt_tokens // 8))
+                    settings += [("off + snapkv 8x", reference, policy, {}), ("chunks r=0.15 + snapkv 8x", chunked, policy, {"recompute": 0.15})]
+                answers = {}
+                for name, qa, policy, extra in settings:
+                    kwargs = {**qa._kwargs(context, policy, {}), **extra}
+                    result, ttft = time_to_first_token(engine, context.messages, kwargs)
+                    answer = qa._answer(context, result)
+                    answers[name] = answer
+                    base = answers.get("off + snapkv 8x" if "snapkv" in name else "off", answer)
+                    cited, cited_base = answer.cited("attributed"), base.cited("attributed")
+                    stats = result.stats
+                    records.append({
+                        "kind": "answer", "corpus": args.corpus, "size": size, "setting": name, "question": q.question,
+                        "prompt_tokens": result.usage.prompt_tokens, "prefill_seconds": stats.prefill_seconds, "ttft_seconds": ttft,
+                        "reused": stats.reused_prompt_tokens, "prefilled": stats.prefilled_prompt_tokens,
+                        "recomputed": stats.recomputed_prompt_tokens, "hits": stats.segment_hits, "misses": stats.segment_misses,
+                        "answer": answer.text, "correct": bool(answer_correct(answer.text, q.answer)),
+                        "same_as_reference": answer.text == base.text,
+                        "citation_f1_vs_reference": citation_prf(cited, cited_base)[2] if (cited or cited_base) else 1.0,
+                    })
+                    print(json.dumps(records[-1]), flush=True)
+    write_records(out, records)
+    answers = [r for r in records if r["kind"] == "answer"]
+    setup = next(r for r in records if r["kind"] == "setup")
+    lines = [
+        f"Corpus `{args.corpus}`: {setup['chunks']} chunks; precomputing their K/V took {setup['precompute_seconds']:.0f} s "
+        f"({setup['kv_bytes'] / 2**20:.0f} MiB on disk); a cold first question (nothing stored) took {setup['cold_ttft_seconds']:.1f} s to its first token.",
+        "",
+        "| stuffed | setting | questions | median prompt tokens | median prefill s | prefill vs off | median TTFT s | reused tokens | accuracy | lost vs off | same answer | citation agreement F1 |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for size in sorted({r["size"] for r in answers}):
+        rows = [r for r in answers if r["size"] == size]
+        off = {r["question"]: r for r in rows if r["setting"] == "off"}
+        off8 = {r["question"]: r for r in rows if r["setting"] == "off + snapkv 8x"}
+        for setting in dict.fromkeys(r["setting"] for r in rows):
+            group = [r for r in rows if r["setting"] == setting]
+            ref = off8 if "snapkv" in setting else off
+            speed = statistics.median(ref[r["question"]]["prefill_seconds"] / r["prefill_seconds"] for r in group)
+            lost = sum(ref[r["question"]]["correct"] and not r["correct"] for r in group)
+            lines.append(
+                f"| {size} | {setting} | {len(group)} | {statistics.median(r['prompt_tokens'] for r in group):.0f} | "
+                f"{statistics.median(r['prefill_seconds'] for r in group):.2f} | {speed:.1f}x | {statistics.median(r['ttft_seconds'] for r in group):.2f} | "
+                f"{statistics.median(r['reused'] for r in group):.0f} | {sum(r['correct'] for r in group)}/{len(group)} | {lost} | "
+                f"{sum(r['same_as_reference'] for r in group)}/{len(group)} | {statistics.mean(r['citation_f1_vs_reference'] for r in group):.2f} |"
+            )
+    write_table(out, lines)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
