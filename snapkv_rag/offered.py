@@ -64,10 +64,15 @@ KV_REUSE_MODES = ("chunks", "prefix", "off")
 _STORES: dict[str, object] = {}
 
 
-def check_kv_reuse(mode: str) -> str:
-    if mode not in KV_REUSE_MODES:
-        raise ValueError(f"kv_reuse must be one of {KV_REUSE_MODES}, got {mode!r}")
+def check_kv_reuse(mode: str | None) -> str | None:
+    """``mode`` when valid; None stands for the engine's ``recommended_kv_reuse``."""
+    if mode is not None and mode not in KV_REUSE_MODES:
+        raise ValueError(f"kv_reuse must be one of {KV_REUSE_MODES} or None (the model's recommendation), got {mode!r}")
     return mode
+
+
+def resolve_kv_reuse(mode: str | None, engine) -> str:
+    return check_kv_reuse(mode) or getattr(engine, "recommended_kv_reuse", "chunks")
 
 
 def segment_store_at(directory: str | None, max_bytes: int | None = None):

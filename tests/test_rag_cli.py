@@ -66,7 +66,7 @@ def test_sources_name_each_route_once():
 
     chunk = StoredChunk(id="a", text="t", source="f.md", title="Ferry", position=0, tokens=1, score=0.5)
     cites = [SimpleNamespace(number=1, route=r) for r in ("attributed", "attributed", "generated")]  # two sentences, one marker
-    stats = SimpleNamespace(kept_tokens_per_layer=[], compression=None, compression_ratio=1.0, prefill_seconds=0.1, decode_ms_per_token=None)
+    stats = SimpleNamespace(kept_tokens_per_layer=[], compression=None, compression_ratio=1.0, prefill_seconds=0.1, decode_ms_per_token=None, segment_reuse=None, reused_prompt_tokens=0)
     context = SimpleNamespace(chunks=[chunk], document_tokens=1, budget_tokens=2, left_out=0, duplicates=0)
     answer = SimpleNamespace(
         citations=cites, sources=[(1, chunk)], invalid_citations=[], context=context,

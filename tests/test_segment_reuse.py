@@ -13,13 +13,18 @@ import os
 
 import pytest
 import torch
-
 from conftest import FAMILIES, build_tokenizer, tiny_engine
-from snapkv_rag.blending import RopeShift, SegmentReuseUnsupported, compute_segment, layer_kv, segment_token_spans
+
+from snapkv_rag.blending import (
+    RopeShift,
+    SegmentReuseUnsupported,
+    compute_segment,
+    layer_kv,
+    segment_token_spans,
+)
 from snapkv_rag.compression import H2O, SnapKV, StreamingLLM
 from snapkv_rag.errors import InvalidGenerationParameterError
 from snapkv_rag.generation import DecodeRun
-from snapkv_rag.sampling import GenerationParams
 from snapkv_rag.segment_store import SegmentKV, SegmentKVStore
 
 DOCS = [
@@ -114,7 +119,12 @@ def test_spans_leave_out_tokens_that_straddle_a_boundary(tok):
 
 
 def test_models_that_cannot_move_keys_are_refused(tok):
-    from transformers import AutoConfig, AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel
+    from transformers import (
+        AutoConfig,
+        AutoModelForCausalLM,
+        GPT2Config,
+        GPT2LMHeadModel,
+    )
 
     torch.manual_seed(0)
     gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=len(tok), n_embd=32, n_layer=1, n_head=2, n_positions=128)).eval()
@@ -138,7 +148,7 @@ def test_policies_needing_every_query_prefill_whole(tok):
     engine = tiny_engine("llama", tok)
     result = engine.generate(prompt_for([0, 1, 2]), compression=H2O(max_capacity_prompt=24, recent=8), max_new_tokens=2, reuse_segments=DOCS)
     assert "every prompt query" in result.stats.segment_reuse
-    streaming = engine.generate(prompt_for([0, 1, 2]), compression=StreamingLLM(sink_tokens=4, max_capacity_prompt=24), max_new_tokens=2, reuse_segments=DOCS)
+    streaming = engine.generate(prompt_for([0, 1, 2]), compression=StreamingLLM(sink_tokens=4, max_capacity_prompt=24), max_new_tokens=2, reuse_segments=DOCS, prefix_cache=False)
     assert streaming.stats.segment_reuse == "blended"
 
 
@@ -302,3 +312,18 @@ def test_a_32k_prompt_blends_on_a_40k_context_model(tok):
     assert ordered.stats.kept_tokens_per_layer == [2048, 2048]
     assert ordered.stats.reused_prompt_tokens > 0.8 * 32_000
     assert again.stats.segment_hits == len(docs)  # segments are found in any order
+
+
+def test_an_exact_stored_prefix_that_covers_more_wins(tok):
+    """An agent's history grows append-only: the previous prompt, stored whole, covers more
+    than the new tool log would, so the call stays exact (and is stored for the next turn)."""
+    engine = tiny_engine("llama", tok)
+    store = SegmentKVStore()
+    history = "Documents:\n\n" + "\n\n".join(DOCS[:2]) + "\n\nSummarise them."
+    engine.generate(history, max_new_tokens=2)  # stored in the prefix cache, no segments
+    log = "Tool output: the passkey is 1234 and the capital of France is Paris."
+    turn = engine.generate(history + "\n\n" + log + "\n\nAnd now?", max_new_tokens=2, reuse_segments=[*DOCS[:2], log], segment_store=store)
+    assert turn.stats.segment_reuse.startswith("an exact stored prefix covered more")
+    assert turn.stats.reused_prompt_tokens > 0 and turn.stats.recomputed_prompt_tokens == 0
+    fresh = engine.generate("Other text entirely.\n\n" + "\n\n".join(DOCS[:2]) + "\n\nQ?", max_new_tokens=2, reuse_segments=DOCS[:2], segment_store=store)
+    assert fresh.stats.segment_reuse == "blended"

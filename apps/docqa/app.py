@@ -552,8 +552,10 @@ def sidebar_settings(engine: Engine | None) -> Settings:
     )
     kv_reuse = st.sidebar.selectbox(
         "K/V reuse", list(KV_REUSE), format_func=KV_REUSE.get, key="kv_reuse",
+        index=list(KV_REUSE).index(engine.recommended_kv_reuse) if engine is not None else 0,
         help="Chunks: each document's K/V is computed once, stored beside the collection and reused wherever it lands in a "
-        "prompt (15% of its tokens recomputed). Prefix: only an identical prompt start is reused. Off: every prompt is read whole.",
+        "prompt (15% of its tokens recomputed; approximate: the embedded 135M model loses answers, so it defaults to Prefix). "
+        "Prefix: only an identical prompt start is reused (exact). Off: every prompt is read whole.",
     )
     settings = Settings(
         method, int(budget), window, int(window_size), int(context_tokens), int(max_new_tokens), float(temperature), bool(side_by_side and compressed), kv_reuse

@@ -56,7 +56,7 @@ def add_rag_parsers(sub, add_model_args, add_generation_args) -> None:
     ask.add_argument("--min-score", type=float, default=None, help="drop chunks with lower cosine similarity")
     ask.add_argument("--order", choices=("score", "source"), default="score", help="document order in the prompt")
     ask.add_argument("--whole-collection", action="store_true", help="stuff every chunk in source order (same prefix for every question)")
-    ask.add_argument("--kv-reuse", choices=("chunks", "prefix", "off"), default="chunks", help="reuse stored chunk K/V at any position (default), only an identical prompt prefix, or nothing")
+    ask.add_argument("--kv-reuse", choices=("chunks", "prefix", "off"), default=None, help="reuse stored chunk K/V at any position, only an identical prompt prefix, or nothing (default: the model's recommendation: chunks, but prefix for the embedded 135M model)")
     ask.add_argument("--recompute", type=float, default=None, help="share of reused chunk tokens computed again (default 0.15; 1.0 equals a full prefill)")
     _add_kv_args(ask)
     add_model_args(ask)

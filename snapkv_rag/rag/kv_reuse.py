@@ -1,6 +1,7 @@
 """How document QA reuses prompt K/V: per chunk (blended prefill), by exact prefix, or not at all.
 
-``"chunks"`` (the default) hands every stuffed chunk's text to the engine as a reusable
+``"chunks"`` (the default, except for models whose measured answers suffer: the embedded
+135M model recommends ``"prefix"``, see ``Engine.recommended_kv_reuse``) hands every stuffed chunk's text to the engine as a reusable
 segment; its K/V are stored beside the Chroma store (``<store>/kv-segments``; under the
 cache directory for a Chroma server), shared by every process that opens the same store,
 so a new question over chunks seen before (in any order) prefills only its question, the
@@ -13,7 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from ..offered import KV_REUSE_MODES, check_kv_reuse, reuse_kwargs  # noqa: F401 (re-exported)
+from ..offered import KV_REUSE_MODES, check_kv_reuse, resolve_kv_reuse, reuse_kwargs  # noqa: F401 (re-exported)
 from ..segment_store import DEFAULT_MAX_BYTES, SegmentKVStore
 from .store import DocumentStore, StoredChunk
 from .stuffing import StuffedContext, build_messages, chunk_segment

@@ -15,7 +15,7 @@ from ..compression import SnapKV
 from ..metrics import parse_citations
 from ..results import GenerationResult
 from .attribution import EvidenceAttributor, SentenceSupport
-from .kv_reuse import check_kv_reuse, chunk_kv_store, precompute_chunk_kv, reuse_options
+from .kv_reuse import chunk_kv_store, precompute_chunk_kv, resolve_kv_reuse, reuse_options
 from .store import DocumentStore, StoredChunk
 from .stuffing import SYSTEM_PROMPT, StuffedContext, StuffingRetriever
 
@@ -190,9 +190,11 @@ class DocumentQA:
     ``compression``: the default policy of every ask (a question-aligned SnapKV window with
     budget 1024 unless given; None for the full cache). Retrieval options as in
     :class:`StuffingRetriever`. ``routes``: which citation routes to compute.
-    ``kv_reuse``: ``"chunks"`` (default: each chunk's K/V computed once, stored in ``kv_dir``,
-    by default beside the Chroma store, bounded by ``kv_cache_bytes``, and reused by later
-    questions at any position), ``"prefix"`` or ``"off"``; see :mod:`snapkv_rag.rag.kv_reuse`.
+    ``kv_reuse``: ``"chunks"`` (each chunk's K/V computed once, stored in ``kv_dir``, by default
+    beside the Chroma store, bounded by ``kv_cache_bytes``, and reused by later questions at
+    any position), ``"prefix"`` or ``"off"``; None (default): the engine's
+    ``recommended_kv_reuse`` ("chunks", but "prefix" for the embedded 135M model, whose
+    answers suffer from blended reuse); see :mod:`snapkv_rag.rag.kv_reuse`.
     ``recompute``: the share of reused chunk tokens recomputed (None: the engine's default).
     """
 
@@ -212,7 +214,7 @@ class DocumentQA:
         system_prompt: str = SYSTEM_PROMPT,
         routes: tuple[str, ...] = ROUTES,
         attributor: EvidenceAttributor | None = None,
-        kv_reuse: str = "chunks",
+        kv_reuse: str | None = None,
         kv_dir: str | None = None,
         kv_cache_bytes: int | None = None,
         recompute: float | None = None,
@@ -238,8 +240,8 @@ class DocumentQA:
             system_prompt=system_prompt,
         )
         self.attributor = attributor or EvidenceAttributor(store.embedder)
-        self.kv_reuse = check_kv_reuse(kv_reuse)
-        self.kv_store = chunk_kv_store(store, kv_dir, kv_cache_bytes) if kv_reuse == "chunks" else None
+        self.kv_reuse = resolve_kv_reuse(kv_reuse, engine)
+        self.kv_store = chunk_kv_store(store, kv_dir, kv_cache_bytes) if self.kv_reuse == "chunks" else None
         self.recompute = recompute
 
     def precompute_kv(self, *, progress: bool = False) -> tuple[int, int]:

@@ -39,7 +39,7 @@ from pydantic import ConfigDict, Field, PrivateAttr, model_validator
 
 from snapkv_rag import Engine, GenerationResult, ToolCallDelta
 from snapkv_rag.compression import as_policy
-from snapkv_rag.offered import check_kv_reuse, reuse_kwargs, segment_store_at
+from snapkv_rag.offered import check_kv_reuse, resolve_kv_reuse, reuse_kwargs, segment_store_at
 
 PROVIDER = "snapkv"
 # Per-call keyword arguments passed to the engine as they are.
@@ -191,10 +191,11 @@ class ChatSnapKV(BaseChatModel):
     """Accepted for LangChain's standard parameters; local generation is not retried."""
     streaming: bool = False
     """When True, ``invoke`` streams internally (callbacks see tokens as they come)."""
-    kv_reuse: str = "chunks"
+    kv_reuse: str | None = None
     """``"chunks"``: documents a ``SnapKVStuffingRetriever`` (or agent memory) offered are reused
     as stored K/V wherever they sit in a prompt (blended prefill, see ``snapkv_rag.blending``);
-    ``"prefix"``: only an identical prompt prefix is reused; ``"off"``: every prompt is prefilled whole."""
+    ``"prefix"``: only an identical prompt prefix is reused; ``"off"``: every prompt is prefilled
+    whole; None: the engine's ``recommended_kv_reuse`` ("chunks"; "prefix" for the embedded model)."""
     kv_dir: str | None = None
     """Where chunk K/V are stored (shared by processes, kept across restarts); None: the engine's memory."""
     recompute: float | None = None
@@ -268,7 +269,7 @@ class ChatSnapKV(BaseChatModel):
     # ------------------------------------------------------------------ request
     def _engine_kwargs(self, stop: list[str] | None, kwargs: dict[str, Any]) -> dict[str, Any]:
         out: dict[str, Any] = {"compression": self.compression, "max_new_tokens": self.max_tokens, "temperature": self.temperature}
-        out.update(reuse_kwargs(self.kv_reuse, "offered", segment_store_at(self.kv_dir)))
+        out.update(reuse_kwargs(resolve_kv_reuse(self.kv_reuse, self.client), "offered", segment_store_at(self.kv_dir)))
         if self.recompute is not None and "reuse_segments" in out:
             out["recompute"] = self.recompute
         if self.top_p is not None:

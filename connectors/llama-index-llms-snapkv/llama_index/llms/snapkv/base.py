@@ -32,7 +32,7 @@ from llama_index.core.prompts import BasePromptTemplate
 from snapkv_rag import Engine, GenerationResult, ToolCallDelta
 from snapkv_rag.compression import as_policy
 from snapkv_rag.engine_cache import shared_engine
-from snapkv_rag.offered import check_kv_reuse, reuse_kwargs, segment_store_at
+from snapkv_rag.offered import check_kv_reuse, resolve_kv_reuse, reuse_kwargs, segment_store_at
 from snapkv_rag.errors import PromptTooLongError
 
 from .messages import assistant_message, result_message, result_summary, to_engine_messages, tool_selections
@@ -99,10 +99,11 @@ class SnapKVLLM(FunctionCallingLLM):
     device: Optional[str] = Field(default=None)
     dtype: Optional[str] = Field(default=None)
     generate_kwargs: Dict[str, Any] = Field(default_factory=dict, description="Other engine options (top_p, stop, seed).")
-    kv_reuse: str = Field(
-        default="chunks",
+    kv_reuse: Optional[str] = Field(
+        default=None,
         description="'chunks': nodes a TokenBudgetPostprocessor (or SnapKVMemory) offered are reused as stored K/V wherever "
-        "they sit in a prompt; 'prefix': only an identical prompt prefix; 'off': every prompt prefilled whole.",
+        "they sit in a prompt; 'prefix': only an identical prompt prefix; 'off': every prompt prefilled whole; "
+        "None: the engine's recommended_kv_reuse ('chunks'; 'prefix' for the embedded model).",
     )
     kv_dir: Optional[str] = Field(default=None, description="Where chunk K/V are stored (None: the engine's memory).")
 
@@ -131,7 +132,7 @@ class SnapKVLLM(FunctionCallingLLM):
         else:
             model = engine.name
         as_policy(compression)  # an invalid spec fails here, not at the first call
-        check_kv_reuse(kwargs.get("kv_reuse", "chunks"))
+        check_kv_reuse(kwargs.get("kv_reuse"))
         limit = engine.context_length
         if context_window is None:
             context_window = limit or 4096
@@ -182,7 +183,7 @@ class SnapKVLLM(FunctionCallingLLM):
     # ------------------------------------------------------------------ the engine call
     def _options(self, kwargs: Dict[str, Any]) -> Dict[str, Any]:
         options: Dict[str, Any] = {"compression": self.compression, "max_new_tokens": self.max_new_tokens, "temperature": self.temperature}
-        options.update(reuse_kwargs(self.kv_reuse, "offered", segment_store_at(self.kv_dir)))
+        options.update(reuse_kwargs(resolve_kv_reuse(self.kv_reuse, self._engine), "offered", segment_store_at(self.kv_dir)))
         options.update(self.generate_kwargs)
         kwargs = dict(kwargs)
         if "max_tokens" in kwargs:
