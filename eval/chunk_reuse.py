@@ -90,8 +90,13 @@ def main() -> int:
     ap.add_argument("--prefix-questions", type=int, default=5, help="questions also timed with the prefix cache")
     ap.add_argument("--snapkv-8x", action="store_true")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--table-only", action="store_true", help="rebuild table.md from OUT/records.jsonl (a run stopped early)")
     args = ap.parse_args()
     out = Path(args.out or ROOT / f"eval/results/chunk_reuse_{args.corpus}")
+    if args.table_only:
+        records = [json.loads(line) for line in (out / "records.jsonl").read_text().splitlines() if line.strip()]
+        write_table(out, table_lines(records, args.corpus))
+        return 0
     engine = Engine.default()
     records: list[dict] = []
     with tempfile.TemporaryDirectory(prefix="snapkv-chunk-reuse-") as tmp:
@@ -145,10 +150,15 @@ def main() -> int:
                     })
                     print(json.dumps(records[-1]), flush=True)
     write_records(out, records)
+    write_table(out, table_lines(records, args.corpus))
+    return 0
+
+
+def table_lines(records: list[dict], corpus: str) -> list[str]:
     answers = [r for r in records if r["kind"] == "answer"]
     setup = next(r for r in records if r["kind"] == "setup")
     lines = [
-        f"Corpus `{args.corpus}`: {setup['chunks']} chunks; precomputing their K/V took {setup['precompute_seconds']:.0f} s "
+        f"Corpus `{corpus}`: {setup['chunks']} chunks; precomputing their K/V took {setup['precompute_seconds']:.0f} s "
         f"({setup['kv_bytes'] / 2**20:.0f} MiB on disk); a cold first question (nothing stored) took {setup['cold_ttft_seconds']:.1f} s to its first token.",
         "",
         "| stuffed | setting | questions | median prompt tokens | median prefill s | prefill vs off | median TTFT s | reused tokens | accuracy | lost vs off | same answer | citation agreement F1 |",
@@ -169,8 +179,7 @@ def main() -> int:
                 f"{statistics.median(r['reused'] for r in group):.0f} | {sum(r['correct'] for r in group)}/{len(group)} | {lost} | "
                 f"{sum(r['same_as_reference'] for r in group)}/{len(group)} | {statistics.mean(r['citation_f1_vs_reference'] for r in group):.2f} |"
             )
-    write_table(out, lines)
-    return 0
+    return lines
 
 
 if __name__ == "__main__":
