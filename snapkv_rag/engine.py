@@ -709,7 +709,8 @@ class Engine:
         call after complete ones returns the complete ones (``finish_reason="tool_calls"``,
         ``stats.tool_call_tail_dropped``). Text pieces
         are ``str``; tool calls stream as :class:`~snapkv_rag.tools.ToolCallDelta`.
-        ``prefix_cache=False``: this call neither reuses nor stores prompt K/V.
+        ``prefix_cache=False``: this call neither reuses nor stores prompt K/V in the prefix
+        cache (segment reuse below is separate: it follows ``reuse_segments``).
 
         Segment reuse (blended prefill, see :mod:`snapkv_rag.blending`): ``reuse_segments``, texts
         that appear in the prompt (document chunks, tool-log blocks), or ``"offered"`` for the texts
