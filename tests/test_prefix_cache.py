@@ -28,6 +28,13 @@ POLICIES = {
 ATOL = 1e-4
 
 
+@pytest.fixture(autouse=True)
+def any_prefix_share(monkeypatch):
+    """These tests check that reuse is exact for a prefix of any length; the share below
+    which reuse is skipped as a slowdown (MIN_REUSE_SHARE) has its own test."""
+    monkeypatch.setattr("snapkv_rag.prefix_cache.MIN_REUSE_SHARE", 0.0)
+
+
 @pytest.fixture(scope="module")
 def eng(tokenizer):
     return tiny_engine("llama", tokenizer)
@@ -251,3 +258,21 @@ def test_chat_turns_reuse_the_previous_prompt(eng):
     second = eng.generate(messages, max_new_tokens=4)
     assert second.stats.reused_prompt_tokens >= first.usage.prompt_tokens - 2
     assert second.token_ids == eng.generate(messages, max_new_tokens=4, prefix_cache=False).token_ids
+
+
+def test_a_prefix_under_the_minimum_share_is_not_reused(eng, monkeypatch):
+    """Reusing a small share is slower than a plain prefill (the rest runs through a masked
+    path), so a stored prefix shorter than MIN_REUSE_SHARE of the prompt is left unused."""
+    monkeypatch.setattr("snapkv_rag.prefix_cache.MIN_REUSE_SHARE", 0.5)
+    cache = PrefixCache(1 << 30)
+    base = ids(eng, DOC)
+    other = ids(eng, "Hello world, hello engine! " * 8)
+    DecodeRun(eng.model, [base], GenerationParams(max_new_tokens=1), None, eng._pad_id, prefix_cache=cache)._prefill()
+    short = base[: len(base) // 3] + other[: len(base)]
+    run = DecodeRun(eng.model, [short], GenerationParams(max_new_tokens=1), None, eng._pad_id, prefix_cache=cache)
+    run._prefill()
+    assert run.reused_tokens == [0]
+    long = base[: 3 * len(base) // 4] + other[:8]
+    run = DecodeRun(eng.model, [long], GenerationParams(max_new_tokens=1), None, eng._pad_id, prefix_cache=cache)
+    run._prefill()
+    assert run.reused_tokens == [3 * len(base) // 4]
