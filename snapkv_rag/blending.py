@@ -103,7 +103,7 @@ class RopeShift:
         self._check(model)
 
     def __call__(self, keys: torch.Tensor, offset: int) -> torch.Tensor:
-        """``keys [..., m, head_dim]`` computed at positions ``0..m-1``, moved to ``offset..``."""
+        """``keys [..., m, head_dim]`` moved ``offset`` positions later (earlier when negative)."""
         if offset == 0:
             return keys
         probe = torch.zeros(1, 1, 1, dtype=torch.float32, device=keys.device)
