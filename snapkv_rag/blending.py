@@ -211,27 +211,41 @@ class AssembledPrompt:
         return keys, values
 
 
-def assemble(model, row: list[int], request: SegmentRequest) -> AssembledPrompt:
-    """Load (or compute and store) every span's segment and note where it goes."""
+def segment_anchor(row: list[int]) -> list[int]:
+    """The tokens every segment of this prompt is computed after: its first token (BOS or the template's opening)."""
+    return row[:1]
+
+
+def kv_shape(model) -> tuple[int, int, int]:
+    """``(layers, kv_heads, head_dim)`` of the model's cache: the shape a stored entry must have."""
     config = model.config.get_text_config(decoder=True)
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    shape = (config.num_hidden_layers, config.num_key_value_heads, head_dim)
+    return config.num_hidden_layers, config.num_key_value_heads, head_dim
+
+
+def stored_or_computed(model, store: SegmentKVStore, signature: str, tokens: list[int], anchor: list[int]) -> tuple[SegmentKV, bool]:
+    """The segment's entry from ``store``, or computed now and stored; and whether it was stored already."""
+    entry = store.get(signature, model.dtype, tokens, kv_shape(model), anchor)
+    if entry is not None:
+        return entry, True
+    entry = compute_segment(model, tokens, anchor)
+    store.put(signature, model.dtype, entry)
+    return entry, False
+
+
+def assemble(model, row: list[int], request: SegmentRequest) -> AssembledPrompt:
+    """Load (or compute and store) every span's segment and note where it goes."""
     covered = torch.zeros(len(row), dtype=torch.bool)
     placed: list[tuple[int, SegmentKV]] = []
-    hits = misses = 0
+    hits = 0
     for start, end in request.spans:
-        tokens = row[start:end]
-        entry = request.store.get(request.signature, model.dtype, tokens, shape, request.anchor)
-        if entry is None:
-            misses += 1
-            entry = compute_segment(model, tokens, request.anchor)
-            request.store.put(request.signature, model.dtype, entry)
-        else:
-            hits += 1
+        entry, hit = stored_or_computed(model, request.store, request.signature, row[start:end], request.anchor)
+        hits += hit
         placed.append((start, entry))
         covered[start:end] = True
     device = next(model.parameters()).device
-    return AssembledPrompt(len(row), placed, covered, hits, misses, request.shift, len(request.anchor), shape[1:], model.dtype, device)
+    misses = len(request.spans) - hits
+    return AssembledPrompt(len(row), placed, covered, hits, misses, request.shift, len(request.anchor), kv_shape(model)[1:], model.dtype, device)
 
 
 def recompute_positions(model, row: list[int], prompt: AssembledPrompt, tail: int, ratio: float, probe_layer: int = 1) -> torch.Tensor:

@@ -18,7 +18,7 @@ from .errors import EmptyPromptError, InvalidGenerationParameterError, InvalidPr
 from .generation import DecodeRun, cache_bytes
 from .loading import DEFAULT_MODEL, RECOMMENDED_CONTEXT_TOKENS, RECOMMENDED_KV_REUSE, load_model_and_tokenizer
 from .memory import PeakMemory
-from .blending import DEFAULT_RECOMPUTE, RopeShift, SegmentReuseUnsupported, SegmentRequest
+from .blending import DEFAULT_RECOMPUTE, RopeShift, SegmentReuseUnsupported, SegmentRequest, segment_anchor
 from .prefix_cache import PrefixCache, default_prefix_cache_bytes, reuse_tail
 from .offered import OFFERED
 from .prompts import PromptLike, question_tail_tokens, render_prompt, rendered_text, segment_spans
@@ -505,7 +505,7 @@ class Engine:
         spans = segment_spans(self.tokenizer, prompt, segments, len(row), chat=chat, tools=tools)
         if not spans:
             return None, "no segment found in the rendered prompt"
-        return SegmentRequest(spans, row[:1], store if store is not None else self.segment_store, self.signature, float(recompute), shift), None
+        return SegmentRequest(spans, segment_anchor(row), store if store is not None else self.segment_store, self.signature, float(recompute), shift), None
 
     def _prefix_cache_for(self, use: bool) -> PrefixCache | None:
         return self.prefix_cache if use and self.prefix_cache.max_bytes > 0 else None

@@ -48,13 +48,10 @@ def precompute_chunk_kv(engine, chunks: list[StoredChunk], kv_store: SegmentKVSt
     Each chunk's tokens are taken as they appear in a real prompt (rendered with the same
     template and numbering), so the entries are the ones a question will look up.
     """
-    from ..blending import compute_segment
+    from ..blending import segment_anchor, stored_or_computed
     from ..prompts import render_prompt, segment_spans
 
     engine.rope_shift()  # refuse models that cannot reuse moved K/V before computing anything
-    config = engine.model.config.get_text_config(decoder=True)
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    shape = (config.num_hidden_layers, config.num_key_value_heads, head_dim)
     computed = stored = 0
     iterator = chunks
     if progress:
@@ -67,13 +64,8 @@ def precompute_chunk_kv(engine, chunks: list[StoredChunk], kv_store: SegmentKVSt
         spans = segment_spans(engine.tokenizer, messages, [chunk_segment(chunk)], len(row))
         if not spans:
             continue
-        tokens = row[spans[0][0] : spans[0][1]]
-        anchor = row[:1]
-        if kv_store.get(engine.signature, engine.model.dtype, tokens, shape, anchor) is not None:
-            stored += 1
-            continue
         with engine._lock:
-            entry = compute_segment(engine.model, tokens, anchor)
-        kv_store.put(engine.signature, engine.model.dtype, entry)
-        computed += 1
+            _, hit = stored_or_computed(engine.model, kv_store, engine.signature, row[spans[0][0] : spans[0][1]], segment_anchor(row))
+        stored += hit
+        computed += not hit
     return computed, stored
