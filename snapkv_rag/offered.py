@@ -12,6 +12,7 @@ offered texts first); offering a text costs nothing until a prompt contains it.
 
 from __future__ import annotations
 
+import os
 import threading
 from collections import OrderedDict
 from collections.abc import Iterable
@@ -62,6 +63,7 @@ def offer_segments(texts: Iterable[str]) -> None:
 
 KV_REUSE_MODES = ("chunks", "prefix", "off")
 _STORES: dict[str, object] = {}
+_STORES_LOCK = threading.Lock()
 
 
 def check_kv_reuse(mode: str | None) -> str | None:
@@ -75,14 +77,15 @@ def resolve_kv_reuse(mode: str | None, engine) -> str:
     return check_kv_reuse(mode) or getattr(engine, "recommended_kv_reuse", "chunks")
 
 
-def segment_store_at(directory: str | None, max_bytes: int | None = None):
-    """One :class:`~snapkv_rag.segment_store.SegmentKVStore` per directory in this process (None: the engine's own)."""
+def segment_store_at(directory: str | os.PathLike | None, max_bytes: int | None = None):
+    """One :class:`~snapkv_rag.segment_store.SegmentKVStore` per directory and bound in this
+    process (None: no directory, the engine's own store), so its hit counts add up."""
     from .segment_store import DEFAULT_MAX_BYTES, SegmentKVStore
 
     if directory is None:
         return None
-    key = f"{directory}|{max_bytes}"
-    with OFFERED._lock:
+    key = f"{os.fspath(directory)}|{max_bytes}"
+    with _STORES_LOCK:
         if key not in _STORES:
             _STORES[key] = SegmentKVStore(directory, max_bytes=DEFAULT_MAX_BYTES if max_bytes is None else max_bytes)
         return _STORES[key]

@@ -566,7 +566,7 @@ def test_document_qa_reuses_chunk_kv_stored_beside_the_store(filled_store, long_
     stats = first.result.stats
     assert stats.segment_reuse == "blended" and stats.segment_hits + stats.segment_misses == len(first.context.chunks) > 1
     assert len(list(kv_dir.glob("*/*.safetensors"))) == stats.segment_hits + stats.segment_misses
-    # another process (a new store object on the same directory), the same chunks at other positions
+    # a second DocumentQA on the same directory, the same chunks at other positions
     reordered = DocumentQA(long_engine, filled_store, context_tokens=600, max_new_tokens=2, kv_dir=str(kv_dir), recompute=0.0, system_prompt="Answer briefly.")
     again = reordered.ask("When did the ferry open?")
     assert sorted(c.id for c in again.context.chunks) == sorted(c.id for c in first.context.chunks)

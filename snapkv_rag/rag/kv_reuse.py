@@ -14,8 +14,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from ..offered import KV_REUSE_MODES, check_kv_reuse, resolve_kv_reuse, reuse_kwargs  # noqa: F401 (re-exported)
-from ..segment_store import DEFAULT_MAX_BYTES, SegmentKVStore
+from ..offered import KV_REUSE_MODES, check_kv_reuse, resolve_kv_reuse, reuse_kwargs, segment_store_at  # noqa: F401 (re-exported)
+from ..segment_store import SegmentKVStore
 from .store import DocumentStore, StoredChunk
 from .stuffing import StuffedContext, build_messages, chunk_segment
 
@@ -34,7 +34,7 @@ def default_kv_dir(store: DocumentStore) -> Path:
 
 
 def chunk_kv_store(store: DocumentStore, directory: str | Path | None = None, max_bytes: int | None = None) -> SegmentKVStore:
-    return SegmentKVStore(directory or default_kv_dir(store), max_bytes=DEFAULT_MAX_BYTES if max_bytes is None else max_bytes)
+    return segment_store_at(directory or default_kv_dir(store), max_bytes)
 
 
 def reuse_options(mode: str, context: StuffedContext, kv_store: SegmentKVStore | None) -> dict[str, Any]:
