@@ -21,7 +21,7 @@ from .memory import PeakMemory
 from .blending import DEFAULT_RECOMPUTE, RopeShift, SegmentReuseUnsupported, SegmentRequest, segment_anchor
 from .prefix_cache import PrefixCache, default_prefix_cache_bytes, reuse_tail
 from .offered import OFFERED
-from .prompts import PromptLike, question_tail_tokens, render_prompt, rendered_text, segment_spans
+from .prompts import PromptLike, question_tail_tokens, render_prompt, segment_spans
 from .segment_store import SegmentKVStore, model_signature
 from .results import GenerationResult, GenerationStats, Usage
 from .sampling import GenerationParams
@@ -500,9 +500,8 @@ class Engine:
         except SegmentReuseUnsupported as exc:
             return None, f"refused: {exc}"
         tools = spec.tools if spec.renders_tools else ()
-        if segments == "offered":
-            segments = OFFERED.found_in(rendered_text(self.tokenizer, prompt, chat, tools))
-        spans = segment_spans(self.tokenizer, prompt, segments, len(row), chat=chat, tools=tools)
+        chosen = OFFERED.found_in if segments == "offered" else segments
+        spans = segment_spans(self.tokenizer, prompt, chosen, len(row), chat=chat, tools=tools)
         if not spans:
             return None, "no segment found in the rendered prompt"
         return SegmentRequest(spans, segment_anchor(row), store if store is not None else self.segment_store, self.signature, float(recompute), shift), None

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Union
 
 from .errors import EmptyPromptError, InvalidPromptError
@@ -226,11 +226,6 @@ def _rendered_text(tokenizer, prompt: PromptLike, chat: bool | None, tools: Sequ
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True), False
 
 
-def rendered_text(tokenizer, prompt: PromptLike, chat: bool | None = None, tools: Sequence[Any] = ()) -> str:
-    """The prompt as the model reads it, before tokenization."""
-    return _rendered_text(tokenizer, prompt, chat, tools)[0]
-
-
 def render_prompt(tokenizer, prompt: PromptLike, *, chat: bool | None = None, tools: Sequence[Any] = ()) -> list[int]:
     """Token ids for ``prompt``; see the module docstring for the rules (and :func:`_rendered_text` for ``tools``)."""
     text, add_special = _rendered_text(tokenizer, prompt, chat, tools)
@@ -239,13 +234,22 @@ def render_prompt(tokenizer, prompt: PromptLike, *, chat: bool | None = None, to
 
 
 def segment_spans(
-    tokenizer, prompt: PromptLike, segments: Sequence[str], n_tokens: int, *, chat: bool | None = None, tools: Sequence[Any] = ()
+    tokenizer,
+    prompt: PromptLike,
+    segments: Sequence[str] | Callable[[str], Sequence[str]],
+    n_tokens: int,
+    *,
+    chat: bool | None = None,
+    tools: Sequence[Any] = (),
 ) -> list[tuple[int, int]]:
-    """Token spans of ``segments`` (texts that appear in the prompt, in order) within the
-    ``n_tokens`` ids :func:`render_prompt` gives; see :func:`snapkv_rag.blending.segment_token_spans`."""
+    """Token spans of ``segments`` (texts that appear in the prompt; or a function choosing them
+    from the rendered prompt's text) within the ``n_tokens`` ids :func:`render_prompt` gives;
+    see :func:`snapkv_rag.blending.segment_token_spans`."""
     from .blending import segment_token_spans
 
     text, add_special = _rendered_text(tokenizer, prompt, chat, tools)
+    if callable(segments):
+        segments = segments(text)
     offsets = tokenizer(text, add_special_tokens=add_special, return_offsets_mapping=True)["offset_mapping"]
     # render_prompt only adds or drops a BOS at the front: count that difference as a shift
     return segment_token_spans(offsets, text, segments, shift=n_tokens - len(offsets))
