@@ -242,16 +242,15 @@ class DecodeRun:
         stored back before compression shrinks the cache.
         """
         start = time.perf_counter()
-        if self.segments is not None and self.prefix_cache is not None and self._exact_prefix_covers_more():
+        plan = self._plan_reuse() if self.prefix_cache is not None else None
+        if self.segments is not None and plan is not None and self._exact_prefix_covers_more(plan[0][1]):
             self.segments = None
             self.segment_note = "an exact stored prefix covered more of the prompt than the segments"
         if self.segments is not None:
             self._blended_prefill()
             return self._finish_prefill(start, self.attention_mask)
-        if self.prefix_cache is not None:
-            plan = self._plan_reuse()
-            if any(take for _, take in plan):
-                self._layout_with_reuse(plan)
+        if plan is not None and any(take for _, take in plan):
+            self._layout_with_reuse(plan)
         mask = self.attention_mask
         positions = (mask.cumsum(-1) - 1).clamp(min=0)[:, mask.shape[1] - self.input_ids.shape[1] :]
         self._last_position = positions[:, -1:]
@@ -284,11 +283,9 @@ class DecodeRun:
                 self._sliding_mask = mask
         return self.last_logits
 
-    def _exact_prefix_covers_more(self) -> bool:
-        """Whether the prefix cache reuses at least as many tokens exactly as the segments after
-        that prefix would add (an agent's append-only history: stay exact, and stored)."""
-        entry, common = self.prefix_cache.lookup(self.rows[0])
-        take = reusable_tokens(common, len(self.rows[0]), self._row_policy(0)) if entry is not None else 0
+    def _exact_prefix_covers_more(self, take: int) -> bool:
+        """Whether the ``take`` tokens the prefix cache reuses exactly are at least as many as the
+        segments after them would add (an agent's append-only history: stay exact, and stored)."""
         beyond = sum(max(0, end - max(start, take)) for start, end in self.segments.spans)
         return take > 0 and take >= beyond
 
