@@ -12,12 +12,11 @@ tokens (the engine's in-memory prefix cache); ``"off"`` prefills every prompt wh
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 from ..offered import KV_REUSE_MODES, check_kv_reuse, resolve_kv_reuse, reuse_kwargs, segment_store_at  # noqa: F401 (re-exported)
 from ..segment_store import SegmentKVStore
 from .store import DocumentStore, StoredChunk
-from .stuffing import StuffedContext, build_messages, chunk_segment
+from .stuffing import build_messages, chunk_segment
 
 SEGMENT_DIR = "kv-segments"
 
@@ -35,11 +34,6 @@ def default_kv_dir(store: DocumentStore) -> Path:
 
 def chunk_kv_store(store: DocumentStore, directory: str | Path | None = None, max_bytes: int | None = None) -> SegmentKVStore:
     return segment_store_at(directory or default_kv_dir(store), max_bytes)
-
-
-def reuse_options(mode: str, context: StuffedContext, kv_store: SegmentKVStore | None) -> dict[str, Any]:
-    """The engine keywords for one answer under ``mode``."""
-    return reuse_kwargs(mode, context.segments, kv_store)
 
 
 def precompute_chunk_kv(engine, chunks: list[StoredChunk], kv_store: SegmentKVStore, *, progress: bool = False) -> tuple[int, int]:

@@ -15,7 +15,7 @@ from ..compression import SnapKV
 from ..metrics import parse_citations
 from ..results import GenerationResult
 from .attribution import EvidenceAttributor, SentenceSupport
-from .kv_reuse import chunk_kv_store, precompute_chunk_kv, resolve_kv_reuse, reuse_options
+from .kv_reuse import chunk_kv_store, precompute_chunk_kv, resolve_kv_reuse, reuse_kwargs
 from .store import DocumentStore, StoredChunk
 from .stuffing import SYSTEM_PROMPT, StuffedContext, StuffingRetriever
 
@@ -254,7 +254,7 @@ class DocumentQA:
         return self.retriever.retrieve(question)
 
     def _kwargs(self, context: StuffedContext, compression: Any, sampling: dict[str, Any]) -> dict[str, Any]:
-        reuse = reuse_options(self.kv_reuse, context, self.kv_store)
+        reuse = reuse_kwargs(self.kv_reuse, context.segments, self.kv_store)
         if self.recompute is not None and "reuse_segments" in reuse:
             reuse["recompute"] = self.recompute
         return {
