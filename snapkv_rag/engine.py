@@ -631,6 +631,10 @@ class Engine:
     def _stats(self, run: DecodeRun, row: int, request: _Request, peak: PeakMemory, kv_final: int, total: float) -> GenerationStats:
         info = self.info()
         kept, full = run.row_kv_bytes(row)
+        policy_stats = run.policy_stats()
+        if "low_rank_state_bytes" in policy_stats:  # the state is the batch's; report this row's
+            policy_stats["low_rank_state_bytes"] //= run.batch_size
+            policy_stats["low_rank_state_tokens"] = policy_stats["low_rank_state_bytes"] / info.kv_bytes_per_token
         settings = request.policy.settings() if request.policy is not None else None
         if isinstance(request.row_policies, list):
             settings["resolved_window_size"] = request.row_policies[row].query_window
@@ -665,9 +669,11 @@ class Engine:
             # the grammar mask + advance per step (whole batch), beside the forward's decode_ms_per_token
             constraint_ms_per_step=request.constraint.ms_per_step if request.constraint is not None else None,
             constraint_closing_steps=request.constraint.closing_steps[row] if request.constraint is not None else None,
-            low_rank_state_bytes=run.row_low_rank_bytes(),
-            low_rank_state_tokens=run.row_low_rank_bytes() / info.kv_bytes_per_token,
-            low_rank_ms_per_step=run.low_rank_ms_per_step,
+            policy_stats=policy_stats,
+            # the pre-0.3 names of LESS's stats, kept for one release
+            low_rank_state_bytes=policy_stats.get("low_rank_state_bytes", 0),
+            low_rank_state_tokens=policy_stats.get("low_rank_state_tokens", 0.0),
+            low_rank_ms_per_step=policy_stats.get("low_rank_ms_per_step"),
         )
 
     def _stream_request(self, request: _Request, cancel: threading.Event | None = None) -> GenerationStream:

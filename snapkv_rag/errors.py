@@ -82,3 +82,7 @@ class StructuredOutputError(SnapKVRagError, ValueError):
     """Tools, tool_choice or response_format are malformed, a schema cannot be compiled into a
     grammar, or the output does not parse or validate (for example when ``max_new_tokens``
     ends generation inside a tool call). Unparsed JSON is never returned as a success."""
+
+
+class EvalInputError(SnapKVRagError, ValueError):
+    """An evaluation or training command got unusable input (a missing corpus, a bad questions file, a bad count)."""

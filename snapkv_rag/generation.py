@@ -17,8 +17,8 @@ from typing import Protocol
 import torch
 
 from .compression.base import CompressionPolicy
-from .compression.less import LESS
-from .compression.runtime import PrefillCompression, compressing, low_rank_attention, sliding_layers
+from .compression.decoding import PolicyState, layer_entries
+from .compression.runtime import PrefillCompression, compressing, policy_attention, sliding_layers
 from .blending import SegmentRequest, assemble, blended_mask, blending_cache, recompute_positions
 from .prefix_cache import PrefixCache, reusable_tokens, reuse_tail
 from .sampling import GenerationParams, make_generator, select_next_tokens
@@ -40,12 +40,6 @@ def cache_bytes(cache) -> int:
         for layer in cache.layers
         if getattr(layer, "keys", None) is not None and layer.keys.numel()
     )
-
-
-def layer_entries(layer) -> int:
-    """Entries a cache layer holds now (a sliding-window layer may hold fewer than it has seen)."""
-    keys = getattr(layer, "keys", None)
-    return int(keys.shape[-2]) if keys is not None and keys.numel() else 0
 
 
 def layer_token_bytes(layer) -> int:
@@ -138,17 +132,9 @@ class DecodeRun:
         self.prompt_kv_bytes_kept = 0
         self.session: PrefillCompression | None = None
         self.last_logits: torch.Tensor | None = None  # [batch, vocab] of the latest forward
-        # LESS: the low-rank state its selection folds evicted entries into (None for other policies)
-        self.low_rank = self._low_rank_state(policy)
-        self.low_rank_step_seconds: list[float] = []  # per decode step: time in the low-rank part
-
-    def _low_rank_state(self, policy):
-        first = policy[0] if isinstance(policy, list) else policy
-        if not isinstance(first, LESS):
-            return None
-        from .less.state import LowRankState
-
-        return LowRankState(first.load_kernels(self.model), self.device)
+        # What the policy keeps doing after the prefill (LESS's folded state, decode-time cuts); None: nothing
+        first = self._row_policy(0)
+        self.policy_state: PolicyState | None = first.decode_state(model, self.sliding) if first is not None else None
 
     @property
     def batch_size(self) -> int:
@@ -220,7 +206,7 @@ class DecodeRun:
             self.prefix_cache.insert(row, keys, values)
 
     def _forward(self, input_ids, attention_mask, position_ids, *, last_only: bool = True) -> torch.Tensor:
-        with low_rank_attention(self.low_rank):
+        with policy_attention(self.policy_state):
             logits = self.model(
                 input_ids=input_ids,
                 attention_mask=attention_mask,
@@ -257,7 +243,7 @@ class DecodeRun:
         padding_mask = mask if self.has_padding else None
         self.session = None
         if self.policy is not None:
-            self.session = PrefillCompression(self.policy, self.cache, padding_mask, self.sliding, self.low_rank)
+            self.session = PrefillCompression(self.policy, self.cache, padding_mask, self.sliding, self.policy_state)
             if self.prefix_cache is not None:
                 self.session.full_kv = {}
         with compressing(self.session):
@@ -302,20 +288,14 @@ class DecodeRun:
         self.cache = blending_cache(self.model, prompt, positions)
         positions = positions.to(self.device)
         self._last_position = torch.tensor([[n - 1]], device=self.device)
-        self.session = PrefillCompression(self.policy, self.cache, None, self.sliding, self.low_rank) if self.policy is not None else None
+        self.session = PrefillCompression(self.policy, self.cache, None, self.sliding, self.policy_state) if self.policy is not None else None
         with compressing(self.session):
             self._forward(self.input_ids[:, positions], blended_mask(positions, n, self.device), positions[None])
         self.cache.scatter = None
 
-    def row_low_rank_bytes(self) -> int:
-        """Bytes of one row's LESS state (``H`` and ``z`` of every layer); 0 without LESS."""
-        return self.low_rank.nbytes // self.batch_size if self.low_rank is not None else 0
-
-    @property
-    def low_rank_ms_per_step(self) -> float | None:
-        """Median time of the low-rank part of one decode step (all layers), first step excluded."""
-        steps = self.low_rank_step_seconds[1:] or self.low_rank_step_seconds
-        return statistics.median(steps) * 1000 if steps else None
+    def policy_stats(self) -> dict:
+        """The policy state's own measurements (empty without one); byte counts are the whole batch's."""
+        return self.policy_state.stats() if self.policy_state is not None else {}
 
     def row_kept_tokens(self, row: int) -> list[int]:
         """Real (non-padding) prompt tokens kept per layer for ``row``.
@@ -373,24 +353,33 @@ class DecodeRun:
             if step + 1 == self.params.max_new_tokens:
                 return
             start = time.perf_counter()
-            low_rank_before = self.low_rank.attend_seconds if self.low_rank is not None else 0.0
             self._extend(tokens[:, None])
             logits = self.last_logits
+            self._after_step()
             self.timings.step_seconds.append(time.perf_counter() - start)
-            if self.low_rank is not None:
-                self.low_rank_step_seconds.append(self.low_rank.attend_seconds - low_rank_before)
+
+    def _after_step(self) -> None:
+        if self.policy_state is not None:
+            self._kv_mask = self.policy_state.after_step(self.cache, self._kv_mask)
 
     @torch.inference_mode()
     def teacher_force(self, continuation: list[int]) -> torch.Tensor:
         """Logits ``[len(continuation), vocab]`` predicting each continuation token (batch of 1).
 
         Row 0 comes from the prefill; the rest from one forward over ``continuation[:-1]``
-        through the (compressed) cache, so it measures exactly what decoding would see.
+        through the (compressed) cache, so it measures exactly what decoding would see. A
+        policy that cuts the cache during decoding is fed one token at a time, as it decodes.
         """
         if self.batch_size != 1 or not continuation:
             raise ValueError("teacher_force takes one prompt and a non-empty continuation")
         first = self._prefill()
         if len(continuation) == 1:
             return first
+        if self.policy_state is not None and self.policy_state.compacts:
+            rows = [first]
+            for token in continuation[:-1]:
+                rows.append(self._extend(torch.tensor([[token]], device=self.device))[0, -1:])
+                self._after_step()
+            return torch.cat(rows, dim=0)
         rest = self._extend(torch.tensor([continuation[:-1]], device=self.device), last_only=False)[0]
         return torch.cat([first, rest], dim=0)

@@ -53,6 +53,11 @@ class GenerationStats:
     version: str
     constraint_ms_per_step: float | None = None  # tools/response_format: median grammar mask + advance per step
     constraint_closing_steps: int | None = None  # steps this row's unfinished JSON was steered to close near max_new_tokens
+    # The policy's decode-time state, measured by itself: decode-time compression
+    # (decode_compactions, decode_evicted_entries, decode_cache_entries_max, ...) and LESS
+    # (low_rank_state_bytes, low_rank_state_tokens, low_rank_ms_per_step, low_rank_folded_entries).
+    policy_stats: dict[str, Any] = field(default_factory=dict)
+    # Deprecated (use policy_stats; removed in the next release): LESS's stats under their old names.
     low_rank_state_bytes: int = 0  # LESS: this row's state (H and z of every layer), beside prompt_kv_bytes_kept
     low_rank_state_tokens: float = 0.0  # the state's bytes in cached tokens of this model (K and V, all layers)
     low_rank_ms_per_step: float | None = None  # LESS: median time of the low-rank part of a decode step

@@ -201,9 +201,9 @@ def test_stats_report_the_real_state_and_cache(less_engine):
     row = less_engine.tokenizer(PROMPT)["input_ids"]
     run = DecodeRun(less_engine.model, [row], GenerationParams(max_new_tokens=3), less, less_engine._pad_id)
     list(run.steps())
-    tensors = [t for H, z in run.low_rank.layers.values() for t in (H, z)]
+    tensors = [t for H, z in run.policy_state.low_rank.layers.values() for t in (H, z)]
     real = sum(t.numel() * t.element_size() for t in tensors)
-    assert real == run.row_low_rank_bytes() == 2 * 2 * (4 * 16 + 4) * 4  # layers x KV heads x R(d+1) fp32
+    assert real == run.policy_stats()["low_rank_state_bytes"] == 2 * 2 * (4 * 16 + 4) * 4  # layers x KV heads x R(d+1) fp32
     result = less_engine.generate(PROMPT, max_new_tokens=3, ignore_eos=True, compression=less)
     info = less_engine.info()
     assert result.stats.low_rank_state_bytes == real
@@ -303,3 +303,25 @@ def test_less_through_the_cli_options_and_the_llama_index_connector(less_engine)
     llm = connector.SnapKVLLM(less_engine, compression=LESS(base=BASE, kernels=active_kernels(less_engine)), max_new_tokens=4)
     raw = llm.complete(PROMPT).raw
     assert raw["stats"]["low_rank_state_bytes"] > 0 and raw["stats"]["compression"]["method"] == "less"
+
+
+# ------------------------------------------------------------------- decode-time cuts
+def test_less_folds_what_decode_time_cuts_evict(less_engine):
+    import dataclasses
+
+    kernels = active_kernels(less_engine)
+    cutting = dataclasses.replace(BASE, decode_budget=12, decode_interval=4)
+    prompt_only = less_engine.generate(PROMPT, max_new_tokens=20, ignore_eos=True, compression=LESS(base=BASE, kernels=kernels))
+    decoding = less_engine.generate(PROMPT, max_new_tokens=20, ignore_eos=True, compression=LESS(base=cutting, kernels=kernels))
+    folded_at_prefill = prompt_only.stats.policy_stats["low_rank_folded_entries"]
+    stats = decoding.stats.policy_stats
+    assert stats["decode_compactions"] >= 4 and stats["decode_evicted_entries"] > 0
+    # every entry a decode cut evicts (row x layer x KV head) is folded into the state too
+    assert stats["low_rank_folded_entries"] == folded_at_prefill + stats["decode_evicted_entries"]
+    assert stats["decode_cache_entries_max"] <= max(16, 12) + 4  # max(kept prompt, decode_budget) + decode_interval
+    # the state changes what the model says: LESS with cuts differs from the base with the same cuts
+    sparse = less_engine.generate(PROMPT, max_new_tokens=20, ignore_eos=True, compression=cutting)
+    run_less = DecodeRun(less_engine.model, [less_engine.tokenizer(PROMPT)["input_ids"]], GenerationParams(max_new_tokens=20), LESS(base=cutting, kernels=kernels), less_engine._pad_id)
+    run_base = DecodeRun(less_engine.model, [less_engine.tokenizer(PROMPT)["input_ids"]], GenerationParams(max_new_tokens=20), cutting, less_engine._pad_id)
+    cont = sparse.token_ids
+    assert not torch.allclose(run_less.teacher_force(cont)[-1], run_base.teacher_force(cont)[-1], atol=1e-4)

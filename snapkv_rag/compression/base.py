@@ -20,11 +20,16 @@ from __future__ import annotations
 
 import dataclasses
 from abc import ABC, abstractmethod
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
 from ..errors import InvalidCompressionError
+
+if TYPE_CHECKING:
+    from .decoding import PolicyState
+
+DECODE_FIELDS = ("decode_budget", "decode_interval")
 
 
 def check_positive_int(owner: str, name: str, value: Any, minimum: int = 1) -> None:
@@ -76,14 +81,53 @@ class CompressionPolicy(ABC):
         """This policy with ``max_capacity_prompt = budget`` (validated)."""
         return dataclasses.replace(self, max_capacity_prompt=budget)
 
+    def with_query_window(self, window: int) -> "CompressionPolicy":
+        """This policy voting with ``window`` trailing queries (policies without a window ignore it)."""
+        return self
+
+    # ------------------------------------------------------------ after the prefill
+    decode_budget: int | None = None  # sparse policies declare both as dataclass fields
+    decode_interval: int = 64
+
+    def for_decode(self) -> "CompressionPolicy":
+        """The policy that cuts the cache at decode time: this one at budget ``decode_budget``."""
+        return dataclasses.replace(self, max_capacity_prompt=self.decode_budget, decode_budget=None)
+
+    def check_decode_budget(self) -> None:
+        """Validate ``decode_budget``/``decode_interval`` (call from ``__post_init__``)."""
+        if self.decode_budget is None:
+            return
+        check_positive_int(type(self).__name__, "decode_budget", self.decode_budget)
+        check_positive_int(type(self).__name__, "decode_interval", self.decode_interval)
+        try:
+            self.for_decode()
+        except InvalidCompressionError as exc:
+            raise InvalidCompressionError(f"{exc} (at decode time the budget is decode_budget={self.decode_budget})") from None
+
+    def decode_state(self, model, sliding: list[bool]) -> "PolicyState | None":
+        """This policy's state for one decode run, or None when nothing happens after the prefill."""
+        if self.decode_budget is None:
+            return None
+        from .decoding import PolicyState
+
+        return PolicyState(self, sliding)
+
+    def spec_fields(self) -> dict[str, Any]:
+        """The dataclass fields that rebuild this policy (decode settings only when set)."""
+        fields = dataclasses.asdict(self)
+        if fields.get("decode_budget") is None:
+            for name in DECODE_FIELDS:
+                fields.pop(name, None)
+        return fields
+
     def settings(self) -> dict[str, Any]:
-        out = {"method": self.name, **dataclasses.asdict(self)}
+        out = {"method": self.name, **self.spec_fields()}
         out["question_aware"] = self.question_aware
         return out
 
     def spec(self) -> str:
         """The CLI string that rebuilds this policy."""
-        fields = ",".join(f"{k}={v}" for k, v in dataclasses.asdict(self).items())
+        fields = ",".join(f"{k}={v}" for k, v in self.spec_fields().items())
         return f"{self.name}:{fields}" if fields else self.name
 
 

@@ -3,8 +3,10 @@
 Zhang et al., "H2O: Heavy-Hitter Oracle for Efficient Generative Inference of Large
 Language Models", NeurIPS 2023, arXiv:2306.14048.
 
-Here it selects once after the prefill, with the same budget as the other policies; the
-original also evicts during decoding, which this toolkit does not configure.
+Here it selects once after the prefill, with the same budget as the other policies; with
+``decode_budget`` it also evicts during decoding, every ``decode_interval`` tokens, by the
+attention accumulated over the queries since the last cut (the original accumulates
+over every query and evicts at every step).
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ class H2O(CompressionPolicy):
     recent: int | None = None
     gqa_reduce: str = "mean"
     query_chunk: int = 256
+    decode_budget: int | None = None  # cut the cache back to this many entries per layer during decoding
+    decode_interval: int = 64  # ... every this many generated tokens
 
     def __post_init__(self) -> None:
         check_positive_int("H2O", "max_capacity_prompt", self.max_capacity_prompt)
@@ -42,6 +46,7 @@ class H2O(CompressionPolicy):
         elif self.max_capacity_prompt < 2:
             raise InvalidCompressionError("H2O: max_capacity_prompt must be at least 2")
         check_choice("H2O", "gqa_reduce", self.gqa_reduce, ("mean", "max"))
+        self.check_decode_budget()
 
     @property
     def recent_tokens(self) -> int:

@@ -58,6 +58,21 @@ class LESS(CompressionPolicy):
     def select(self, queries, keys, attention_mask=None, *, scaling=None):
         return self.base.select(queries, keys, attention_mask, scaling=scaling)
 
+    @property
+    def decode_budget(self) -> int | None:  # type: ignore[override]
+        return self.base.decode_budget
+
+    @property
+    def decode_interval(self) -> int:  # type: ignore[override]
+        return self.base.decode_interval
+
+    def decode_state(self, model, sliding):
+        """The low-rank state every eviction of the run (prefill and decode-time) is folded into."""
+        from ..less.state import LessPolicyState, LowRankState
+
+        device = next(model.parameters()).device
+        return LessPolicyState(LowRankState(self.load_kernels(model), device), self.base, sliding)
+
     def kernels_label(self) -> str:
         if self.kernels is None:
             return "shipped"
@@ -75,7 +90,7 @@ class LESS(CompressionPolicy):
         }
 
     def spec(self) -> str:
-        fields = ",".join(f"{k}={v}" for k, v in dataclasses.asdict(self.base).items())
+        fields = ",".join(f"{k}={v}" for k, v in self.base.spec_fields().items())
         spec = f"less:base={self.base.name}" + (f",{fields}" if fields else "")
         return spec + (f",kernels={self.kernels}" if isinstance(self.kernels, str) else "")
 

@@ -21,6 +21,8 @@ class RandomKeep(CompressionPolicy):
     max_capacity_prompt: int = 1024
     seed: int = 0
     recent: int = 32
+    decode_budget: int | None = None  # cut the cache back to this many entries per layer during decoding
+    decode_interval: int = 64  # ... every this many generated tokens
 
     def __post_init__(self) -> None:
         check_positive_int("RandomKeep", "max_capacity_prompt", self.max_capacity_prompt)
@@ -30,6 +32,7 @@ class RandomKeep(CompressionPolicy):
             raise InvalidCompressionError(
                 f"RandomKeep: recent ({self.recent}) must be smaller than max_capacity_prompt ({self.max_capacity_prompt})"
             )
+        self.check_decode_budget()
 
     def select(self, queries, keys, attention_mask=None, *, scaling=None):
         b, kv_heads, n, _ = keys.shape

@@ -20,12 +20,12 @@ import torch
 from .base import CompressionPolicy
 
 if TYPE_CHECKING:
-    from ..less.state import LowRankState
+    from .decoding import PolicyState
 
 _ACTIVE: ContextVar["PrefillCompression | None"] = ContextVar("snapkv_rag_prefill", default=None)
 _RECORDER: ContextVar["list[KeptIndices] | None"] = ContextVar("snapkv_rag_kept_recorder", default=None)
-# The LESS state of the decode run whose forward is running (None: no low-rank term).
-_LOW_RANK: ContextVar["LowRankState | None"] = ContextVar("snapkv_rag_low_rank", default=None)
+# The policy state of the decode run whose forward is running (None: the policy has none).
+_POLICY_STATE: ContextVar["PolicyState | None"] = ContextVar("snapkv_rag_policy_state", default=None)
 # Training capture (``snapkv-rag less train``): called with every layer's attention inputs and output.
 _CAPTURE: ContextVar["Callable | None"] = ContextVar("snapkv_rag_capture", default=None)
 
@@ -94,10 +94,10 @@ def _make_attention(base_fn):
         if session is not None:
             session.compress_layer(module, query, key, kwargs.get("scaling"))
             return output
-        state = _LOW_RANK.get()
+        state = _POLICY_STATE.get()
         if state is not None:
-            merged = state.attend(module.layer_idx, query, key, attention_mask, output[0], kwargs.get("scaling"))
-            return (merged, *output[1:])
+            amended = state.attend(module.layer_idx, query, key, attention_mask, output[0], kwargs.get("scaling"))
+            return (amended, *output[1:])
         return output
 
     return attention
@@ -147,7 +147,7 @@ class PrefillCompression:
         cache,
         attention_mask: torch.Tensor | None,
         sliding: list[bool],
-        low_rank: "LowRankState | None" = None,
+        state: "PolicyState | None" = None,
     ):
         rows = [policy] if isinstance(policy, CompressionPolicy) else list(policy)
         self.row_policies = rows if len(set(rows)) > 1 else None
@@ -160,8 +160,8 @@ class PrefillCompression:
         self.prompt_length = 0  # n, the (left-padded) prompt length seen by the compressed layers
         # layer -> its full (K, V) before selection, when the engine's prefix cache wants them
         self.full_kv: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None
-        # LESS: the state that what each layer's selection evicts is folded into
-        self.low_rank = low_rank
+        # the policy's decode-time state, told what each layer's selection evicts
+        self.state = state
 
     def compress_layer(self, module, query: torch.Tensor, key: torch.Tensor, scaling: float | None) -> None:
         layer_idx = module.layer_idx
@@ -187,10 +187,10 @@ class PrefillCompression:
             self.keep(layer_idx, indices)
 
     def keep(self, layer_idx: int, indices: torch.Tensor) -> None:
-        """Shrink the layer's cache entry to ``indices [batch, kv_heads, k]``; LESS folds the rest."""
+        """Shrink the layer's cache entry to ``indices [batch, kv_heads, k]``; the policy state hears of the rest."""
         layer = self.cache.layers[layer_idx]
-        if self.low_rank is not None:
-            self.low_rank.fold_selection(layer_idx, layer.keys, layer.values, indices, self.attention_mask)
+        if self.state is not None:
+            self.state.evicted(layer_idx, layer.keys, layer.values, indices, self.attention_mask)
         gather = indices.unsqueeze(-1).expand(-1, -1, -1, layer.keys.shape[-1])
         layer.keys = layer.keys.gather(2, gather)
         layer.values = layer.values.gather(2, gather)
@@ -248,13 +248,13 @@ def recording_kept_indices() -> Iterator[list[KeptIndices]]:
 
 
 @contextmanager
-def low_rank_attention(state: "LowRankState | None") -> Iterator[None]:
-    """Merge ``state`` into the attention of the model calls inside the block (None: off)."""
-    token = _LOW_RANK.set(state)
+def policy_attention(state: "PolicyState | None") -> Iterator[None]:
+    """Consult ``state`` in the attention of the model calls inside the block (None: off)."""
+    token = _POLICY_STATE.set(state)
     try:
         yield
     finally:
-        _LOW_RANK.reset(token)
+        _POLICY_STATE.reset(token)
 
 
 @contextmanager

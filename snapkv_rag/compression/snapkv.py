@@ -51,6 +51,8 @@ class SnapKV(CompressionPolicy):
     gqa_reduce: str = "mean"
     min_window: int = 8
     max_window: int = 64
+    decode_budget: int | None = None  # cut the cache back to this many entries per layer during decoding
+    decode_interval: int = 64  # ... every this many generated tokens
 
     def __post_init__(self) -> None:
         check_positive_int("SnapKV", "max_capacity_prompt", self.max_capacity_prompt)
@@ -72,6 +74,7 @@ class SnapKV(CompressionPolicy):
             raise InvalidCompressionError(f"SnapKV: kernel_size must be odd (got {self.kernel_size}) so pooling stays centred")
         check_choice("SnapKV", "pooling", self.pooling, ("max", "avg"))
         check_choice("SnapKV", "gqa_reduce", self.gqa_reduce, ("mean", "max"))
+        self.check_decode_budget()
 
     @property
     def query_window(self) -> int:
@@ -94,6 +97,9 @@ class SnapKV(CompressionPolicy):
     @property
     def question_aware(self) -> bool:
         return True
+
+    def with_query_window(self, window: int) -> "SnapKV":
+        return self if window == self.window_size else dataclasses.replace(self, window_size=window)
 
     def votes(self, queries: torch.Tensor, keys: torch.Tensor, attention_mask: torch.Tensor | None, scaling: float | None) -> torch.Tensor:
         """Pooled per-KV-head votes for the prefix positions, ``[b, kv_heads, n - window]``."""

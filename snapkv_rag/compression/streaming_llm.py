@@ -21,6 +21,8 @@ class StreamingLLM(CompressionPolicy):
     name = "streamingllm"
     sink_tokens: int = 4
     max_capacity_prompt: int = 1024
+    decode_budget: int | None = None  # cut the cache back to this many entries per layer during decoding
+    decode_interval: int = 64  # ... every this many generated tokens
 
     def __post_init__(self) -> None:
         check_positive_int("StreamingLLM", "sink_tokens", self.sink_tokens, minimum=0)
@@ -29,6 +31,7 @@ class StreamingLLM(CompressionPolicy):
             raise InvalidCompressionError(
                 f"StreamingLLM: sink_tokens ({self.sink_tokens}) must be smaller than max_capacity_prompt ({self.max_capacity_prompt})"
             )
+        self.check_decode_budget()
 
     def select(self, queries, keys, attention_mask=None, *, scaling=None):
         b, kv_heads, n, _ = keys.shape

@@ -128,7 +128,7 @@ def run_heldout_fidelity(
             extra = {
                 "top1_agreement": float(top1.float().mean()),
                 "prompt_kv_bytes_kept": run.prompt_kv_bytes_kept,
-                "low_rank_state_bytes": run.row_low_rank_bytes(),
+                "low_rank_state_bytes": run.policy_stats().get("low_rank_state_bytes", 0),
                 "kept_tokens": run.kept_tokens_per_layer[0],
                 "heldout_start": starts[index],
                 **timing,
@@ -145,7 +145,7 @@ def _decode_timing(engine, prompt: list[int], policy, tokens: int) -> dict[str, 
     run = DecodeRun(engine.model, [prompt], GenerationParams(max_new_tokens=tokens), policy, engine._pad_id)
     for _ in run.steps():
         pass
-    return {"decode_ms_per_token": run.timings.decode_ms_per_token, "low_rank_ms_per_step": run.low_rank_ms_per_step}
+    return {"decode_ms_per_token": run.timings.decode_ms_per_token, "low_rank_ms_per_step": run.policy_stats().get("low_rank_ms_per_step")}
 
 
 def _record(engine, method: Method, role: str, length, index, prompt, continuation, kl, ppl, full_ppl, run, extra) -> Record:

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..errors import SnapKVRagError
+from ..errors import EvalInputError
 from ..metrics import citation_prf
 from ..rag.attribution import DEFAULT_THRESHOLDS, EvidenceAttributor, sweep
 from ..rag.qa import ROUTES, DocumentQA
@@ -43,10 +43,6 @@ def _repo_examples() -> Path:
 
 DEFAULT_CORPUS = _repo_examples() / "sample_corpus"
 DEFAULT_QUESTIONS = _repo_examples() / "sample_questions.jsonl"
-
-
-class EvalInputError(SnapKVRagError, ValueError):
-    """The corpus or the questions file of an evaluation cannot be used."""
 
 
 @dataclass(frozen=True)

@@ -140,7 +140,7 @@ def cmd_less_gap(args: argparse.Namespace) -> int:
 
     from ..compression import LESS, parse_compression
     from ..errors import InvalidCompressionError
-    from ..evaluation.rag_citation import EvalInputError
+    from ..errors import EvalInputError
     from .gap import gap_analysis, write_gap_report
 
     policy = parse_compression(args.compression)

@@ -153,14 +153,14 @@ def less_log_probs(engine, policy: LESS, kernels: LessKernels, sample: dict[str,
     """
     from ..generation import DecodeRun
     from ..sampling import GenerationParams
-    from .state import LowRankState
+    from .state import LessPolicyState, LowRankState
 
     tokens = sample["tokens"].tolist()
     n = sample["keys"].shape[2]
     prompt, continuation = tokens[:n], tokens[n:]
     run = DecodeRun(engine.model, [prompt], GenerationParams(max_new_tokens=len(continuation)), policy.with_budget(budget), engine._pad_id)
-    run.low_rank = state if state is not None else LowRankState(kernels, run.device)
-    session = PrefillCompression(run.policy, run.cache, None, run.sliding, run.low_rank)
+    run.policy_state = LessPolicyState(state if state is not None else LowRankState(kernels, run.device), policy.base, run.sliding)
+    session = PrefillCompression(run.policy, run.cache, None, run.sliding, run.policy_state)
     dtype = engine.model.dtype
     for layer_idx in range(sample["keys"].shape[0]):
         keys, values = (sample[name][layer_idx][None].to(run.device, dtype) for name in ("keys", "values"))

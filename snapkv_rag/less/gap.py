@@ -120,7 +120,7 @@ def gap_analysis(
     """One row per held-out prompt: its length, the KL of every variant and, with ``per_layer``,
     of ``exact value`` in each layer alone (``exact_value_at_layer``, indexed by layer)."""
     from ..evaluation.heldout import heldout_prompts
-    from ..evaluation.rag_citation import EvalInputError
+    from ..errors import EvalInputError
 
     budget = policy.max_capacity_prompt
     kernels = policy.load_kernels(engine.model)

@@ -17,10 +17,14 @@ feature and ``log z``; :mod:`.kernels`), and give ``log(mass)`` and ``phi(q)H / 
 
 from __future__ import annotations
 
+import statistics
 import time
+from typing import Any
 
 import torch
 
+from ..compression.base import CompressionPolicy
+from ..compression.decoding import PolicyState
 from .kernels import LessKernels
 
 
@@ -113,3 +117,37 @@ class LowRankState:
     def nbytes(self) -> int:
         """Bytes of every layer's state tensors (``H`` and ``z``, and any mass-only ``z``; the whole batch)."""
         return sum(t.numel() * t.element_size() for state in self.layers.values() for t in state)
+
+
+class LessPolicyState(PolicyState):
+    """LESS behind the policy interface: every eviction (the prefill's selection, a decode-time
+    cut of the base policy) is folded into ``low_rank``, and every later attention call
+    merges it in."""
+
+    def __init__(self, low_rank: LowRankState, base: CompressionPolicy, sliding: list[bool]):
+        super().__init__(base, sliding)
+        self.low_rank = low_rank
+        self.step_seconds: list[float] = []  # per decode step: time in the low-rank part
+        self._attend_before = 0.0
+
+    def evicted(self, layer_idx, keys, values, kept, attention_mask) -> None:
+        self.low_rank.fold_selection(layer_idx, keys, values, kept, attention_mask)
+
+    def attend(self, layer_idx, query, key, attention_mask, output, scaling):
+        output = super().attend(layer_idx, query, key, attention_mask, output, scaling)
+        return self.low_rank.attend(layer_idx, query, key, attention_mask, output, scaling)
+
+    def after_step(self, cache, attention_mask):
+        self.step_seconds.append(self.low_rank.attend_seconds - self._attend_before)
+        mask = super().after_step(cache, attention_mask)
+        self._attend_before = self.low_rank.attend_seconds
+        return mask
+
+    def stats(self) -> dict[str, Any]:
+        steps = self.step_seconds[1:] or self.step_seconds
+        return {
+            **super().stats(),
+            "low_rank_state_bytes": self.low_rank.nbytes,  # the whole batch's; the engine reports a row's
+            "low_rank_folded_entries": self.low_rank.folded_entries,
+            "low_rank_ms_per_step": statistics.median(steps) * 1000 if steps else None,
+        }
