@@ -154,7 +154,8 @@ def layer_kv(model, ids: torch.Tensor, positions: torch.Tensor, *, layers: int |
         if hook is not None:
             hook.remove()
     count = layers if layers is not None else len(cache.layers)
-    return [cache.layers[i].keys for i in range(count)], [cache.layers[i].values for i in range(count)]
+    layers_kv: list = list(cache.layers[:count])  # DynamicLayer: keys and values set by the forward
+    return [layer.keys for layer in layers_kv], [layer.values for layer in layers_kv]
 
 
 @torch.inference_mode()

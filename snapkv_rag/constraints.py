@@ -244,6 +244,7 @@ class BatchConstraint:
             row_bytes = self._words * 4
             for i in rows:
                 matcher = self.matchers[i]
+                assert matcher is not None  # _constrained() yields rows with a grammar
                 if matcher.is_stopped():
                     self._bitmask[i] = self._eos_only
                     continue
@@ -305,9 +306,11 @@ class BatchConstraint:
         texts = self.grammar_tokenizer.token_texts
         for i in self._active():
             token = int(tokens[i])
-            if not self.matchers[i].consume_token(token):
-                raise StructuredOutputError(f"constrained decoding rejected token {token}: {self.matchers[i].get_error()}")
-            accepting = self.matchers[i].is_accepting() or self.matchers[i].is_stopped()
+            matcher = self.matchers[i]
+            assert matcher is not None  # _active() yields rows with a grammar
+            if not matcher.consume_token(token):
+                raise StructuredOutputError(f"constrained decoding rejected token {token}: {matcher.get_error()}")
+            accepting = matcher.is_accepting() or matcher.is_stopped()
             self._json[i] = JsonDepth() if accepting else self._json[i].after(texts[token] if token < len(texts) else "")
         self.steps += 1
         self.step_seconds.append(getattr(self, "_elapsed", 0.0) + time.perf_counter() - start)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Generator, Iterator, Sequence
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
@@ -305,7 +305,7 @@ class Engine:
         self._eos_ids = self._collect_eos_ids()
         self._parameter_count = sum(p.numel() for p in model.parameters())
         self._pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else next(iter(self._eos_ids), 0)
-        self._grammar_tokenizer = None  # built on the first constrained call
+        self._grammar_tokenizer: Any = None  # a GrammarTokenizer, built on the first constrained call
         if prefix_cache_bytes is None:
             prefix_cache_bytes = default_prefix_cache_bytes(self.device)
         if isinstance(prefix_cache_bytes, bool) or not isinstance(prefix_cache_bytes, int) or prefix_cache_bytes < 0:
@@ -543,10 +543,11 @@ class Engine:
         def pieces(i: int, piece: str) -> Iterator[tuple[int, StreamPiece]]:
             if not piece:
                 return
-            if calls[i] is None:
+            call = calls[i]
+            if call is None:
                 yield i, piece
             else:
-                for event in calls[i].feed(piece):
+                for event in call.feed(piece):
                     yield i, event
 
         cancelled = False
@@ -555,7 +556,7 @@ class Engine:
                 self.model, rows, params, request.row_policies, self._pad_id, request.constraint, self._prefix_cache_for(request.use_prefix_cache),
                 segments=request.segments,
             )
-            steps = run.steps()
+            steps: Generator[torch.Tensor, None, None] = run.steps()
             try:
                 while True:
                     if cancel is not None and cancel.is_set():
@@ -567,7 +568,8 @@ class Engine:
                         break
                     for i, token in enumerate(tokens.tolist()):
                         yield from pieces(i, texts[i].add(token))
-                        if calls[i] is not None and calls[i].duplicate:
+                        call = calls[i]
+                        if call is not None and call.duplicate:
                             texts[i].end()  # a repeated call: the turn's calls are all written
                     if all(t.finished for t in texts):
                         break
@@ -575,7 +577,8 @@ class Engine:
                 steps.close()
             for i, t in enumerate(texts):
                 yield from pieces(i, t.finish_for_length() if not cancelled else "")
-                for event in calls[i].finish() if calls[i] is not None and not cancelled else ():
+                call = calls[i]
+                for event in call.finish() if call is not None and not cancelled else ():
                     yield i, event
             kv_final = cache_bytes(run.cache)
         total = run.timings.prefill_seconds + sum(run.timings.step_seconds)
@@ -590,7 +593,9 @@ class Engine:
             )
             spec = request.spec(i)
             if spec.constrained and result.finish_reason != "cancelled":
-                result = self._structured(result, spec, calls[i], i, request.constraint.complete(i) or bool(calls[i] and calls[i].duplicate))
+                call = calls[i]
+                assert request.constraint is not None  # a constrained row has a grammar
+                result = self._structured(result, spec, call, i, request.constraint.complete(i) or bool(call and call.duplicate))
             results.append(result)
         yield results
 
@@ -636,7 +641,7 @@ class Engine:
             policy_stats["low_rank_state_bytes"] //= run.batch_size
             policy_stats["low_rank_state_tokens"] = policy_stats["low_rank_state_bytes"] / info.kv_bytes_per_token
         settings = request.policy.settings() if request.policy is not None else None
-        if isinstance(request.row_policies, list):
+        if settings is not None and isinstance(request.row_policies, list):
             settings["resolved_window_size"] = request.row_policies[row].query_window
             settings["resolved_window_sizes"] = [p.query_window for p in request.row_policies]  # rows of this batch
         return GenerationStats(
@@ -814,9 +819,8 @@ class Engine:
         ``continuation``: a non-empty list (or 1-D tensor) of token ids in the vocabulary.
         """
         ids = self._check_continuation(continuation)
-        policy = as_policy(compression)
         (row,) = self._render_within_context([prompt], chat, len(ids))
-        policy = self._resolve_policy(policy, [prompt], chat, [question])
+        policy = self._resolve_policy(as_policy(compression), [prompt], chat, [question])
         with self._lock:
             cache = self._prefix_cache_for(prefix_cache)
             run = DecodeRun(self.model, [row], GenerationParams(max_new_tokens=len(ids)), policy, self._pad_id, prefix_cache=cache)

@@ -68,8 +68,8 @@ class HistoryTooLongError(PromptTooLongError):
     def __init__(self, tokens: int, budget: int, detail: str = ""):
         self.prompt_tokens = tokens
         self.budget = budget
-        self.max_new_tokens = None
-        self.context_length = None
+        self.max_new_tokens = None  # type: ignore[assignment]  # not a context-window overflow
+        self.context_length = None  # type: ignore[assignment]
         Exception.__init__(
             self,
             f"the thread's system messages and latest turn alone render to {tokens} tokens, over the "

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -20,7 +20,7 @@ from .compression.base import CompressionPolicy
 from .compression.decoding import PolicyState, layer_entries
 from .compression.runtime import PrefillCompression, compressing, policy_attention, sliding_layers
 from .blending import SegmentRequest, assemble, blended_mask, blending_cache, recompute_positions
-from .prefix_cache import PrefixCache, reusable_tokens, reuse_tail
+from .prefix_cache import PrefixCache, ReusePlan, plan_reuse, reuse_tail, reused_columns, reused_layer, store_prompts
 from .sampling import GenerationParams, make_generator, select_next_tokens
 
 
@@ -131,7 +131,7 @@ class DecodeRun:
         self.kept_tokens_per_layer: list[int] = []
         self.prompt_kv_bytes_kept = 0
         self.session: PrefillCompression | None = None
-        self.last_logits: torch.Tensor | None = None  # [batch, vocab] of the latest forward
+        self.last_logits = torch.empty(0)  # [batch, vocab] of the latest forward
         # What the policy keeps doing after the prefill (LESS's folded state, decode-time cuts); None: nothing
         first = self._row_policy(0)
         self.policy_state: PolicyState | None = first.decode_state(model, self.sliding) if first is not None else None
@@ -148,62 +148,22 @@ class DecodeRun:
     def _row_policy(self, row: int) -> CompressionPolicy | None:
         return self.policy[row] if isinstance(self.policy, list) else self.policy
 
-    def _plan_reuse(self) -> list[tuple[object, int]]:
-        """Per row: the stored entry to reuse and how many leading tokens to take from it.
+    def _plan_reuse(self) -> ReusePlan:
+        assert self.prefix_cache is not None
+        return plan_reuse(self.prefix_cache, self.rows, [self._row_policy(i) for i in range(len(self.rows))])
 
-        In a batch every row that reuses anything prefills the same number ``T`` of new
-        tokens (the most any row needs), so each row's tokens stay contiguous and
-        left-padded: SnapKV's pooling over neighbouring positions must not see a padding gap
-        between reused and new tokens. A row may therefore reuse less than it could.
-        """
-        plan: list[tuple[object, int]] = []
-        for i, row in enumerate(self.rows):
-            entry, common = self.prefix_cache.lookup(row)
-            take = reusable_tokens(common, len(row), self._row_policy(i)) if entry is not None else 0
-            plan.append((entry, take))
-        new_tokens = max(len(row) - take for row, (_, take) in zip(self.rows, plan))
-        return [(entry, max(0, len(row) - new_tokens) if take else 0) for row, (entry, take) in zip(self.rows, plan)]
-
-    def _layout_with_reuse(self, plan: list[tuple[object, int]]) -> None:
+    def _layout_with_reuse(self, plan: ReusePlan) -> None:
         """Keep the left-padded layout of width ``W``; its first ``P`` columns come from the
-        stored prefixes (row ``i``'s ``r_i`` reused tokens end at column ``P``), the last
-        ``T = W - P`` columns are prefilled."""
-        reuse = [take for _, take in plan]
-        width = self.attention_mask.shape[1]
-        width_p = width - max(len(row) - r for row, r in zip(self.rows, reuse))
-        batch = len(self.rows)
+        stored prefixes, the last ``T = W - P`` columns are prefilled."""
+        assert self.prefix_cache is not None
+        width_p = reused_columns(plan, self.rows)
         self.input_ids = self.input_ids[:, width_p:]
-        self.reused_tokens = reuse
+        self.reused_tokens = [take for _, take in plan]
         for layer_idx in range(len(self.cache.layers)):
-            keys, values = [], []
-            for tensors, out in (("keys", keys), ("values", values)):
-                if batch == 1:
-                    out.append(getattr(plan[0][0], tensors)[layer_idx][:, :, :width_p])
-                    continue
-                ref = getattr(next(e for e, t in plan if t > 0), tensors)[layer_idx]
-                block = ref.new_zeros(batch, ref.shape[1], width_p, ref.shape[3])
-                for i, (entry, r) in enumerate(plan):
-                    if r:
-                        block[i, :, width_p - r :] = getattr(entry, tensors)[layer_idx][0, :, :r]
-                out.append(block)
-            self.cache.update(keys[0].to(self.device), values[0].to(self.device), layer_idx)
-        for entry, r in plan:
-            self.prefix_cache.record_reuse(entry, r)
-
-    def _store_prefixes(self, full_kv: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """Put each row's full (uncompressed) prompt K/V into the prefix cache."""
-        width = self.attention_mask.shape[1]
-        for i, row in enumerate(self.rows):
-            keys, values = [], []
-            for layer_idx in range(len(self.cache.layers)):
-                k, v = full_kv[layer_idx]
-                if self.batch_size == 1 and width == len(row):
-                    keys.append(k)  # the prefill's own tensor: no copy
-                    values.append(v)
-                else:
-                    keys.append(k[i : i + 1, :, width - len(row) :].clone())
-                    values.append(v[i : i + 1, :, width - len(row) :].clone())
-            self.prefix_cache.insert(row, keys, values)
+            keys, values = reused_layer(plan, layer_idx, width_p)
+            self.cache.update(keys.to(self.device), values.to(self.device), layer_idx)
+        for entry, take in plan:
+            self.prefix_cache.record_reuse(entry, take)
 
     def _forward(self, input_ids, attention_mask, position_ids, *, last_only: bool = True) -> torch.Tensor:
         with policy_attention(self.policy_state):
@@ -249,11 +209,12 @@ class DecodeRun:
         with compressing(self.session):
             self._forward(self.input_ids, padding_mask, positions)
         if self.prefix_cache is not None:
-            if self.session is not None:
+            if self.session is not None and self.session.full_kv is not None:
                 full_kv = self.session.full_kv
             else:
-                full_kv = {i: (layer.keys, layer.values) for i, layer in enumerate(self.cache.layers)}
-            self._store_prefixes(full_kv)
+                layers: list = list(self.cache.layers)  # DynamicLayer: keys and values set by the forward
+                full_kv = {i: (layer.keys, layer.values) for i, layer in enumerate(layers)}
+            store_prompts(self.prefix_cache, self.rows, full_kv)
             if self.session is not None:
                 self.session.full_kv = None  # the stored copies are the prefix cache's now
         return self._finish_prefill(start, mask)
@@ -272,6 +233,7 @@ class DecodeRun:
     def _exact_prefix_covers_more(self, take: int) -> bool:
         """Whether the ``take`` tokens the prefix cache reuses exactly are at least as many as the
         segments after them would add (an agent's append-only history: stay exact, and stored)."""
+        assert self.segments is not None
         beyond = sum(max(0, end - max(start, take)) for start, end in self.segments.spans)
         return take > 0 and take >= beyond
 
@@ -279,19 +241,22 @@ class DecodeRun:
         """Prefill one prompt from stored segment K/V plus the tokens it must compute
         (see :mod:`snapkv_rag.blending`); the policy selects during that forward as usual."""
         row, request = self.rows[0], self.segments
+        assert request is not None
         prompt = assemble(self.model, row, request)
         self.segment_hits, self.segment_misses = prompt.hits, prompt.misses
-        positions = recompute_positions(self.model, row, prompt, reuse_tail(self._row_policy(0)), request.recompute)
+        tail = reuse_tail(self._row_policy(0))
+        assert tail is not None  # the constructor drops segments for policies that need every query
+        positions = recompute_positions(self.model, row, prompt, tail, request.recompute)
         n = len(row)
         self.reused_tokens = [n - positions.numel()]
         self.recomputed_tokens = int(prompt.covered[positions].sum())
-        self.cache = blending_cache(self.model, prompt, positions)
+        cache = self.cache = blending_cache(self.model, prompt, positions)
         positions = positions.to(self.device)
         self._last_position = torch.tensor([[n - 1]], device=self.device)
         self.session = PrefillCompression(self.policy, self.cache, None, self.sliding, self.policy_state) if self.policy is not None else None
         with compressing(self.session):
             self._forward(self.input_ids[:, positions], blended_mask(positions, n, self.device), positions[None])
-        self.cache.scatter = None
+        cache.scatter = None
 
     def policy_stats(self) -> dict:
         """The policy state's own measurements (empty without one); byte counts are the whole batch's."""
@@ -340,7 +305,7 @@ class DecodeRun:
         return self._forward(tokens, self._masks(tokens, positions), positions, last_only=last_only)
 
     @torch.inference_mode()
-    def steps(self) -> Iterator[torch.Tensor]:
+    def steps(self) -> Generator[torch.Tensor, None, None]:
         logits = self._prefill()
         generator = make_generator(self.params, self.device)
         for step in range(self.params.max_new_tokens):

@@ -172,7 +172,7 @@ def converted_gguf_dir(gguf_path: Path) -> Path:
     with _quiet_loading():
         model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32)
     # The weights are already de-quantized to fp32; dropping the GGUF marker makes them serializable.
-    model.hf_quantizer = None
+    model.hf_quantizer = None  # type: ignore[assignment]
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -254,6 +254,6 @@ def load_model_and_tokenizer(
             )
     except OSError as exc:
         raise ModelNotFoundError(f"could not load model {name_or_path!r}: {exc}") from exc
-    model.to(choice.device)
+    model.to(choice.device)  # type: ignore[arg-type]  # transformers' stubs type .to() for dtypes only
     model.eval()
     return model, tokenizer, choice

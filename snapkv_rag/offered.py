@@ -74,7 +74,7 @@ def check_kv_reuse(mode: str | None) -> str | None:
 
 
 def resolve_kv_reuse(mode: str | None, engine) -> str:
-    return check_kv_reuse(mode) or getattr(engine, "recommended_kv_reuse", "chunks")
+    return check_kv_reuse(mode) or str(getattr(engine, "recommended_kv_reuse", "chunks"))
 
 
 def segment_store_at(directory: str | os.PathLike | None, max_bytes: int | None = None):

@@ -170,3 +170,66 @@ def reusable_tokens(prefix_length: int, prompt_length: int, policy: CompressionP
         return 0
     take = max(0, min(prefix_length, prompt_length - tail))
     return take if take >= MIN_REUSE_SHARE * prompt_length else 0
+
+
+# ------------------------------------------------------------------ a batch's layout
+ReusePlan = list[tuple["PrefixEntry | None", int]]  # per row: the stored entry and how many leading tokens to take
+
+
+def plan_reuse(cache: PrefixCache, rows: list[list[int]], policies: list[CompressionPolicy | None]) -> ReusePlan:
+    """Per row: the stored entry to reuse and how many leading tokens to take from it.
+
+    In a batch every row that reuses anything prefills the same number ``T`` of new
+    tokens (the most any row needs), so each row's tokens stay contiguous and
+    left-padded: SnapKV's pooling over neighbouring positions must not see a padding gap
+    between reused and new tokens. A row may therefore reuse less than it could.
+    """
+    plan: ReusePlan = []
+    for row, policy in zip(rows, policies):
+        entry, common = cache.lookup(row)
+        plan.append((entry, reusable_tokens(common, len(row), policy) if entry is not None else 0))
+    new_tokens = max(len(row) - take for row, (_, take) in zip(rows, plan))
+    return [(entry, max(0, len(row) - new_tokens) if take else 0) for row, (entry, take) in zip(rows, plan)]
+
+
+def reused_columns(plan: ReusePlan, rows: list[list[int]]) -> int:
+    """``P``: the leading columns of the batch's left-padded layout that come from stored prefixes
+    (row ``i``'s ``r_i`` reused tokens end at column ``P``; the rest is prefilled)."""
+    width = max(len(row) for row in rows)
+    return width - max(len(row) - take for row, (_, take) in zip(rows, plan))
+
+
+def reused_layer(plan: ReusePlan, layer_idx: int, width_p: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Layer ``layer_idx``'s K and V ``[batch, kv_heads, P, d]`` for the reused columns (zeros where a row reuses less)."""
+    out = []
+    for name in ("keys", "values"):
+        if len(plan) == 1:
+            entry = plan[0][0]
+            assert entry is not None
+            out.append(getattr(entry, name)[layer_idx][:, :, :width_p])
+            continue
+        ref = getattr(next(e for e, take in plan if take > 0), name)[layer_idx]
+        block = ref.new_zeros(len(plan), ref.shape[1], width_p, ref.shape[3])
+        for i, (entry, take) in enumerate(plan):
+            if take:
+                block[i, :, width_p - take :] = getattr(entry, name)[layer_idx][0, :, :take]
+        out.append(block)
+    return out[0], out[1]
+
+
+def store_prompts(cache: PrefixCache, rows: list[list[int]], full_kv: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Put each row's full (uncompressed) prompt K/V, from the batch's left-padded ``full_kv``
+    (layer -> ``[batch, kv_heads, width, d]`` K and V), into ``cache``."""
+    width = max(len(row) for row in rows)
+    layers = sorted(full_kv)
+    for i, row in enumerate(rows):
+        keys, values = [], []
+        for layer_idx in layers:
+            k, v = full_kv[layer_idx]
+            if len(rows) == 1 and k.shape[2] == len(row):
+                keys.append(k)  # the prefill's own tensor: no copy
+                values.append(v)
+            else:
+                keys.append(k[i : i + 1, :, width - len(row) :].clone())
+                values.append(v[i : i + 1, :, width - len(row) :].clone())
+        cache.insert(row, keys, values)

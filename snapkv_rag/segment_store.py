@@ -24,6 +24,7 @@ import os
 import threading
 import uuid
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -108,7 +109,7 @@ class SegmentKVStore:
 
     # ----------------------------------------------------------------- read
     def get(
-        self, signature: str, dtype: torch.dtype, token_ids: list[int], shape: tuple[int, int, int], anchor: list[int] = ()
+        self, signature: str, dtype: torch.dtype, token_ids: list[int], shape: tuple[int, int, int], anchor: Sequence[int] = ()
     ) -> SegmentKV | None:
         """The entry for these tokens after ``anchor``, or None (counted as a miss). ``shape``:
         ``(layers, kv_heads, head_dim)`` the model expects; an entry of another shape is refused."""

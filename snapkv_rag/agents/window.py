@@ -153,7 +153,7 @@ def split_turns(messages: Sequence[dict[str, Any]]) -> tuple[int, list[tuple[int
             msg = messages[i]
             for call in msg.get("tool_calls") or ():
                 turn_of_call[call["id"]] = len(merged) - 1
-            if msg["role"] == "tool" and turn_of_call.get(msg.get("tool_call_id"), len(merged) - 1) < len(merged) - 1:
+            if msg["role"] == "tool" and turn_of_call.get(msg.get("tool_call_id") or "", len(merged) - 1) < len(merged) - 1:
                 first = turn_of_call[msg["tool_call_id"]]
                 merged[first:] = [[merged[first][0], merged[-1][1]]]
                 for cid, t in turn_of_call.items():
@@ -219,8 +219,8 @@ def fit_history(
         )
 
     tokens = count(messages) if count_tokens is not None else None
-    if budget is None or tokens <= budget or len(turns) <= 1:
-        if budget is not None and tokens > budget:
+    if budget is None or tokens is None or tokens <= budget or len(turns) <= 1:
+        if budget is not None and tokens is not None and tokens > budget:
             raise HistoryTooLongError(tokens, budget)
         return report(messages, tokens, 0)
 

@@ -47,6 +47,7 @@ class CompressionPolicy(ABC):
 
     name: ClassVar[str]
     max_capacity_prompt: int
+    __dataclass_fields__: ClassVar[dict[str, Any]]  # every concrete policy is a dataclass
 
     @property
     def query_window(self) -> int | None:

@@ -43,8 +43,9 @@ class DecodeCompaction:
     """Cut a run's full-attention layers back to ``policy.decode_budget`` every ``decode_interval`` steps."""
 
     def __init__(self, policy: "CompressionPolicy", sliding: list[bool]):
+        assert policy.decode_budget is not None
         self.policy = policy.for_decode()
-        self.budget = policy.decode_budget
+        self.budget: int = policy.decode_budget
         self.interval = policy.decode_interval
         self.sliding = sliding
         window = self.policy.query_window

@@ -63,7 +63,7 @@ class SnapKV(CompressionPolicy):
             largest, what = self.max_window, "max_window"
         else:
             check_positive_int("SnapKV", "window_size (or 'question')", self.window_size)
-            largest, what = self.window_size, "window_size"
+            largest, what = int(self.window_size), "window_size"
         if largest >= self.max_capacity_prompt:
             raise InvalidCompressionError(
                 f"SnapKV: {what} ({largest}) must be smaller than "
@@ -80,7 +80,7 @@ class SnapKV(CompressionPolicy):
     def query_window(self) -> int:
         if self.window_size == QUESTION_WINDOW:
             raise InvalidCompressionError("SnapKV(window_size='question') must be resolved per prompt (the engine does this)")
-        return self.window_size
+        return int(self.window_size)
 
     @property
     def needs_question_span(self) -> bool:

@@ -73,7 +73,8 @@ def build_questions(n_docs: int, n_questions: int, *, seed: int = 0, two_doc_sha
         if rng.random() < two_doc_share:
             a, b = rng.sample(candidates, 2)
             question = f"In which cities were {a.company} and {b.company} founded?"
-            gold, answers = (a.number, b.number), (a.city, b.city)
+            gold: tuple[int, ...] = (a.number, b.number)
+            answers: tuple[str, ...] = (a.city, b.city)
         else:
             a = rng.choice(candidates)
             question = f"In which city was {a.company} founded?"

@@ -72,6 +72,7 @@ def expand_methods(methods: Sequence[Method], engine) -> list[tuple[Method, str]
             base = m.policy.base
             add(Method(base.name, base, m.budget), "base")
             extra = state_tokens(engine, m.policy)
+            assert m.budget is not None  # LESS always has a budget
             add(Method(f"{base.name}+", base.with_budget(m.budget + extra), m.budget), "baseline+")
             add(m, "less")
         else:

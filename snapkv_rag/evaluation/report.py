@@ -205,7 +205,7 @@ def summarize_heldout(records: Sequence[Record]) -> str:
             by[(length, base_name, r["budget"])][r["role"]].append(r)
     rows = []
     for (length, base_name, budget), roles in sorted(by.items(), key=lambda kv: (kv[0][0] == "all", str(kv[0][0]).zfill(8), kv[0][1], kv[0][2])):
-        labels = [label for label in kernel_labels if any(r["settings"]["kernels"] == label for r in roles.get("less", []))] or [None]
+        labels: list[str | None] = [label for label in kernel_labels if any(r["settings"]["kernels"] == label for r in roles.get("less", []))] or [None]
         for label in labels:
             group = dict(roles, less=[r for r in roles.get("less", []) if r["settings"]["kernels"] == label])
 

@@ -158,9 +158,10 @@ def less_log_probs(engine, policy: LESS, kernels: LessKernels, sample: dict[str,
     tokens = sample["tokens"].tolist()
     n = sample["keys"].shape[2]
     prompt, continuation = tokens[:n], tokens[n:]
-    run = DecodeRun(engine.model, [prompt], GenerationParams(max_new_tokens=len(continuation)), policy.with_budget(budget), engine._pad_id)
+    budgeted = policy.with_budget(budget)
+    run = DecodeRun(engine.model, [prompt], GenerationParams(max_new_tokens=len(continuation)), budgeted, engine._pad_id)
     run.policy_state = LessPolicyState(state if state is not None else LowRankState(kernels, run.device), policy.base, run.sliding)
-    session = PrefillCompression(run.policy, run.cache, None, run.sliding, run.policy_state)
+    session = PrefillCompression(budgeted, run.cache, None, run.sliding, run.policy_state)
     dtype = engine.model.dtype
     for layer_idx in range(sample["keys"].shape[0]):
         keys, values = (sample[name][layer_idx][None].to(run.device, dtype) for name in ("keys", "values"))

@@ -74,9 +74,9 @@ class OracleState(LowRankState):
         mass_mode, value_mode = self._mode(layer_idx)
         learned = self._learned(layer_idx, query, scaling) if LEARNED in (mass_mode, value_mode) else None
         exact = self._exact(layer_idx, query, scaling, value_mode) if EXACT in (mass_mode, value_mode) or value_mode == MEAN else None
-        log_mass = learned[0] if mass_mode == LEARNED else exact[0]
-        value = learned[1] if value_mode == LEARNED else exact[1]
-        return log_mass, value
+        mass_source, value_source = (learned if mass_mode == LEARNED else exact), (learned if value_mode == LEARNED else exact)
+        assert mass_source is not None and value_source is not None  # computed above for the modes asked
+        return mass_source[0], value_source[1]
 
     def _learned(self, layer_idx: int, query: torch.Tensor, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
         if layer_idx in self.layers:

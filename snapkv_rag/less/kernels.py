@@ -119,7 +119,7 @@ class LayerKernels:
         """fp32 numbers of state per KV head: ``R x (d + 1)``, plus ``Rm`` for mass-only features."""
         return self.rank * (head_dim + 1) + self.mass_rank
 
-    def input_shapes(self) -> tuple[tuple[int, int], tuple[int, int]]:
+    def input_shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """``((query heads, d), (KV heads, d))`` the maps take."""
         name = _QUERY_WEIGHT[self.kind]
         return tuple(self.phi[name].shape[:2]), tuple(self.psi[name].shape[:2])
@@ -151,7 +151,7 @@ class LayerKernels:
             logits = self._logits(self.psi, keys).masked_fill(kept, float("-inf"))
             log_z = logits.logsumexp(dim=2)
             weights = (logits - log_z.unsqueeze(2)).exp().nan_to_num(0.0)  # 0 for a row with nothing evicted
-            state = (torch.einsum("bhnr,bhnd->bhrd", weights, values.float()), log_z)
+            state: tuple[torch.Tensor, ...] = (torch.einsum("bhnr,bhnd->bhrd", weights, values.float()), log_z)
             if self.mass_rank:
                 state += (self._logits(self.psi, keys, "wm", "bm").masked_fill(kept, float("-inf")).logsumexp(dim=2),)
             return state

@@ -52,7 +52,7 @@ class TrainConfig:
     # single number applies to every length; None: about 80K prompt tokens per length
     prompt_tokens: list[int] = field(default_factory=lambda: [2048, 4096])
     continuation_tokens: int = 128
-    sequences: list[int] | None = None
+    sequences: int | list[int] | None = None  # a list per prompt length after __post_init__
     val_sequences: int = 4
     rank: int = 8
     mass_rank: int | None = None  # exp features only: extra features that estimate only the evicted mass; None: 32 for exp, 0 for mlp
@@ -67,7 +67,7 @@ class TrainConfig:
     shard: int = 8  # sequences per capture shard
     # stage 2 (:mod:`.distill`): all layers together on the end-to-end KL; 0 epochs skips it
     distill_epochs: int = 2
-    distill_sequences: list[int] | None = None  # training windows per prompt length; None: about 240K prompt tokens per length
+    distill_sequences: int | list[int] | None = None  # (a list after __post_init__) training windows per prompt length; None: about 240K prompt tokens per length
     distill_lr: float = 1e-2
     distill_params: str = "calibration"  # or "all" (every kernel tensor; overfits 120 windows, see distill.py)
 
@@ -80,22 +80,37 @@ class TrainConfig:
         if self.mass_rank is None:
             self.mass_rank = 32 if self.features == "exp" else 0
 
+    @property
+    def sequence_counts(self) -> list[int]:
+        assert isinstance(self.sequences, list)  # normalised by __post_init__
+        return self.sequences
+
+    @property
+    def distill_counts(self) -> list[int]:
+        assert isinstance(self.distill_sequences, list)  # normalised by __post_init__
+        return self.distill_sequences
+
+    @property
+    def mass_features(self) -> int:
+        assert self.mass_rank is not None  # resolved by __post_init__
+        return self.mass_rank
+
     def check(self) -> None:
         if not self.prompt_tokens or min(self.prompt_tokens) < 1 or len(set(self.prompt_tokens)) != len(self.prompt_tokens):
             raise LessTrainingError(f"prompt_tokens must be distinct positive lengths, got {self.prompt_tokens}")
         for name in ("sequences", "distill_sequences"):
             if len(getattr(self, name)) != len(self.prompt_tokens):
                 raise LessTrainingError(f"{name} {getattr(self, name)} needs one count per prompt length {self.prompt_tokens} (or a single count)")
-        if min(self.sequences) <= self.val_sequences or self.val_sequences < 1:
+        if min(self.sequence_counts) <= self.val_sequences or self.val_sequences < 1:
             raise LessTrainingError(f"need more sequences ({self.sequences}) than validation sequences ({self.val_sequences}), and at least one of those")
         for name in ("continuation_tokens", "rank", "hidden", "epochs", "batch", "shard"):
             if getattr(self, name) < 1:
                 raise LessTrainingError(f"{name} must be positive")
-        if self.distill_epochs < 0 or (self.distill_epochs and min(self.distill_sequences) < 1):
+        if self.distill_epochs < 0 or (self.distill_epochs and min(self.distill_counts) < 1):
             raise LessTrainingError("distill_epochs must be >= 0, and distill_sequences positive when distilling")
         if self.features not in FEATURE_KINDS:
             raise LessTrainingError(f"features must be one of {', '.join(FEATURE_KINDS)}, got {self.features!r}")
-        if self.mass_rank < 0 or (self.mass_rank and self.features != "exp"):
+        if self.mass_features < 0 or (self.mass_rank and self.features != "exp"):
             raise LessTrainingError(f"mass_rank must be >= 0, and needs features='exp' (got {self.mass_rank} with {self.features!r})")
         if self.distill_params not in ("calibration", "all"):
             raise LessTrainingError(f"distill_params must be 'calibration' or 'all', got {self.distill_params!r}")
@@ -171,7 +186,7 @@ def capture(engine, config: TrainConfig, work: Path, progress: bool = True) -> d
     layers = engine.info().num_layers
     counts = {}
     meta = None
-    for n, count in zip(config.prompt_tokens, config.sequences):
+    for n, count in zip(config.prompt_tokens, config.sequence_counts):
         length = n + config.continuation_tokens
         train_seqs, val_seqs = overlapping_windows(tokens, length, count - config.val_sequences, config.val_sequences, config.validation_tail)
         seqs = train_seqs + val_seqs
@@ -335,13 +350,13 @@ def train(engine, config: TrainConfig, work: Path, out_dir: Path, *, model_tag: 
     base_name = parse_compression(config.base).name
     if config.distill_epochs:
         distill_train, distill_val = collect_lengths(
-            engine, config.base, config.budgets, config.prompt_tokens, config.continuation_tokens, config.distill_sequences, config.val_sequences, work, progress
+            engine, config.base, config.budgets, config.prompt_tokens, config.continuation_tokens, config.distill_counts, config.val_sequences, work, progress
         )
     paths = []
     for budget in config.budgets:
         layers_dir = work / f"kernels-b{budget}"
         template = LessKernels.initial(
-            signature, rank=config.rank, hidden=config.hidden, seed=config.seed, scale=config.init_scale, features=config.features, mass_rank=config.mass_rank
+            signature, rank=config.rank, hidden=config.hidden, seed=config.seed, scale=config.init_scale, features=config.features, mass_rank=config.mass_features
         )
         trained: dict[int, LayerKernels] = {}
         report: dict[str, dict[str, float]] = {}
@@ -418,7 +433,7 @@ def distill_file(
     config.check()
     work.mkdir(parents=True, exist_ok=True)
     train_paths, val_paths = collect_lengths(
-        engine, config.base, config.budgets, config.prompt_tokens, config.continuation_tokens, config.distill_sequences, config.val_sequences, work, progress
+        engine, config.base, config.budgets, config.prompt_tokens, config.continuation_tokens, config.distill_counts, config.val_sequences, work, progress
     )
     layers, report = _stage2(engine, stage1, train_paths, val_paths, header["budget"], config, progress)
     training = {**done, "distill_epochs": epochs, "distill_sequences": config.distill_sequences, "distill_lr": lr, "distill_params": params, "distill_threads": torch.get_num_threads()}

@@ -111,7 +111,7 @@ def _precompute_kv(args, store) -> dict[str, Any]:
     return {"kv_computed": computed, "kv_already_stored": stored, "kv_dir": str(kv_store.directory)}
 
 
-def _qa_kwargs(args) -> dict[str, Any]:
+def _qa_kwargs(args) -> tuple[dict[str, Any], dict[str, Any]]:
     from ..compression import as_policy
     from ..sampling import GenerationParams
 

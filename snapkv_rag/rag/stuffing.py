@@ -199,7 +199,7 @@ class StuffingRetriever:
         repeats met on the way: the same file ingested under two paths (two checkouts, a copy)
         would otherwise be stuffed twice and cited as two sources."""
         seen: set[str] = set()
-        unique = []
+        unique: list[StoredChunk] = []
         duplicates = 0
         for chunk in chunks:
             if wanted is not None and len(unique) == wanted:
