@@ -46,8 +46,20 @@ from snapkv_rag.rag.kv_reuse import precompute_chunk_kv  # noqa: E402
 RATIOS = (0.0, 0.05, 0.15, 0.30, 0.50)
 MAX_NEW_TOKENS = 32
 
-PLACES = ["ferry terminal", "weather station", "archive", "tram depot", "lighthouse", "market hall", "seed bank", "clock tower",
-          "water works", "radio mast", "boat yard", "glass studio"]
+PLACES = [
+    "ferry terminal",
+    "weather station",
+    "archive",
+    "tram depot",
+    "lighthouse",
+    "market hall",
+    "seed bank",
+    "clock tower",
+    "water works",
+    "radio mast",
+    "boat yard",
+    "glass studio",
+]
 PEOPLE = ["Ada Quill", "Bram Osei", "Cora Lindqvist", "Dev Anand", "Elin Marsh", "Faisal Noor", "Greta Holm", "Hugo Varga"]
 
 
@@ -64,8 +76,10 @@ def generated_corpus(folder: Path, documents: int = 120, seed: int = 0) -> list[
             f"Inspectors visited the {place} in {opened + k} and noted {rng.choice(['fresh paint', 'a new roof', 'repaired stairs', 'clean filters', 'a longer jetty'])}."
             for k in range(6)
         )
-        text = (f"# Report on the {place}\n\nThe {place} opened in {opened} and is kept by {keeper}. {filler} "
-                f"The access code of the {place} is {code}. Visitors sign the book at the gate.\n")
+        text = (
+            f"# Report on the {place}\n\nThe {place} opened in {opened} and is kept by {keeper}. {filler} "
+            f"The access code of the {place} is {code}. Visitors sign the book at the gate.\n"
+        )
         (folder / f"site-{i:03d}.md").write_text(text)
         questions.append(RagQuestion(f"What is the access code of the {place}?", code, [f"site-{i:03d}.md"]))
     return questions
@@ -118,8 +132,16 @@ def main() -> int:
                 _, cold = time_to_first_token(engine, context.messages, chunked._kwargs(context, None, {}))
                 start = time.perf_counter()
                 computed, _ = precompute_chunk_kv(engine, store.all_chunks(), chunked.kv_store)
-                records.append({"kind": "setup", "cold_ttft_seconds": cold, "precompute_seconds": time.perf_counter() - start,
-                                "chunks": store.count(), "computed": computed, "kv_bytes": chunked.kv_store.nbytes})
+                records.append(
+                    {
+                        "kind": "setup",
+                        "cold_ttft_seconds": cold,
+                        "precompute_seconds": time.perf_counter() - start,
+                        "chunks": store.count(),
+                        "computed": computed,
+                        "kv_bytes": chunked.kv_store.nbytes,
+                    }
+                )
                 print(json.dumps(records[-1]), flush=True)
             for qi, q in enumerate(questions):
                 context = reference.retrieve(q.question)
@@ -139,15 +161,27 @@ def main() -> int:
                     base = answers.get("off + snapkv 8x" if "snapkv" in name else "off", answer)
                     cited, cited_base = answer.cited("attributed"), base.cited("attributed")
                     stats = result.stats
-                    records.append({
-                        "kind": "answer", "corpus": args.corpus, "size": size, "setting": name, "question": q.question,
-                        "prompt_tokens": result.usage.prompt_tokens, "prefill_seconds": stats.prefill_seconds, "ttft_seconds": ttft,
-                        "reused": stats.reused_prompt_tokens, "prefilled": stats.prefilled_prompt_tokens,
-                        "recomputed": stats.recomputed_prompt_tokens, "hits": stats.segment_hits, "misses": stats.segment_misses,
-                        "answer": answer.text, "correct": bool(answer_correct(answer.text, q.answer)),
-                        "same_as_reference": answer.text == base.text,
-                        "citation_f1_vs_reference": citation_prf(cited, cited_base)[2] if (cited or cited_base) else 1.0,
-                    })
+                    records.append(
+                        {
+                            "kind": "answer",
+                            "corpus": args.corpus,
+                            "size": size,
+                            "setting": name,
+                            "question": q.question,
+                            "prompt_tokens": result.usage.prompt_tokens,
+                            "prefill_seconds": stats.prefill_seconds,
+                            "ttft_seconds": ttft,
+                            "reused": stats.reused_prompt_tokens,
+                            "prefilled": stats.prefilled_prompt_tokens,
+                            "recomputed": stats.recomputed_prompt_tokens,
+                            "hits": stats.segment_hits,
+                            "misses": stats.segment_misses,
+                            "answer": answer.text,
+                            "correct": bool(answer_correct(answer.text, q.answer)),
+                            "same_as_reference": answer.text == base.text,
+                            "citation_f1_vs_reference": citation_prf(cited, cited_base)[2] if (cited or cited_base) else 1.0,
+                        }
+                    )
                     print(json.dumps(records[-1]), flush=True)
     write_records(out, records)
     write_table(out, table_lines(records, args.corpus))

@@ -69,8 +69,14 @@ def main() -> int:
             sources = [c.source for c in context.chunks]
             same = [Path(s).name for s in sources] == [Path(s).name for s in r["stuffed_sources"]]
             gold = [i + 1 for i, c in enumerate(context.chunks) if is_gold_file(c.file, answerable[r["question"]].gold)]
-            row = {"set": "answerable", "question": r["question"], "answer": r["output"], "same_chunks_as_stored": same, "gold": gold,
-                   "answer_correct": r["answer_correct"]}
+            row = {
+                "set": "answerable",
+                "question": r["question"],
+                "answer": r["output"],
+                "same_chunks_as_stored": same,
+                "gold": gold,
+                "answer_correct": r["answer_correct"],
+            }
             for name, attributor in attributors.items():
                 numbers, sentences, with_citation = cited(attributor, r["question"], r["output"], context.chunks)
                 row[name] = {"cited": numbers, "prf": citation_prf(numbers, gold), "sentences": sentences, "cited_sentences": with_citation}

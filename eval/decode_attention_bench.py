@@ -20,9 +20,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from results_io import write_records, write_table  # noqa: E402
-
 import torch  # noqa: E402
+from results_io import write_records, write_table  # noqa: E402
 
 from snapkv_rag import Engine  # noqa: E402
 from snapkv_rag.compression import runtime  # noqa: E402
@@ -50,22 +49,36 @@ def main() -> int:
                     for fast in (True, False):
                         runtime.FAST_DECODE_ATTENTION = fast
                         r = engine.generate(case.prompt, compression=spec, max_new_tokens=32, ignore_eos=True)
-                        records.append({"dtype": dtype, "length": length, "prompt_tokens": r.usage.prompt_tokens, "method": method,
-                                        "path": "decode_attention" if fast else "sdpa", "repeat": repeat,
-                                        "decode_ms_per_token": r.stats.decode_ms_per_token, "needle_found": case.answer in r.text})
+                        records.append(
+                            {
+                                "dtype": dtype,
+                                "length": length,
+                                "prompt_tokens": r.usage.prompt_tokens,
+                                "method": method,
+                                "path": "decode_attention" if fast else "sdpa",
+                                "repeat": repeat,
+                                "decode_ms_per_token": r.stats.decode_ms_per_token,
+                                "needle_found": case.answer in r.text,
+                            }
+                        )
                         print(json.dumps(records[-1]), flush=True)
         runtime.FAST_DECODE_ATTENTION = True
         del engine
     write_records(out, records)
-    lines = ["| dtype | prompt tokens | cache | SDPA ms/token | decode path ms/token | speed-up | pass key found (SDPA / path) |", "|---|---|---|---|---|---|---|"]
+    lines = [
+        "| dtype | prompt tokens | cache | SDPA ms/token | decode path ms/token | speed-up | pass key found (SDPA / path) |",
+        "|---|---|---|---|---|---|---|",
+    ]
     keys = sorted({(r["dtype"], r["length"], r["method"]) for r in records}, key=lambda k: (k[0] != "float32", k[1], k[2]))
     for dtype, length, method in keys:
         rows = [r for r in records if (r["dtype"], r["length"], r["method"]) == (dtype, length, method)]
         ms = {p: statistics.median(r["decode_ms_per_token"] for r in rows if r["path"] == p) for p in ("sdpa", "decode_attention")}
         found = {p: sum(r["needle_found"] for r in rows if r["path"] == p) for p in ("sdpa", "decode_attention")}
         n = sum(1 for r in rows if r["path"] == "sdpa")
-        lines.append(f"| {dtype} | {rows[0]['prompt_tokens']} | {method} | {ms['sdpa']:.1f} | {ms['decode_attention']:.1f} | "
-                     f"{ms['sdpa'] / ms['decode_attention']:.2f}x | {found['sdpa']}/{n} / {found['decode_attention']}/{n} |")
+        lines.append(
+            f"| {dtype} | {rows[0]['prompt_tokens']} | {method} | {ms['sdpa']:.1f} | {ms['decode_attention']:.1f} | "
+            f"{ms['sdpa'] / ms['decode_attention']:.2f}x | {found['sdpa']}/{n} / {found['decode_attention']}/{n} |"
+        )
     write_table(out, lines)
     return 0
 

@@ -93,19 +93,40 @@ def main() -> None:
         full = engine.generate(prompt, max_new_tokens=args.tokens, ignore_eos=True, prefix_cache=False)
         reference = engine.score(prompt, full.token_ids, prefix_cache=False)
         base = {"prompt": index, "prompt_tokens": full.usage.prompt_tokens, "tokens": args.tokens}
-        records.append({**base, "method": "full", "spec": "full", "decode_ms_per_token": full.stats.decode_ms_per_token,
-                        "cache_entries_max": full.usage.prompt_tokens + args.tokens, "kv_bytes_final": full.stats.kv_bytes_final,
-                        "kl": 0.0, "top1": 1.0, "leading_agreement": args.tokens})
+        records.append(
+            {
+                **base,
+                "method": "full",
+                "spec": "full",
+                "decode_ms_per_token": full.stats.decode_ms_per_token,
+                "cache_entries_max": full.usage.prompt_tokens + args.tokens,
+                "kv_bytes_final": full.stats.kv_bytes_final,
+                "kl": 0.0,
+                "top1": 1.0,
+                "leading_agreement": args.tokens,
+            }
+        )
         print(f"prompt {index}: {full.usage.prompt_tokens} tokens, full {full.stats.decode_ms_per_token:.1f} ms/token", flush=True)
         for label, spec in METHODS:
             result = engine.generate(prompt, max_new_tokens=args.tokens, ignore_eos=True, compression=spec, prefix_cache=False)
             kl, top1 = kl_and_top1(reference, engine.score(prompt, full.token_ids, compression=spec, prefix_cache=False))
             stats = result.stats.policy_stats
             largest = stats.get("decode_cache_entries_max", max(result.stats.kept_tokens_per_layer) + args.tokens)
-            records.append({**base, "method": label, "spec": spec, "decode_ms_per_token": result.stats.decode_ms_per_token,
-                            "cache_entries_max": largest, "kv_bytes_final": result.stats.kv_bytes_final, "kl": kl, "top1": top1,
-                            "leading_agreement": leading_agreement(full.token_ids, result.token_ids),
-                            "decode_compactions": stats.get("decode_compactions", 0), "decode_compaction_ms": stats.get("decode_compaction_ms", 0.0)})
+            records.append(
+                {
+                    **base,
+                    "method": label,
+                    "spec": spec,
+                    "decode_ms_per_token": result.stats.decode_ms_per_token,
+                    "cache_entries_max": largest,
+                    "kv_bytes_final": result.stats.kv_bytes_final,
+                    "kl": kl,
+                    "top1": top1,
+                    "leading_agreement": leading_agreement(full.token_ids, result.token_ids),
+                    "decode_compactions": stats.get("decode_compactions", 0),
+                    "decode_compaction_ms": stats.get("decode_compaction_ms", 0.0),
+                }
+            )
             print(f"  {label}: {result.stats.decode_ms_per_token:.1f} ms/token, max entries {largest}, KL {kl:.3f}, top-1 {top1:.3f}", flush=True)
         write_records(args.out, records)
 

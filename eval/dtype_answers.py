@@ -40,17 +40,20 @@ def main() -> int:
                 context = qa.retrieve(q.question)
                 for method, spec in METHODS.items():
                     answer = qa.answer_context(context, compression=spec)
-                    records.append({"dtype": dtype, "method": method, "question": q.question, "answer": answer.text,
-                                    "correct": answer_correct(answer.text, q.answer)})
+                    records.append(
+                        {"dtype": dtype, "method": method, "question": q.question, "answer": answer.text, "correct": answer_correct(answer.text, q.answer)}
+                    )
     write_records(out, records)
     lines = ["| cache | fp32 accuracy | bf16 accuracy | identical answers | right in fp32 only | right in bf16 only |", "|---|---|---|---|---|---|"]
     for method in METHODS:
         a = {r["question"]: r for r in records if r["method"] == method and r["dtype"] == "float32"}
         b = {r["question"]: r for r in records if r["method"] == method and r["dtype"] == "bfloat16"}
         n = len(a)
-        lines.append(f"| {method} | {sum(r['correct'] for r in a.values())}/{n} | {sum(r['correct'] for r in b.values())}/{n} | "
-                     f"{sum(a[k]['answer'] == b[k]['answer'] for k in a)}/{n} | {sum(a[k]['correct'] and not b[k]['correct'] for k in a)} | "
-                     f"{sum(b[k]['correct'] and not a[k]['correct'] for k in a)} |")
+        lines.append(
+            f"| {method} | {sum(r['correct'] for r in a.values())}/{n} | {sum(r['correct'] for r in b.values())}/{n} | "
+            f"{sum(a[k]['answer'] == b[k]['answer'] for k in a)}/{n} | {sum(a[k]['correct'] and not b[k]['correct'] for k in a)} | "
+            f"{sum(b[k]['correct'] and not a[k]['correct'] for k in a)} |"
+        )
     write_table(out, lines)
     return 0
 

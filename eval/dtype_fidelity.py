@@ -19,9 +19,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from results_io import write_records, write_table  # noqa: E402
-
 import torch  # noqa: E402
+from results_io import write_records, write_table  # noqa: E402
 
 from snapkv_rag import Engine  # noqa: E402
 from snapkv_rag.evaluation.needle import build_needle_case  # noqa: E402
@@ -54,19 +53,32 @@ def main() -> int:
             kl = (p.exp() * (p - q)).sum(-1)
             own = bf16.generate(prompt, compression=spec, max_new_tokens=CONTINUATION, ignore_eos=True).token_ids[:CONTINUATION]
             prefix, overall = greedy_agreement(ids, own)
-            records.append({"prompt": name, "prompt_tokens": reference.usage.prompt_tokens, "method": method,
-                            "mean_kl": float(kl.mean()), "max_kl": float(kl.max()),
-                            "top1": float((p.argmax(-1) == q.argmax(-1)).float().mean()),
-                            "greedy_prefix": prefix, "greedy_overall": overall, "same_text": own == ids})
+            records.append(
+                {
+                    "prompt": name,
+                    "prompt_tokens": reference.usage.prompt_tokens,
+                    "method": method,
+                    "mean_kl": float(kl.mean()),
+                    "max_kl": float(kl.max()),
+                    "top1": float((p.argmax(-1) == q.argmax(-1)).float().mean()),
+                    "greedy_prefix": prefix,
+                    "greedy_overall": overall,
+                    "same_text": own == ids,
+                }
+            )
             print(json.dumps(records[-1]), flush=True)
     write_records(out, records)
-    lines = ["| cache | prompts | mean KL(fp32 ‖ bf16) | max KL | top-1 agreement | greedy agreement (prefix) | greedy agreement (overall) | identical 32-token continuations |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| cache | prompts | mean KL(fp32 ‖ bf16) | max KL | top-1 agreement | greedy agreement (prefix) | greedy agreement (overall) | identical 32-token continuations |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for method in METHODS:
         rows = [r for r in records if r["method"] == method]
-        lines.append(f"| {method} | {len(rows)} | {statistics.mean(r['mean_kl'] for r in rows):.4f} | {max(r['max_kl'] for r in rows):.3f} | "
-                     f"{statistics.mean(r['top1'] for r in rows):.3f} | {statistics.mean(r['greedy_prefix'] for r in rows):.3f} | "
-                     f"{statistics.mean(r['greedy_overall'] for r in rows):.3f} | {sum(r['same_text'] for r in rows)}/{len(rows)} |")
+        lines.append(
+            f"| {method} | {len(rows)} | {statistics.mean(r['mean_kl'] for r in rows):.4f} | {max(r['max_kl'] for r in rows):.3f} | "
+            f"{statistics.mean(r['top1'] for r in rows):.3f} | {statistics.mean(r['greedy_prefix'] for r in rows):.3f} | "
+            f"{statistics.mean(r['greedy_overall'] for r in rows):.3f} | {sum(r['same_text'] for r in rows)}/{len(rows)} |"
+        )
     write_table(out, lines)
     return 0
 

@@ -34,8 +34,18 @@ from snapkv_rag.memory import current_rss_bytes
 
 FIRST = ["Maria", "Jonas", "Aiko", "Pedro", "Lena", "Omar", "Greta", "Ravi", "Nora", "Tomas"]
 CITIES = ["Lyon", "Porto", "Kyoto", "Quito", "Tartu", "Oslo", "Accra", "Pune", "Cork", "Brno"]
-TOPICS = ["bridge repairs", "library hours", "bus timetables", "water quality", "school meals", "park lighting",
-          "bike lanes", "market stalls", "street names", "tree planting"]
+TOPICS = [
+    "bridge repairs",
+    "library hours",
+    "bus timetables",
+    "water quality",
+    "school meals",
+    "park lighting",
+    "bike lanes",
+    "market stalls",
+    "street names",
+    "tree planting",
+]
 
 
 def facts_and_questions() -> tuple[list[str], list[str]]:
@@ -127,7 +137,11 @@ def doc_qa(engine: Engine, doc_tokens: int, new_tokens: int, budget: int, record
             row["same_answer"] = row["with"]["text"] == row["without"]["text"] if "without" in row else None
             row["prefix_cache_bytes"] = engine.prefix_cache.nbytes
             records.append(row)
-            print(json.dumps({k: v for k, v in row.items() if k not in ("with", "without")}) + f" ttft with {row['with']['ttft_s']:.2f}s", file=sys.stderr, flush=True)
+            print(
+                json.dumps({k: v for k, v in row.items() if k not in ("with", "without")}) + f" ttft with {row['with']['ttft_s']:.2f}s",
+                file=sys.stderr,
+                flush=True,
+            )
     return records
 
 
@@ -153,7 +167,11 @@ def agent_session(engine: Engine, turns: int, new_tokens: int, budget: int, reco
         row["prefix_cache_bytes"] = engine.prefix_cache.nbytes
         row["rss_after_bytes"] = current_rss_bytes()
         records.append(row)
-        print(f"turn {turn}: {row['with']['prompt_tokens']} tokens, ttft with {row['with']['ttft_s']:.2f}s (prefilled {row['with']['prefilled_prompt_tokens']})", file=sys.stderr, flush=True)
+        print(
+            f"turn {turn}: {row['with']['prompt_tokens']} tokens, ttft with {row['with']['ttft_s']:.2f}s (prefilled {row['with']['prefilled_prompt_tokens']})",
+            file=sys.stderr,
+            flush=True,
+        )
         log = tool_log(rng, engine.tokenizer, rng.randint(300, 800), turn)
         messages += [
             {"role": "assistant", "content": result.text},
@@ -198,7 +216,9 @@ def summarize(records: list[dict], settings: dict) -> str:
     stopped = [r for r in records if r["task"] == "agent" and "stopped_at_turn" in r]
     if agent:
         lines += [f"### Agent-like session: {len(agent)} turns, 300-800-token tool log per turn", ""]
-        lines.append("| turn | prompt tokens | prefilled with reuse | TTFT s without | TTFT s with | speed-up | peak RSS MiB without / with | prefix cache MiB | same answer |")
+        lines.append(
+            "| turn | prompt tokens | prefilled with reuse | TTFT s without | TTFT s with | speed-up | peak RSS MiB without / with | prefix cache MiB | same answer |"
+        )
         lines.append("|---|---|---|---|---|---|---|---|---|")
         for r in agent:
             w, o = r["with"], r.get("without")
@@ -241,10 +261,18 @@ def main() -> int:
     engine.generate("Warm up.", max_new_tokens=2, prefix_cache=False)
     info = engine.info()
     settings = {
-        "model": info.name, "device": info.device, "dtype": info.dtype, "threads": torch.get_num_threads(),
-        "new_tokens": args.new_tokens, "agent_new_tokens": args.agent_new_tokens, "budget": args.budget,
-        "doc_tokens": args.doc_tokens, "turns": args.turns, "prefix_cache_bytes": engine.prefix_cache.max_bytes,
-        "version": __version__, "command": "python " + " ".join(sys.argv),
+        "model": info.name,
+        "device": info.device,
+        "dtype": info.dtype,
+        "threads": torch.get_num_threads(),
+        "new_tokens": args.new_tokens,
+        "agent_new_tokens": args.agent_new_tokens,
+        "budget": args.budget,
+        "doc_tokens": args.doc_tokens,
+        "turns": args.turns,
+        "prefix_cache_bytes": engine.prefix_cache.max_bytes,
+        "version": __version__,
+        "command": "python " + " ".join(sys.argv),
     }
     args.out.mkdir(parents=True, exist_ok=True)
     jsonl = args.out / "prefix_cache.jsonl"

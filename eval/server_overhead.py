@@ -46,7 +46,9 @@ def main() -> int:
     from snapkv_rag.server import ServerConfig, create_app
 
     engine = Engine.default()
-    server = uvicorn.Server(uvicorn.Config(create_app(ServerConfig(engine, model_id="m", compression=COMPRESSION)), host="127.0.0.1", port=0, log_level="warning"))
+    server = uvicorn.Server(
+        uvicorn.Config(create_app(ServerConfig(engine, model_id="m", compression=COMPRESSION)), host="127.0.0.1", port=0, log_level="warning")
+    )
     threading.Thread(target=server.run, daemon=True).start()
     while not server.started:
         time.sleep(0.05)
@@ -57,7 +59,10 @@ def main() -> int:
     run = 0
     for sentences in (4, 110):
         check = prompt(0, sentences)  # one untimed pair on the same prompt: the answers must agree
-        same = engine.generate(check, max_new_tokens=32, compression=COMPRESSION).text == client.chat.completions.create(model="m", messages=check, max_tokens=32).choices[0].message.content
+        same = (
+            engine.generate(check, max_new_tokens=32, compression=COMPRESSION).text
+            == client.chat.completions.create(model="m", messages=check, max_tokens=32).choices[0].message.content
+        )
         direct_s, served_s, tokens = [], [], None
         for _ in range(args.repeats + 1):  # the first pair warms up and is dropped
             for side in ("direct", "server"):
@@ -71,7 +76,17 @@ def main() -> int:
                 (direct_s if side == "direct" else served_s).append(time.perf_counter() - start)
         direct_s, served_s = direct_s[1:], served_s[1:]
         d, s = statistics.median(direct_s), statistics.median(served_s)
-        rows.append({"prompt_tokens": tokens, "direct_s": d, "server_s": s, "added_ms": 1000 * (s - d), "added_pct": 100 * (s - d) / d, "same_text": same, "repeats": args.repeats})
+        rows.append(
+            {
+                "prompt_tokens": tokens,
+                "direct_s": d,
+                "server_s": s,
+                "added_ms": 1000 * (s - d),
+                "added_pct": 100 * (s - d) / d,
+                "same_text": same,
+                "repeats": args.repeats,
+            }
+        )
         print(json.dumps(rows[-1]), file=sys.stderr)
     server.should_exit = True
 
@@ -80,7 +95,9 @@ def main() -> int:
     (out / "overhead.json").write_text(json.dumps(rows, indent=2))
     lines = ["| prompt tokens | direct (s) | through the server (s) | added | same answer on one prompt |", "|---|---|---|---|---|"]
     for row in rows:
-        lines.append(f"| {row['prompt_tokens']} | {row['direct_s']:.2f} | {row['server_s']:.2f} | {row['added_ms']:+.0f} ms ({row['added_pct']:+.1f}%) | {'yes' if row['same_text'] else 'NO'} |")
+        lines.append(
+            f"| {row['prompt_tokens']} | {row['direct_s']:.2f} | {row['server_s']:.2f} | {row['added_ms']:+.0f} ms ({row['added_pct']:+.1f}%) | {'yes' if row['same_text'] else 'NO'} |"
+        )
     (out / "overhead.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0

@@ -50,17 +50,29 @@ def main() -> int:
                 gold_in = any(is_gold_file(c.file, q.gold) for c in context.chunks)
                 for method, policy in METHODS.items():
                     answer = qa.answer_context(context, compression=policy)
-                    records.append({"size": size, "method": method, "question": q.question, "prompt_tokens": answer.result.usage.prompt_tokens,
-                                    "chunks": len(context.chunks), "gold_stuffed": gold_in, "answer": answer.text,
-                                    "correct": answer_correct(answer.text, q.answer), "prefill_seconds": answer.result.stats.prefill_seconds})
+                    records.append(
+                        {
+                            "size": size,
+                            "method": method,
+                            "question": q.question,
+                            "prompt_tokens": answer.result.usage.prompt_tokens,
+                            "chunks": len(context.chunks),
+                            "gold_stuffed": gold_in,
+                            "answer": answer.text,
+                            "correct": answer_correct(answer.text, q.answer),
+                            "prefill_seconds": answer.result.stats.prefill_seconds,
+                        }
+                    )
                     print(json.dumps(records[-1]), flush=True)
     write_records(out, records)
     lines = ["| stuffed | median prompt tokens | gold file stuffed | full cache accuracy | SnapKV 1024 (default) accuracy |", "|---|---|---|---|---|"]
     for size in SIZES:
         rows = {m: [r for r in records if r["size"] == size and r["method"] == m] for m in METHODS}
         full, snap = rows["full"], rows["snapkv 1024 (default)"]
-        lines.append(f"| {size} | {statistics.median(r['prompt_tokens'] for r in full):.0f} | {sum(r['gold_stuffed'] for r in full)}/{len(full)} | "
-                     f"{sum(r['correct'] for r in full)}/{len(full)} | {sum(r['correct'] for r in snap)}/{len(snap)} |")
+        lines.append(
+            f"| {size} | {statistics.median(r['prompt_tokens'] for r in full):.0f} | {sum(r['gold_stuffed'] for r in full)}/{len(full)} | "
+            f"{sum(r['correct'] for r in full)}/{len(full)} | {sum(r['correct'] for r in snap)}/{len(snap)} |"
+        )
     write_table(out, lines)
     return 0
 

@@ -32,16 +32,21 @@ from snapkv_rag.errors import StructuredOutputError  # noqa: E402
 
 
 def fn(name: str, description: str, properties: dict, required: list[str]) -> dict:
-    return {"type": "function", "function": {"name": name, "description": description,
-            "parameters": {"type": "object", "properties": properties, "required": required}}}
+    return {
+        "type": "function",
+        "function": {"name": name, "description": description, "parameters": {"type": "object", "properties": properties, "required": required}},
+    }
 
 
 TOOLS = [
     fn("get_weather", "Get the current weather in a city.", {"city": {"type": "string"}}, ["city"]),
     fn("multiply", "Multiply two integers exactly.", {"a": {"type": "integer"}, "b": {"type": "integer"}}, ["a", "b"]),
-    fn("convert_currency", "Convert an amount of money from one currency to another at today's rate.",
-       {"amount": {"type": "number"}, "from_currency": {"type": "string"}, "to_currency": {"type": "string"}},
-       ["amount", "from_currency", "to_currency"]),
+    fn(
+        "convert_currency",
+        "Convert an amount of money from one currency to another at today's rate.",
+        {"amount": {"type": "number"}, "from_currency": {"type": "string"}, "to_currency": {"type": "string"}},
+        ["amount", "from_currency", "to_currency"],
+    ),
     fn("search_documents", "Search the user's own documents and notes.", {"query": {"type": "string"}}, ["query"]),
 ]
 MAX_NEW_TOKENS = 48
@@ -85,8 +90,7 @@ def table(name: str, rows: list[dict]) -> str:
     called_when_needed = sum(bool(r["called"]) for r in tool)
     right_tool = sum(r["right"] for r in tool)
     prose = sum(r["right"] for r in none)
-    return (f"| {name} | {called_when_needed}/{len(tool)} | {right_tool}/{len(tool)} | {prose}/{len(none)} | "
-            f"{(right_tool + prose) / len(rows):.0%} |")
+    return f"| {name} | {called_when_needed}/{len(tool)} | {right_tool}/{len(tool)} | {prose}/{len(none)} | {(right_tool + prose) / len(rows):.0%} |"
 
 
 def calibrated(rows: list[dict], prior: dict[str, float], threshold: float) -> list[dict]:

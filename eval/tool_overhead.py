@@ -25,22 +25,42 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-MAGIC = {"type": "function", "function": {"name": "magic_function", "description": "Applies a magic function to an input.",
-         "parameters": {"type": "object", "properties": {"input": {"type": "integer"}}, "required": ["input"]}}}
-WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather forecast for a place.", "parameters": {
-    "type": "object",
-    "properties": {
-        "location": {"type": "object", "properties": {"city": {"type": "string"}, "country": {"type": "string"}}, "required": ["city"]},
-        "unit": {"enum": ["celsius", "fahrenheit"]},
-        "days": {"type": "integer", "minimum": 1, "maximum": 14},
+MAGIC = {
+    "type": "function",
+    "function": {
+        "name": "magic_function",
+        "description": "Applies a magic function to an input.",
+        "parameters": {"type": "object", "properties": {"input": {"type": "integer"}}, "required": ["input"]},
     },
-    "required": ["location", "unit", "days"],
-}}}
-CITY = {"type": "json_schema", "json_schema": {"name": "city", "strict": True, "schema": {
-    "type": "object",
-    "properties": {"city": {"type": "string"}, "country": {"type": "string"}, "facts": {"type": "array", "items": {"type": "string"}, "maxItems": 3}},
-    "required": ["city", "country", "facts"],
-}}}
+}
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Weather forecast for a place.",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "location": {"type": "object", "properties": {"city": {"type": "string"}, "country": {"type": "string"}}, "required": ["city"]},
+                "unit": {"enum": ["celsius", "fahrenheit"]},
+                "days": {"type": "integer", "minimum": 1, "maximum": 14},
+            },
+            "required": ["location", "unit", "days"],
+        },
+    },
+}
+CITY = {
+    "type": "json_schema",
+    "json_schema": {
+        "name": "city",
+        "strict": True,
+        "schema": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}, "country": {"type": "string"}, "facts": {"type": "array", "items": {"type": "string"}, "maxItems": 3}},
+            "required": ["city", "country", "facts"],
+        },
+    },
+}
 
 SCENARIOS = [
     ("required call (nested schema)", "What will the weather be in Paris for the next 3 days, in celsius?", dict(tools=[WEATHER], tool_choice="required")),
@@ -62,13 +82,21 @@ def engine_overhead(repeats: int, max_new_tokens: int) -> list[dict]:
         for name, prompt, options in SCENARIOS:  # interleaved, so drift hits every scenario alike
             result = engine.generate([{"role": "user", "content": prompt}], max_new_tokens=max_new_tokens, **options)
             constraint_ms = result.stats.constraint_ms_per_step
-            records.append({
-                "scenario": name, "repeat": repeat, "steps": result.stats.decode_steps,
-                "decode_ms_per_token": result.stats.decode_ms_per_token, "constraint_ms_per_step": constraint_ms,
-                "overhead_pct": 100 * constraint_ms / result.stats.decode_ms_per_token if constraint_ms is not None else None,
-                "finish_reason": result.finish_reason, "tool_calls": [c.to_dict() for c in result.tool_calls],
-                "text": result.text[:200], "threads": torch.get_num_threads(), "loadavg_1min": os.getloadavg()[0],
-            })
+            records.append(
+                {
+                    "scenario": name,
+                    "repeat": repeat,
+                    "steps": result.stats.decode_steps,
+                    "decode_ms_per_token": result.stats.decode_ms_per_token,
+                    "constraint_ms_per_step": constraint_ms,
+                    "overhead_pct": 100 * constraint_ms / result.stats.decode_ms_per_token if constraint_ms is not None else None,
+                    "finish_reason": result.finish_reason,
+                    "tool_calls": [c.to_dict() for c in result.tool_calls],
+                    "text": result.text[:200],
+                    "threads": torch.get_num_threads(),
+                    "loadavg_1min": os.getloadavg()[0],
+                }
+            )
             print(json.dumps(records[-1], ensure_ascii=False), flush=True)
     return records
 
@@ -133,8 +161,12 @@ def grammar_engines() -> list[dict]:
     cases = [
         ("forced call", call_text, build_output_spec([WEATHER], "required"), ("tag", (call_prefix("get_weather"), schema))),
         ("auto: free text", answer, build_output_spec([WEATHER], "auto"), ("tag", (call_prefix("get_weather"), schema))),
-        ("json_schema", json.dumps({"city": "Paris", "country": "France", "facts": ["a", "b"]}), build_output_spec(response_format=CITY),
-         ("json", CITY["json_schema"]["schema"])),
+        (
+            "json_schema",
+            json.dumps({"city": "Paris", "country": "France", "facts": ["a", "b"]}),
+            build_output_spec(response_format=CITY),
+            ("json", CITY["json_schema"]["schema"]),
+        ),
     ]
     rows = []
     start = time.perf_counter()
@@ -151,21 +183,34 @@ def grammar_engines() -> list[dict]:
         xgr = None
     for name, text, spec, xgr_case in cases:
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-        engines = [("llguidance", llg_setup, lambda: _replay_llguidance(tokenizer, grammar_for(spec), ids))]
+        engines = [("llguidance", llg_setup, lambda spec=spec, ids=ids: _replay_llguidance(tokenizer, grammar_for(spec), ids))]
         if xgr is not None:
-            engines.append(("xgrammar", xgr_setup, lambda: _replay_xgrammar(compiler, xgr_case[0], xgr_case[1], ids, vocab)))
+            engines.append(("xgrammar", xgr_setup, lambda case=xgr_case, ids=ids: _replay_xgrammar(compiler, case[0], case[1], ids, vocab)))
         for engine, setup_s, replay in engines:
             compile_s, steps = replay()
-            rows.append({"case": name, "engine": engine, "tokens": len(ids), "tokenizer_setup_s": setup_s, "compile_ms": compile_s * 1000,
-                         "mask_ms_median": statistics.median(steps) * 1000, "mask_ms_max": max(steps) * 1000})
+            rows.append(
+                {
+                    "case": name,
+                    "engine": engine,
+                    "tokens": len(ids),
+                    "tokenizer_setup_s": setup_s,
+                    "compile_ms": compile_s * 1000,
+                    "mask_ms_median": statistics.median(steps) * 1000,
+                    "mask_ms_max": max(steps) * 1000,
+                }
+            )
             print(json.dumps(rows[-1]), flush=True)
     return rows
 
 
 def markdown(overhead: list[dict], engines: list[dict]) -> str:
     load = [r["loadavg_1min"] for r in overhead]
-    lines = [f"1-minute load average during the runs: {min(load):.1f} to {max(load):.1f} (2 cores)", "",
-             "| scenario | runs | steps | decode ms/token | grammar ms/step | overhead |", "|---|---|---|---|---|---|"]
+    lines = [
+        f"1-minute load average during the runs: {min(load):.1f} to {max(load):.1f} (2 cores)",
+        "",
+        "| scenario | runs | steps | decode ms/token | grammar ms/step | overhead |",
+        "|---|---|---|---|---|---|",
+    ]
     for name, _, _ in SCENARIOS:
         rs = [r for r in overhead if r["scenario"] == name]
         decode = statistics.median(r["decode_ms_per_token"] for r in rs)
@@ -177,7 +222,9 @@ def markdown(overhead: list[dict], engines: list[dict]) -> str:
         )
     lines += ["", "| case | engine | tokens | tokenizer setup s | compile ms | mask+advance ms/token (median) | max |", "|---|---|---|---|---|---|---|"]
     for r in engines:
-        lines.append(f"| {r['case']} | {r['engine']} | {r['tokens']} | {r['tokenizer_setup_s']:.2f} | {r['compile_ms']:.2f} | {r['mask_ms_median']:.3f} | {r['mask_ms_max']:.3f} |")
+        lines.append(
+            f"| {r['case']} | {r['engine']} | {r['tokens']} | {r['tokenizer_setup_s']:.2f} | {r['compile_ms']:.2f} | {r['mask_ms_median']:.3f} | {r['mask_ms_max']:.3f} |"
+        )
     return "\n".join(lines) + "\n"
 
 

@@ -22,4 +22,9 @@ if [ "$rc" -eq 5 ]; then
   echo "error: pytest collected no tests" >&2
   exit 1
 fi
+# Lint and types too (a whole run only: arguments select tests, and then lint is skipped).
+if [ "$#" -eq 0 ]; then
+  echo "lint: ruff and mypy" >&2
+  bash scripts/lint.sh || { echo "error: lint or type check failed (bash scripts/lint.sh)" >&2; [ "$rc" -eq 0 ] && rc=1; }
+fi
 exit "$rc"

@@ -25,13 +25,16 @@ def add_app_parser(sub) -> None:
     p.add_argument("--uploads", default=None, help="where uploaded files are kept (default ~/.cache/snapkv-rag/uploads)")
     p.add_argument("--collection", default=None, help="collection selected at start (default 'documents')")
     p.add_argument(
-        "--allow-folder-root", default=None, metavar="DIR",
+        "--allow-folder-root",
+        default=None,
+        metavar="DIR",
         help="let users ingest folders under DIR (default: folder ingest off; uploads only)",
     )
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: this machine only)")
     p.add_argument("--port", type=int, default=8501)
     p.add_argument(
-        "--no-password", action="store_true",
+        "--no-password",
+        action="store_true",
         help="listen on a non-loopback --host without SNAPKV_RAG_APP_PASSWORD (only behind your own access control)",
     )
     p.set_defaults(func=cmd_app)
@@ -40,14 +43,24 @@ def add_app_parser(sub) -> None:
 def app_command(args: argparse.Namespace) -> list[str]:
     """The ``streamlit run`` command line for ``args``."""
     command = [
-        sys.executable, "-m", "streamlit", "run", str(APP_SCRIPT),
-        "--server.address", args.host,
-        "--server.port", str(args.port),
-        "--server.headless", "true",
-        "--browser.gatherUsageStats", "false",
-        "--client.toolbarMode", "minimal",
+        sys.executable,
+        "-m",
+        "streamlit",
+        "run",
+        str(APP_SCRIPT),
+        "--server.address",
+        args.host,
+        "--server.port",
+        str(args.port),
+        "--server.headless",
+        "true",
+        "--browser.gatherUsageStats",
+        "false",
+        "--client.toolbarMode",
+        "minimal",
         "--",
-        "--model", args.model,
+        "--model",
+        args.model,
     ]
     for option in ("device", "dtype", "store", "uploads", "collection", "allow_folder_root"):
         value = getattr(args, option, None)

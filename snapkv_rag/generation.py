@@ -10,16 +10,16 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Generator, Iterator
+from collections.abc import Generator
 from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
 
+from .blending import SegmentRequest, assemble, blended_mask, blending_cache, recompute_positions
 from .compression.base import CompressionPolicy
 from .compression.decoding import PolicyState, layer_entries
 from .compression.runtime import PrefillCompression, compressing, policy_attention, sliding_layers
-from .blending import SegmentRequest, assemble, blended_mask, blending_cache, recompute_positions
 from .prefix_cache import PrefixCache, ReusePlan, plan_reuse, reuse_tail, reused_columns, reused_layer, store_prompts
 from .sampling import GenerationParams, make_generator, select_next_tokens
 

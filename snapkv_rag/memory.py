@@ -34,7 +34,7 @@ class PeakMemory:
         while not self._stop.wait(self.interval_s):
             self.peak_bytes = max(self.peak_bytes, current_rss_bytes())
 
-    def __enter__(self) -> "PeakMemory":
+    def __enter__(self) -> PeakMemory:
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
         else:

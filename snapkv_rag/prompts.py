@@ -14,12 +14,12 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Union
+from typing import Any
 
 from .errors import EmptyPromptError, InvalidPromptError
 
 Message = Mapping[str, Any]
-PromptLike = Union[str, Sequence[Message]]
+PromptLike = str | Sequence[Message]
 
 _ROLES = {"system", "user", "assistant", "tool"}
 
@@ -91,9 +91,7 @@ def template_supports_tools(tokenizer) -> bool:
     if key not in _TOOL_SUPPORT:
         probe = {"type": "function", "function": {"name": _PROBE_TOOL, "description": "probe", "parameters": {"type": "object", "properties": {}}}}
         try:
-            text = tokenizer.apply_chat_template(
-                [{"role": "user", "content": "hi"}], tools=[probe], tokenize=False, add_generation_prompt=True
-            )
+            text = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tools=[probe], tokenize=False, add_generation_prompt=True)
             _TOOL_SUPPORT[key] = _PROBE_TOOL in text
         except Exception:  # a template that raises on tools does not support them
             _TOOL_SUPPORT[key] = False
@@ -269,9 +267,7 @@ def default_question(prompt: PromptLike) -> str:
     return last_paragraph(users[-1]["content"]) if users else ""
 
 
-def question_tail_tokens(
-    tokenizer, prompt: PromptLike, *, chat: bool | None = None, question: str | None = None, tools: Sequence[Any] = ()
-) -> int | None:
+def question_tail_tokens(tokenizer, prompt: PromptLike, *, chat: bool | None = None, question: str | None = None, tools: Sequence[Any] = ()) -> int | None:
     """How many trailing prompt tokens the question and everything after it take.
 
     ``question``: the question's text as it appears in the prompt (its last occurrence is

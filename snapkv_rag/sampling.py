@@ -38,14 +38,12 @@ class GenerationParams:
                 raise bad(f"stop sequences must be non-empty strings, got {s!r}")
 
     @classmethod
-    def build(cls, **options: Any) -> "GenerationParams":
+    def build(cls, **options: Any) -> GenerationParams:
         """From keyword options: max_new_tokens, temperature, top_p, stop (str or list), seed, ignore_eos."""
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(options) - known)
         if unknown:
-            raise InvalidGenerationParameterError(
-                f"unknown generation parameter(s) {', '.join(unknown)}; valid: {', '.join(sorted(known))}"
-            )
+            raise InvalidGenerationParameterError(f"unknown generation parameter(s) {', '.join(unknown)}; valid: {', '.join(sorted(known))}")
         stop = options.pop("stop", None)
         if stop is None:
             stops: tuple[str, ...] = ()

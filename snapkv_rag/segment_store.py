@@ -108,9 +108,7 @@ class SegmentKVStore:
         return self.directory / signature / f"{key}{SUFFIX}"
 
     # ----------------------------------------------------------------- read
-    def get(
-        self, signature: str, dtype: torch.dtype, token_ids: list[int], shape: tuple[int, int, int], anchor: Sequence[int] = ()
-    ) -> SegmentKV | None:
+    def get(self, signature: str, dtype: torch.dtype, token_ids: list[int], shape: tuple[int, int, int], anchor: Sequence[int] = ()) -> SegmentKV | None:
         """The entry for these tokens after ``anchor``, or None (counted as a miss). ``shape``:
         ``(layers, kv_heads, head_dim)`` the model expects; an entry of another shape is refused."""
         anchor = list(anchor)

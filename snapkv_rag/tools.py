@@ -284,7 +284,7 @@ def split_calls(text: str) -> ParsedOutput:
         # "}\n</tool_call>" cannot occur inside JSON (strings escape newlines), so it ends the block
         end = text.find("}" + CALL_CLOSE, body_start)
         if end < 0:
-            raise StructuredOutputError(f"the output ends inside a tool call: {text[start:start + 200]!r}")
+            raise StructuredOutputError(f"the output ends inside a tool call: {text[start : start + 200]!r}")
         body = text[body_start : end + 1].strip()
         try:
             obj = json.loads(body)

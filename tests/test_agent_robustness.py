@@ -8,8 +8,8 @@ A tiny random model under the call grammar stands in for SmolLM2, which wrote th
 from __future__ import annotations
 
 import pytest
-
 from conftest import terse_bias, tiny_tool_engine
+
 from snapkv_rag.errors import StructuredOutputError
 from snapkv_rag.tools import ToolCallDelta, ToolCallStream, format_call
 
@@ -101,8 +101,14 @@ def test_the_repeat_path_is_taken(looping_engine):
 def test_parallel_calls_are_capped(tool_engine, limit):
     for seed in range(4):
         result = tool_engine.generate(
-            "Go.", tools=[INTEGER], tool_choice="required", parallel_tool_calls=True, max_tool_calls=limit,
-            max_new_tokens=300, temperature=1.0, seed=seed,
+            "Go.",
+            tools=[INTEGER],
+            tool_choice="required",
+            parallel_tool_calls=True,
+            max_tool_calls=limit,
+            max_new_tokens=300,
+            temperature=1.0,
+            seed=seed,
         )
         assert 1 <= len(result.tool_calls) <= limit
 
@@ -112,8 +118,14 @@ def test_out_of_tokens_after_a_complete_call_returns_the_complete_calls(looping_
     for budget in range(12, 120, 4):
         try:
             result = looping_engine.generate(
-                "Go.", tools=[INTEGER], tool_choice="required", parallel_tool_calls=True, max_tool_calls=5,
-                max_new_tokens=budget, temperature=1.0, seed=1,
+                "Go.",
+                tools=[INTEGER],
+                tool_choice="required",
+                parallel_tool_calls=True,
+                max_tool_calls=5,
+                max_new_tokens=budget,
+                temperature=1.0,
+                seed=1,
             )
         except StructuredOutputError as exc:  # cut inside the first call: nothing complete to return
             assert "before the structured output was complete" in str(exc)

@@ -12,7 +12,7 @@ from snapkv_rag.agents import AgentMemory
 from snapkv_rag.errors import AgentMemoryError, InvalidPromptError, SnapKVRagError
 
 
-def call(call_id: str, name: str = "read_log", arguments="{\"path\": \"/var/log/app\"}") -> dict:
+def call(call_id: str, name: str = "read_log", arguments='{"path": "/var/log/app"}') -> dict:
     return {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
 
 
@@ -92,10 +92,13 @@ def test_in_memory_database(tmp_path):
 def _writer(path: str, name: str, count: int) -> None:
     memory = AgentMemory(path)
     for i in range(count):
-        memory.append(name.split("/")[0], [
-            {"role": "user", "content": f"{name} {i}"},
-            {"role": "assistant", "content": f"{name} reply {i}"},
-        ])
+        memory.append(
+            name.split("/")[0],
+            [
+                {"role": "user", "content": f"{name} {i}"},
+                {"role": "assistant", "content": f"{name} reply {i}"},
+            ],
+        )
     memory.close()
 
 
@@ -116,9 +119,14 @@ def test_concurrent_writers_threads_and_processes(tmp_path):
     # threads sharing one AgentMemory object (one connection per thread) and threads with their own
     shared_writers = [f"shared/t{i}" for i in range(4)]
     own_writers = [f"shared/o{i}" for i in range(4)]
-    threads = [threading.Thread(target=lambda n=n: [memory.append("shared", [
-        {"role": "user", "content": f"{n} {i}"}, {"role": "assistant", "content": f"{n} reply {i}"}])
-        for i in range(20)]) for n in shared_writers]
+    threads = [
+        threading.Thread(
+            target=lambda n=n: [
+                memory.append("shared", [{"role": "user", "content": f"{n} {i}"}, {"role": "assistant", "content": f"{n} reply {i}"}]) for i in range(20)
+            ]
+        )
+        for n in shared_writers
+    ]
     threads += [threading.Thread(target=_writer, args=(path, n, 20)) for n in own_writers]
     for t in threads:
         t.start()
@@ -129,14 +137,18 @@ def test_concurrent_writers_threads_and_processes(tmp_path):
     ctx = multiprocessing.get_context("fork")
     procs = [ctx.Process(target=_writer, args=(path, f"procs/p{i}", 15)) for i in range(2)]
     # a child that keeps using the parent's object opens its own connection after the fork
-    procs.append(ctx.Process(target=lambda: [memory.append("procs", [
-        {"role": "user", "content": f"procs/p2 {i}"}, {"role": "assistant", "content": f"procs/p2 reply {i}"}])
-        for i in range(15)]))
+    procs.append(
+        ctx.Process(
+            target=lambda: [
+                memory.append("procs", [{"role": "user", "content": f"procs/p2 {i}"}, {"role": "assistant", "content": f"procs/p2 reply {i}"}])
+                for i in range(15)
+            ]
+        )
+    )
     for p in procs:
         p.start()
     for i in range(15):
-        memory.append("procs", [{"role": "user", "content": f"procs/main {i}"},
-                                {"role": "assistant", "content": f"procs/main reply {i}"}])
+        memory.append("procs", [{"role": "user", "content": f"procs/main {i}"}, {"role": "assistant", "content": f"procs/main reply {i}"}])
     for p in procs:
         p.join(60)
         assert p.exitcode == 0

@@ -134,7 +134,7 @@ def test_drop_keeps_system_and_latest_turn_and_whole_tool_exchanges(tmp_path, co
     assert view.messages[0] == full[0]
     assert view.messages[-1] == {"role": "user", "content": "Final question?"}
     kept = view.messages[1:]
-    assert kept == full[view.first_kept:]  # a contiguous, verbatim tail
+    assert kept == full[view.first_kept :]  # a contiguous, verbatim tail
     assert kept[0]["role"] == "user"  # starts at a turn boundary
     call_ids = {c["id"] for m in kept for c in m.get("tool_calls", ())}
     result_ids = {m["tool_call_id"] for m in kept if m["role"] == "tool"}
@@ -142,7 +142,7 @@ def test_drop_keeps_system_and_latest_turn_and_whole_tool_exchanges(tmp_path, co
     assert view.dropped_messages == view.first_kept - 1 == 4 * view.dropped_turns
     assert view.kept_turns == 7 - view.dropped_turns
     # block_fraction=0 drops no more than needed: one more turn would not have fit
-    one_more = [full[0], *full[view.first_kept - 4:]]
+    one_more = [full[0], *full[view.first_kept - 4 :]]
     assert len(ids(tokenizer, one_more)) > budget
 
 
@@ -195,10 +195,10 @@ def test_summarize_replaces_dropped_turns_and_caches_the_summary(tmp_path, token
     budget = len(ids(tokenizer, full)) // 2
     view = memory.render("t", count_tokens=count, budget=budget)
     assert view.truncated and view.mode == "summarize" and view.tokens <= budget
-    assert len(seen) == 1 and seen[0] == full[1:view.first_kept]  # the dropped turns, verbatim
+    assert len(seen) == 1 and seen[0] == full[1 : view.first_kept]  # the dropped turns, verbatim
     assert view.summary == f"{view.dropped_turns} earlier questions about logs."
     assert view.messages[0] == {"role": "system", "content": "You are an agent.\n\nSummary of the earlier conversation:\n" + view.summary}
-    assert view.messages[1:] == full[view.first_kept:]
+    assert view.messages[1:] == full[view.first_kept :]
     # the same cut renders the same summary without calling the summariser, also after a restart
     again = AgentMemory(path, mode="summarize", summarizer=summarizer).render("t", count_tokens=count, budget=budget)
     assert again.messages == view.messages and len(seen) == 1
@@ -208,7 +208,7 @@ def test_summarize_replaces_dropped_turns_and_caches_the_summary(tmp_path, token
     later = memory.render("t", count_tokens=count, budget=budget)
     assert later.first_kept > view.first_kept and len(seen) == 2
     assert seen[1][0] == {"role": "system", "content": "Summary of the earlier conversation:\n" + view.summary}
-    assert seen[1][1:] == memory.messages("t")[view.first_kept:later.first_kept]
+    assert seen[1][1:] == memory.messages("t")[view.first_kept : later.first_kept]
     # drop mode on the same thread is unaffected by stored summaries
     plain = AgentMemory(path).render("t", count_tokens=count, budget=budget)
     assert plain.summary is None and plain.messages[0] == full[0]

@@ -13,9 +13,8 @@ from pathlib import Path
 import pytest
 
 pytest.importorskip("streamlit")
-from streamlit.testing.v1 import AppTest  # noqa: E402
-
 from conftest import build_tokenizer, tiny_model  # noqa: E402
+from streamlit.testing.v1 import AppTest  # noqa: E402
 
 APP = str(Path(__file__).resolve().parents[1] / "apps" / "docqa" / "app.py")
 TIMEOUT = 240
@@ -83,9 +82,7 @@ def texts(elements) -> str:
 
 
 def page(at: AppTest) -> str:
-    return "\n".join(
-        texts(kind) for kind in (at.markdown, at.caption, at.error, at.warning, at.info, at.success, at.subheader, at.title)
-    )
+    return "\n".join(texts(kind) for kind in (at.markdown, at.caption, at.error, at.warning, at.info, at.success, at.subheader, at.title))
 
 
 def with_documents(at: AppTest) -> AppTest:

@@ -60,12 +60,35 @@ def app_url(tmp_path_factory):
     log = open(tmp / "streamlit.log", "wb")
     server = subprocess.Popen(
         [
-            sys.executable, "-m", "streamlit", "run", str(APP),
-            "--server.address", "127.0.0.1", "--server.port", str(port), "--server.headless", "true",
-            "--browser.gatherUsageStats", "false", "--server.fileWatcherType", "none", "--client.toolbarMode", "minimal",
-            "--", "--store", str(tmp / "chroma"), "--uploads", str(tmp / "uploads"), "--collection", "browser-test",
+            sys.executable,
+            "-m",
+            "streamlit",
+            "run",
+            str(APP),
+            "--server.address",
+            "127.0.0.1",
+            "--server.port",
+            str(port),
+            "--server.headless",
+            "true",
+            "--browser.gatherUsageStats",
+            "false",
+            "--server.fileWatcherType",
+            "none",
+            "--client.toolbarMode",
+            "minimal",
+            "--",
+            "--store",
+            str(tmp / "chroma"),
+            "--uploads",
+            str(tmp / "uploads"),
+            "--collection",
+            "browser-test",
         ],
-        cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+        cwd=ROOT,
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
     )
     url = f"http://127.0.0.1:{port}"
     try:
@@ -99,8 +122,14 @@ def driver():
     options = Options()
     options.binary_location = CHROMIUM
     for arg in (
-        "--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
-        "--disable-background-networking", "--disable-component-update", "--no-first-run", "--disable-sync",
+        "--headless=new",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-dev-shm-usage",
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--no-first-run",
+        "--disable-sync",
         "--window-size=1600,1000",
     ):
         options.add_argument(arg)
@@ -134,14 +163,10 @@ def page_text(driver) -> str:
 
 def save_screenshot(driver, name: str) -> Path:
     """A screenshot of the whole app: the window is grown to the height of the scrolled content."""
-    height = driver.execute_script(
-        "return Math.max(...Array.from(document.querySelectorAll('*'), e => e.scrollHeight));"
-    )
+    height = driver.execute_script("return Math.max(...Array.from(document.querySelectorAll('*'), e => e.scrollHeight));")
     driver.set_window_size(1600, min(max(1000, int(height) + 200), 6000))  # room for the pinned chat input
     time.sleep(1.0)
-    driver.execute_script(
-        "document.querySelectorAll('*').forEach(e => { if (e.scrollTop) e.scrollTop = 0; }); window.scrollTo(0, 0);"
-    )
+    driver.execute_script("document.querySelectorAll('*').forEach(e => { if (e.scrollTop) e.scrollTop = 0; }); window.scrollTo(0, 0);")
     time.sleep(0.5)
     path = artifacts_dir() / f"{name}.png"
     driver.save_screenshot(str(path))
@@ -191,13 +216,17 @@ def test_upload_ask_side_by_side_and_screenshot(app_url, driver, tmp_path):
     set_number(driver, "Max new tokens", 24)
     toggle = driver.find_element("xpath", "//label[contains(normalize-space(.), 'Side by side with the full cache')]")
     toggle.click()
-    wait_for(driver, lambda: driver.find_element("css selector", "input[aria-label='Side by side with the full cache']").is_selected(), 30, "the side-by-side toggle")
+    wait_for(
+        driver, lambda: driver.find_element("css selector", "input[aria-label='Side by side with the full cache']").is_selected(), 30, "the side-by-side toggle"
+    )
     box = wait_for(driver, lambda: driver.find_element("css selector", "textarea[data-testid=stChatInputTextArea]"), 30, "the chat input")
     box.send_keys(QUESTION)
     box.send_keys(Keys.ENTER)
     wait_for(driver, lambda: "Citation agreement F1" in page_text(driver), 600, "both streamed answers")
     wait_for(driver, lambda: "What SnapKV kept of each stuffed document" in page_text(driver), 60, "the kept-entries picture")
-    wait_for(driver, lambda: driver.find_elements("css selector", "[data-testid=stVegaLiteChart] canvas, [data-testid=stVegaLiteChart] svg"), 60, "the chart to draw")
+    wait_for(
+        driver, lambda: driver.find_elements("css selector", "[data-testid=stVegaLiteChart] canvas, [data-testid=stVegaLiteChart] svg"), 60, "the chart to draw"
+    )
     text = page_text(driver)
     assert text.count("Sources") >= 2 or "No document supports" in text
     assert "Prefill" in text and "Time to first token" in text and "KV cache kept / full" in text

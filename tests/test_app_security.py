@@ -43,7 +43,8 @@ def test_an_invalid_collection_name_writes_nothing_anywhere(app_env, name):
 def test_uploads_go_under_a_hashed_folder_and_bad_ones_are_never_written(tmp_path):
     saved = save_uploads(
         [Upload("ok.md", b"# fine"), Upload("empty.txt", b""), Upload("blob.txt", b"\x00\x01"), Upload("../up.md", b"x"), Upload(".hidden.md", b"x")],
-        tmp_path / "uploads", "notes",
+        tmp_path / "uploads",
+        "notes",
     )
     folder = upload_folder(tmp_path / "uploads", "notes")
     assert folder.parent == (tmp_path / "uploads").resolve() and "notes" not in folder.name

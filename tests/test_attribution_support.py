@@ -68,9 +68,19 @@ def test_the_cli_says_not_supported():
     from snapkv_rag.rag.attribution import SentenceSupport
     from snapkv_rag.rag.cli import _describe
 
-    stats = NS(kept_tokens_per_layer=[10], compression=None, compression_ratio=1.0, prefill_seconds=0.1, decode_ms_per_token=None, segment_reuse=None, reused_prompt_tokens=0)
+    stats = NS(
+        kept_tokens_per_layer=[10],
+        compression=None,
+        compression_ratio=1.0,
+        prefill_seconds=0.1,
+        decode_ms_per_token=None,
+        segment_reuse=None,
+        reused_prompt_tokens=0,
+    )
     answer = NS(
-        citations=[], sources=[], invalid_citations=[],
+        citations=[],
+        sources=[],
+        invalid_citations=[],
         context=NS(chunks=[], document_tokens=20, budget_tokens=100, left_out=0, duplicates=0),
         result=NS(stats=stats, usage=NS(prompt_tokens=40)),
         unsupported=[SentenceSupport("The primary school is 100.", (), (), ("100",))],

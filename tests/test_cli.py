@@ -6,8 +6,8 @@ import io
 import json
 
 import pytest
-
 from conftest import build_tokenizer, tiny_model
+
 from snapkv_rag.cli import main
 
 
@@ -89,10 +89,7 @@ def test_broken_pipe_exits_quietly(model_dir):
     import subprocess
     import sys
 
-    code = (
-        "import sys; from snapkv_rag.cli import main; "
-        f"sys.exit(main(['generate', '--model', {model_dir!r}, '--max-new-tokens', '60', 'Hello world']))"
-    )
+    code = f"import sys; from snapkv_rag.cli import main; sys.exit(main(['generate', '--model', {model_dir!r}, '--max-new-tokens', '60', 'Hello world']))"
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     proc.stdout.read(1)
     proc.stdout.close()  # like `| head -c 1`

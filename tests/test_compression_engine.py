@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from conftest import FAMILIES, tiny_engine, tiny_model
+
 from snapkv_rag.compression import H2O, RandomKeep, SnapKV, StreamingLLM
 from snapkv_rag.compression.runtime import register_attention_functions
 from snapkv_rag.generation import DecodeRun

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import FAMILIES, tiny_engine
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from conftest import FAMILIES, tiny_engine
 from snapkv_rag.compression import runtime
 from snapkv_rag.compression.runtime import decode_attention
 

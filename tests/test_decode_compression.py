@@ -6,8 +6,8 @@ import dataclasses
 
 import pytest
 import torch
-
 from conftest import FAMILIES, tiny_engine
+
 from snapkv_rag.compression import H2O, RandomKeep, SnapKV, StreamingLLM, parse_compression
 from snapkv_rag.compression.decoding import layer_entries
 from snapkv_rag.errors import InvalidCompressionError
@@ -169,9 +169,20 @@ def test_gemma3_sliding_layers_are_left_whole_at_decode_time(tokenizer):
     from snapkv_rag import Engine
 
     config = AutoConfig.for_model(
-        "gemma3_text", vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=1024,
-        sliding_window=16, layer_types=["sliding_attention", "full_attention"], bos_token_id=1, eos_token_id=8, pad_token_id=3,
+        "gemma3_text",
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=1024,
+        sliding_window=16,
+        layer_types=["sliding_attention", "full_attention"],
+        bos_token_id=1,
+        eos_token_id=8,
+        pad_token_id=3,
     )
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()

@@ -29,6 +29,7 @@ def test_cpu_default_follows_the_feature(monkeypatch, feature, dtype):
 
 def test_a_tiny_model_loads_in_the_chosen_dtype(tmp_path, monkeypatch):
     from conftest import build_tokenizer, tiny_model
+
     from snapkv_rag import Engine
 
     tokenizer = build_tokenizer()

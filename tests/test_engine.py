@@ -6,8 +6,8 @@ import asyncio
 import threading
 
 import pytest
-
 from conftest import FAMILIES, tiny_engine
+
 from snapkv_rag import (
     EmptyPromptError,
     InvalidCompressionError,
@@ -148,7 +148,7 @@ def test_empty_prompt(engine, prompt):
 
 @pytest.mark.parametrize(
     "prompt",
-    [b"bytes prompt", [{"role": "wizard", "content": "hi"}], [{"role": "user", "content": 5}], "not-a-list".encode(), 42],
+    [b"bytes prompt", [{"role": "wizard", "content": "hi"}], [{"role": "user", "content": 5}], b"not-a-list", 42],
 )
 def test_malformed_prompt(engine, prompt):
     with pytest.raises(InvalidPromptError):

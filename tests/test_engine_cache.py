@@ -6,8 +6,7 @@ import threading
 
 import pytest
 
-from snapkv_rag import Engine
-from snapkv_rag import engine_cache
+from snapkv_rag import Engine, engine_cache
 
 
 @pytest.fixture

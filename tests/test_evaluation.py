@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from conftest import tiny_engine
+
 from snapkv_rag.errors import InvalidCompressionError
 from snapkv_rag.evaluation.citation import build_questions
 from snapkv_rag.evaluation.needle import build_needle_case
@@ -50,7 +50,7 @@ def test_citation_questions_have_gold_documents():
         context = q.messages[1]["content"]
         assert all(f"Document [{g}]" in context for g in q.gold)
         for g, city in zip(q.gold, q.answers):
-            line = next(l for l in context.splitlines() if l.startswith(f"Document [{g}]"))
+            line = next(candidate for candidate in context.splitlines() if candidate.startswith(f"Document [{g}]"))
             assert city in line
         assert q.messages[-1]["content"].endswith("?")
     assert build_questions(12, 8, seed=1) == questions

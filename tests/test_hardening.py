@@ -13,8 +13,8 @@ import time
 
 import pytest
 import torch
-
 from conftest import FAMILIES, tiny_engine
+
 from snapkv_rag import (
     InvalidDeviceError,
     InvalidGenerationParameterError,
@@ -260,7 +260,9 @@ def test_non_ascii_stop_string_through_the_engine(engine):
 
 
 # ----------------------------------------------------------------- 4. typed errors
-@pytest.mark.parametrize("kwargs", [{"dtype": "foo"}, {"device": "foo"}, {"device": "cuda:99"}, {"device": "mps" if not torch.backends.mps.is_available() else "cuda:99"}])
+@pytest.mark.parametrize(
+    "kwargs", [{"dtype": "foo"}, {"device": "foo"}, {"device": "cuda:99"}, {"device": "mps" if not torch.backends.mps.is_available() else "cuda:99"}]
+)
 def test_bad_device_or_dtype_is_typed(kwargs, tmp_path):
     from snapkv_rag import Engine
 
@@ -328,17 +330,17 @@ def test_batch_stats_are_per_row_and_never_count_padding(tokenizer):
     short, long_ = "Paris", LONG * 2
     results = engine.generate_batch([short, long_], max_new_tokens=3, compression=SNAP, chat=False, bucket=False)
     per_token = engine.info().kv_bytes_per_token
-    s, l = results
-    assert s.stats.batch_size == l.stats.batch_size == 2
-    n_short, n_long = s.usage.prompt_tokens, l.usage.prompt_tokens
+    s, long_result = results
+    assert s.stats.batch_size == long_result.stats.batch_size == 2
+    n_short, n_long = s.usage.prompt_tokens, long_result.usage.prompt_tokens
     assert n_short < 24 < n_long
     assert s.stats.kept_tokens_per_layer == [n_short, n_short]
     assert s.stats.prompt_kv_bytes_kept == s.stats.prompt_kv_bytes_full == n_short * per_token
     assert s.stats.compression_ratio == 1.0
-    assert l.stats.kept_tokens_per_layer == [24, 24]
-    assert l.stats.compression_ratio == pytest.approx(n_long / 24)
+    assert long_result.stats.kept_tokens_per_layer == [24, 24]
+    assert long_result.stats.compression_ratio == pytest.approx(n_long / 24)
     # the whole batch's cache (padding slots included) is reported apart
-    assert s.stats.batch_prompt_kv_bytes == l.stats.batch_prompt_kv_bytes == 2 * 24 * per_token
+    assert s.stats.batch_prompt_kv_bytes == long_result.stats.batch_prompt_kv_bytes == 2 * 24 * per_token
 
 
 def test_batch_buckets_rows_by_length(tokenizer):

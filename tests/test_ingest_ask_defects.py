@@ -8,8 +8,8 @@ import subprocess
 import sys
 
 import pytest
-
 from test_rag_cli import model_dir  # noqa: F401 (a tiny Llama saved to disk, shared fixture)
+
 from snapkv_rag.cli import main
 from snapkv_rag.rag.loaders import iter_files, load_file
 
@@ -76,7 +76,10 @@ def test_broken_pdf_is_one_skip_line_without_pypdf_noise(tmp_path, capsys):
     (tmp_path / "good.md").write_text(FERRY)
     code = subprocess.run(
         [sys.executable, "-m", "snapkv_rag.cli", "ingest", str(tmp_path), "--collection", "notes", "--store", str(tmp_path / "store")],
-        capture_output=True, text=True, timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
     )
     assert code.returncode == 0, code.stderr
     lines = [line for line in code.stderr.splitlines() if line.strip() and "ingest" not in line.split(":")[0]]

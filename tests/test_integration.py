@@ -62,15 +62,16 @@ def test_cli_generate_json_and_info():
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     out = subprocess.run(
         [sys.executable, "-m", "snapkv_rag.cli", "generate", "--json", "What is the capital of France?"],
-        capture_output=True, text=True, env=env, check=True,
+        capture_output=True,
+        text=True,
+        env=env,
+        check=True,
     )
     payload = json.loads(out.stdout)
     assert "Paris" in payload["text"]
     assert payload["usage"]["completion_tokens"] >= 1
     assert payload["stats"]["prefill_seconds"] > 0
-    info = subprocess.run(
-        [sys.executable, "-m", "snapkv_rag.cli", "info", "--json"], capture_output=True, text=True, env=env, check=True
-    )
+    info = subprocess.run([sys.executable, "-m", "snapkv_rag.cli", "info", "--json"], capture_output=True, text=True, env=env, check=True)
     data = json.loads(info.stdout)
     assert (data["num_layers"], data["num_query_heads"], data["num_kv_heads"], data["head_dim"], data["context_length"]) == (30, 9, 3, 64, 8192)
 

@@ -77,8 +77,7 @@ def test_kept_per_stuffed_document(engine):
     from snapkv_rag.rag.stuffing import StuffedContext, build_messages, format_document
 
     chunks = [
-        StoredChunk(id=str(i), text=f"Fact {i}: the code is {1000 + 7 * i}. " * 3, source=f"f{i}.md", title=f"Doc {i}", position=0, tokens=9)
-        for i in range(4)
+        StoredChunk(id=str(i), text=f"Fact {i}: the code is {1000 + 7 * i}. " * 3, source=f"f{i}.md", title=f"Doc {i}", position=0, tokens=9) for i in range(4)
     ]
     messages, question_text = build_messages("What is the code of fact 2?", chunks)
     context = StuffedContext("What is the code of fact 2?", question_text, chunks, messages, 400, 0, 0, 4, 0, 0, "retrieval")

@@ -6,8 +6,8 @@ import math
 
 import pytest
 import torch
-
 from conftest import tiny_engine
+
 from snapkv_rag.compression import H2O, LESS, SnapKV, parse_compression
 from snapkv_rag.errors import InvalidCompressionError
 from snapkv_rag.generation import DecodeRun
@@ -162,14 +162,21 @@ def test_state_attention_matches_the_formula(features):
             g = h // 2
             evicted = [j for j in range(n) if j not in kept[row, g].tolist() and padding[row, j]]
             evicted_total += len(evicted) if h % 2 == 0 else 0
-            phi = lambda x, h=h: layer.query_features(x[None, None, None].expand(1, hq, 1, d))[0, h, 0]
-            psi = lambda x, g=g: layer.key_features(x[None, None, None].expand(1, hkv, 1, d))[0, g, 0]
+
+            def phi(x, h=h):
+                return layer.query_features(x[None, None, None].expand(1, hq, 1, d))[0, h, 0]
+
+            def psi(x, g=g):
+                return layer.key_features(x[None, None, None].expand(1, hkv, 1, d))[0, g, 0]
+
             mass = {}
             if layer.mass_rank:
                 mass["mass_phi"] = lambda x, h=h: layer._logits(layer.phi, x[None, None, None].expand(1, hq, 1, d), "wm", "bm").exp()[0, h, 0]
                 mass["mass_psi"] = lambda x, g=g: layer._logits(layer.psi, x[None, None, None].expand(1, hkv, 1, d), "wm", "bm").exp()[0, g, 0]
             for i in range(t):
-                want = reference_attention(q[row, h, i], k_kept[row, g], v_kept[row, g], mask[row, 0, i], keys[row, g, evicted], values[row, g, evicted], phi, psi, scaling, **mass)
+                want = reference_attention(
+                    q[row, h, i], k_kept[row, g], v_kept[row, g], mask[row, 0, i], keys[row, g, evicted], values[row, g, evicted], phi, psi, scaling, **mass
+                )
                 torch.testing.assert_close(fast[row, i, h], want, rtol=1e-4, atol=1e-5)
     assert state.folded_entries == evicted_total
 
@@ -242,7 +249,10 @@ def test_kernel_files_round_trip_and_refuse_other_models(less_engine, tokenizer,
         assert torch.equal(loaded.tensors()[name], tensor)
     by_path = LESS(base=BASE, kernels=str(path))
     in_memory = LESS(base=BASE, kernels=loaded)
-    assert less_engine.generate(PROMPT, max_new_tokens=5, compression=by_path).token_ids == less_engine.generate(PROMPT, max_new_tokens=5, compression=in_memory).token_ids
+    assert (
+        less_engine.generate(PROMPT, max_new_tokens=5, compression=by_path).token_ids
+        == less_engine.generate(PROMPT, max_new_tokens=5, compression=in_memory).token_ids
+    )
     other_weights = tiny_engine("llama", tokenizer, seed=4)  # same shape, other weights
     with pytest.raises(InvalidCompressionError, match="other weights"):
         other_weights.generate(PROMPT, max_new_tokens=2, compression=by_path)
@@ -321,7 +331,13 @@ def test_less_folds_what_decode_time_cuts_evict(less_engine):
     assert stats["decode_cache_entries_max"] <= max(16, 12) + 4  # max(kept prompt, decode_budget) + decode_interval
     # the state changes what the model says: LESS with cuts differs from the base with the same cuts
     sparse = less_engine.generate(PROMPT, max_new_tokens=20, ignore_eos=True, compression=cutting)
-    run_less = DecodeRun(less_engine.model, [less_engine.tokenizer(PROMPT)["input_ids"]], GenerationParams(max_new_tokens=20), LESS(base=cutting, kernels=kernels), less_engine._pad_id)
+    run_less = DecodeRun(
+        less_engine.model,
+        [less_engine.tokenizer(PROMPT)["input_ids"]],
+        GenerationParams(max_new_tokens=20),
+        LESS(base=cutting, kernels=kernels),
+        less_engine._pad_id,
+    )
     run_base = DecodeRun(less_engine.model, [less_engine.tokenizer(PROMPT)["input_ids"]], GenerationParams(max_new_tokens=20), cutting, less_engine._pad_id)
     cont = sparse.token_ids
     assert not torch.allclose(run_less.teacher_force(cont)[-1], run_base.teacher_force(cont)[-1], atol=1e-4)

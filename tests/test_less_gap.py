@@ -6,8 +6,8 @@ import json
 
 import pytest
 import torch
-
 from conftest import tiny_engine
+
 from snapkv_rag.cli import build_parser
 from snapkv_rag.compression import LESS, SnapKV
 from snapkv_rag.less.distill import _kl, less_log_probs, record_window
@@ -97,7 +97,24 @@ def test_gap_analysis_report_and_cli(engine, kernels, policy, tmp_path, monkeypa
     path = kernels.save(tmp_path / "k.safetensors")
     monkeypatch.setattr(less_cli, "load_engine", lambda args: engine)
     spec = f"less:base=snapkv,window=4,kernel=3,budget=16,kernels={path}"
-    args = build_parser().parse_args(["less", "gap", "--compression", spec, "--lengths", "40,48", "--prompts-per-length", "1", "--continuation-tokens", "8", "--no-per-layer", "--out", str(tmp_path / "cli"), "--no-progress"])
+    args = build_parser().parse_args(
+        [
+            "less",
+            "gap",
+            "--compression",
+            spec,
+            "--lengths",
+            "40,48",
+            "--prompts-per-length",
+            "1",
+            "--continuation-tokens",
+            "8",
+            "--no-per-layer",
+            "--out",
+            str(tmp_path / "cli"),
+            "--no-progress",
+        ]
+    )
     assert args.func(args) == 0
     saved = json.loads((tmp_path / "cli" / "gap.json").read_text())
     assert [s["length"] for s in saved["summary"]] == ["40", "48", "all"]

@@ -6,8 +6,8 @@ import json
 
 import pytest
 import torch
-
 from conftest import tiny_engine
+
 from snapkv_rag.cli import build_parser
 from snapkv_rag.compression import LESS, SnapKV
 from snapkv_rag.evaluation.heldout import expand_methods, run_heldout_fidelity, state_tokens
@@ -26,7 +26,20 @@ def engine(tokenizer):
 
 
 def small_config(**overrides) -> TrainConfig:
-    settings = dict(base=BASE_SPEC, budgets=[16], prompt_tokens=48, continuation_tokens=8, sequences=6, val_sequences=2, epochs=6, batch=2, hidden=8, rank=4, shard=4, distill_epochs=0)
+    settings = dict(
+        base=BASE_SPEC,
+        budgets=[16],
+        prompt_tokens=48,
+        continuation_tokens=8,
+        sequences=6,
+        val_sequences=2,
+        epochs=6,
+        batch=2,
+        hidden=8,
+        rank=4,
+        shard=4,
+        distill_epochs=0,
+    )
     return TrainConfig(**{**settings, **overrides})
 
 
@@ -61,7 +74,14 @@ def test_training_is_resumable_deterministic_and_lowers_the_loss(engine, tmp_pat
     for name, tensor in kernels.tensors().items():
         assert torch.equal(load_kernels(again).tensors()[name], tensor), name
     with pytest.raises(ValueError, match="other settings"):
-        train(engine, small_config(epochs=7, features=features, mass_rank=3 if mass else 0), tmp_path / "work", tmp_path / "out3", model_tag="tiny", progress=False)
+        train(
+            engine,
+            small_config(epochs=7, features=features, mass_rank=3 if mass else 0),
+            tmp_path / "work",
+            tmp_path / "out3",
+            model_tag="tiny",
+            progress=False,
+        )
     # The trained file drives the engine.
     policy = LESS(base=SnapKV(window_size=4, kernel_size=3, max_capacity_prompt=16), kernels=str(path))
     result = engine.generate("The quick brown fox jumps over the lazy dog. " * 8, max_new_tokens=3, compression=policy)
@@ -271,7 +291,22 @@ def test_less_distill_cli_runs_stage_two_on_a_stage_one_file(engine, tmp_path, m
     (stage1,) = train(engine, small_config(distill_epochs=0), tmp_path / "work", tmp_path / "out", model_tag="tiny", progress=False)
     assert "distill" not in load_kernels(stage1).header
     monkeypatch.setattr(less_cli, "load_engine", lambda args: engine)
-    args = build_parser().parse_args(["less", "distill", str(stage1), "--out", str(tmp_path / "d.safetensors"), "--epochs", "1", "--sequences", "4", "--work-dir", str(tmp_path / "dw"), "--no-progress"])
+    args = build_parser().parse_args(
+        [
+            "less",
+            "distill",
+            str(stage1),
+            "--out",
+            str(tmp_path / "d.safetensors"),
+            "--epochs",
+            "1",
+            "--sequences",
+            "4",
+            "--work-dir",
+            str(tmp_path / "dw"),
+            "--no-progress",
+        ]
+    )
     assert args.func(args) == 0
     header = load_kernels(tmp_path / "d.safetensors").header
     assert header["distill"]["windows"] == {"train": 4, "val": 2} and header["training"]["distill_epochs"] == 1

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from conftest import tiny_engine
+
 from snapkv_rag.compression import H2O, RandomKeep, SnapKV, StreamingLLM
 from snapkv_rag.generation import DecodeRun
 from snapkv_rag.prefix_cache import PrefixCache, reusable_tokens
@@ -225,8 +225,9 @@ def test_a_stored_prefix_is_subsumed_by_its_extension(eng):
 
 def test_disabled_prefix_cache(tokenizer):
     engine = tiny_engine("llama", tokenizer, prefix_cache_bytes=0) if False else None
-    from snapkv_rag import Engine
     from conftest import tiny_model
+
+    from snapkv_rag import Engine
 
     engine = Engine(tiny_model("llama", len(tokenizer)), tokenizer, prefix_cache_bytes=0)
     engine.generate(DOC, chat=False, max_new_tokens=1)

@@ -12,8 +12,8 @@ import time
 from pathlib import Path
 
 import pytest
-
 from conftest import tiny_engine
+
 from snapkv_rag.compression import SnapKV
 from snapkv_rag.errors import EmptyPromptError
 from snapkv_rag.rag import (
@@ -30,17 +30,14 @@ from snapkv_rag.rag import (
     chunk_document,
     load_file,
 )
-from snapkv_rag.rag.stuffing import format_document
 from snapkv_rag.rag.loaders import Skipped
+from snapkv_rag.rag.stuffing import format_document
 
 TOPICS = ["ferry", "library", "museum", "tram", "garden", "bakery", "observatory", "harbour", "bridge", "school"]
 
 
 def topic_text(topic: str, i: int, sentences: int = 12) -> str:
-    body = " ".join(
-        f"The {topic} of Marrowick fact {k}: its code is {topic[:3].upper()}-{i}{k} and it opened in {1900 + 7 * k + i}."
-        for k in range(sentences)
-    )
+    body = " ".join(f"The {topic} of Marrowick fact {k}: its code is {topic[:3].upper()}-{i}{k} and it opened in {1900 + 7 * k + i}." for k in range(sentences))
     return f"# The {topic}\n\n{body}\n"
 
 
@@ -66,8 +63,7 @@ def make_store(tmp_path, embedder, name="docs") -> DocumentStore:
 def test_loaders_read_every_supported_type(tmp_path):
     (tmp_path / "a.txt").write_text("Title line\nbody text")
     (tmp_path / "b.html").write_text(
-        "<html><head><title>Page T</title><style>p{}</style><script>var x=1;</script></head>"
-        "<body><h1>Head</h1><p>Para &amp; one.</p><p>Two</p></body></html>"
+        "<html><head><title>Page T</title><style>p{}</style><script>var x=1;</script></head><body><h1>Head</h1><p>Para &amp; one.</p><p>Two</p></body></html>"
     )
     (tmp_path / "c.jsonl").write_text('{"text": "first record", "title": "R1"}\n\n{"text": "second"}\n{"other": 1}\n')
     (tmp_path / "d.json").write_text(json.dumps([{"text": "json one"}, {"text": ""}]))
@@ -245,9 +241,7 @@ def test_kill_9_during_ingest_then_rerun_completes(tmp_path, embedder):
     folder.mkdir()
     for i in range(30):
         (folder / f"doc{i:02d}.md").write_text(topic_text(TOPICS[i % len(TOPICS)], i, sentences=8))
-    proc = subprocess.Popen(
-        [sys.executable, "-c", KILL_SCRIPT, str(tmp_path / "killed"), str(folder)], stdout=subprocess.PIPE, text=True
-    )
+    proc = subprocess.Popen([sys.executable, "-c", KILL_SCRIPT, str(tmp_path / "killed"), str(folder)], stdout=subprocess.PIPE, text=True)
     try:
         for _ in range(3):  # let a few files land, then kill it in the middle of the next
             assert proc.stdout.readline() == "file done\n", "ingest ended before it could be killed"
@@ -304,7 +298,7 @@ def chroma_server(tmp_path):
             break
         except OSError:
             if proc.poll() is not None or time.time() > deadline:
-                raise RuntimeError(f"chroma run did not start: {(tmp_path / 'chroma.log').read_text()[-2000:]}")
+                raise RuntimeError(f"chroma run did not start: {(tmp_path / 'chroma.log').read_text()[-2000:]}") from None
             time.sleep(0.3)
     yield url
     proc.terminate()
@@ -570,7 +564,11 @@ def test_document_qa_reuses_chunk_kv_stored_beside_the_store(filled_store, long_
     reordered = DocumentQA(long_engine, filled_store, context_tokens=600, max_new_tokens=2, kv_dir=str(kv_dir), recompute=0.0, system_prompt="Answer briefly.")
     again = reordered.ask("When did the ferry open?")
     assert sorted(c.id for c in again.context.chunks) == sorted(c.id for c in first.context.chunks)
-    assert (again.result.stats.segment_hits, again.result.stats.segment_misses, again.result.stats.recomputed_prompt_tokens) == (len(again.context.chunks), 0, 0)
+    assert (again.result.stats.segment_hits, again.result.stats.segment_misses, again.result.stats.recomputed_prompt_tokens) == (
+        len(again.context.chunks),
+        0,
+        0,
+    )
     assert again.result.stats.reused_prompt_tokens > again.result.usage.prompt_tokens // 2
     for mode in ("prefix", "off"):
         other = DocumentQA(long_engine, filled_store, context_tokens=600, max_new_tokens=2, kv_reuse=mode).ask("When did the ferry open?")

@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from conftest import build_tokenizer, tiny_model
+
 from snapkv_rag.cli import main
 
 
@@ -66,11 +66,23 @@ def test_sources_name_each_route_once():
 
     chunk = StoredChunk(id="a", text="t", source="f.md", title="Ferry", position=0, tokens=1, score=0.5)
     cites = [SimpleNamespace(number=1, route=r) for r in ("attributed", "attributed", "generated")]  # two sentences, one marker
-    stats = SimpleNamespace(kept_tokens_per_layer=[], compression=None, compression_ratio=1.0, prefill_seconds=0.1, decode_ms_per_token=None, segment_reuse=None, reused_prompt_tokens=0)
+    stats = SimpleNamespace(
+        kept_tokens_per_layer=[],
+        compression=None,
+        compression_ratio=1.0,
+        prefill_seconds=0.1,
+        decode_ms_per_token=None,
+        segment_reuse=None,
+        reused_prompt_tokens=0,
+    )
     context = SimpleNamespace(chunks=[chunk], document_tokens=1, budget_tokens=2, left_out=0, duplicates=0)
     answer = SimpleNamespace(
-        citations=cites, sources=[(1, chunk)], invalid_citations=[], context=context,
-        result=SimpleNamespace(stats=stats, usage=SimpleNamespace(prompt_tokens=5)), unsupported=[],
+        citations=cites,
+        sources=[(1, chunk)],
+        invalid_citations=[],
+        context=context,
+        result=SimpleNamespace(stats=stats, usage=SimpleNamespace(prompt_tokens=5)),
+        unsupported=[],
     )
     # chunks are numbered from 1, as in the app (position 0 is "chunk 1")
     assert "  [1] Ferry - f.md (chunk 1, similarity 0.50; attributed, generated)" in _describe(answer)

@@ -6,8 +6,8 @@ import json
 from pathlib import Path
 
 import pytest
-
 from conftest import build_tokenizer, tiny_engine, tiny_model
+
 from snapkv_rag.cli import main
 from snapkv_rag.evaluation.rag_citation import (
     EvalInputError,
@@ -47,7 +47,7 @@ def corpus(tmp_path_factory) -> tuple[Path, Path]:
     root = tmp_path_factory.mktemp("rag-eval")
     folder = root / "corpus"
     (folder / "sub").mkdir(parents=True)
-    for i, (topic, fact) in enumerate(TOPICS.items()):
+    for topic, fact in TOPICS.items():
         filler = " ".join(f"The {topic} has note {k} about its history in Marrowick." for k in range(6))
         (folder / ("sub" if topic == "tram" else "") / f"{topic}.md").write_text(f"# The {topic}\n\n{fact} {filler}\n")
     questions = root / "questions.jsonl"
@@ -107,8 +107,15 @@ def test_pipeline_run_records_and_report(engine, embedder, corpus, tmp_path):
     folder, questions = corpus
     methods = method_grid(["snapkv:window=8,kernel=3", "snapkv:window=question"], [96])
     records = run_rag_citation(
-        engine, methods, corpus=folder, questions=questions, context_tokens=400, max_new_tokens=4,
-        embedder=embedder, attribution_grid=[("hybrid", 0.6, 0.1), ("lexical", 0.3, 0.0)], progress=False,
+        engine,
+        methods,
+        corpus=folder,
+        questions=questions,
+        context_tokens=400,
+        max_new_tokens=4,
+        embedder=embedder,
+        attribution_grid=[("hybrid", 0.6, 0.1), ("lexical", 0.3, 0.0)],
+        progress=False,
     )
     n_questions, runs = 3, 2 + len(methods)
     assert len(records) == n_questions * runs * 2
@@ -146,8 +153,19 @@ def test_a_named_store_keeps_the_collection(engine, embedder, corpus, tmp_path):
 
     folder, questions = corpus
     qs = [RagQuestion("When does the ferry leave?", "6:40", ("ferry.md",))]
-    run_rag_citation(engine, [], corpus=folder, questions=qs, context_tokens=700, max_new_tokens=2, embedder=embedder,
-                     store=tmp_path / "chroma", collection="kept", attribution_grid=(), progress=False)
+    run_rag_citation(
+        engine,
+        [],
+        corpus=folder,
+        questions=qs,
+        context_tokens=700,
+        max_new_tokens=2,
+        embedder=embedder,
+        store=tmp_path / "chroma",
+        collection="kept",
+        attribution_grid=(),
+        progress=False,
+    )
     assert DocumentStore("kept", path=tmp_path / "chroma", embedder=embedder, create=False).count() > 0
 
 
@@ -163,9 +181,32 @@ def model_dir(tmp_path_factory):
 def test_cli_runs_the_pipeline(model_dir, corpus, tmp_path, capsys):
     folder, questions = corpus
     out = tmp_path / "out"
-    args = ["eval", "citation", "--model", model_dir, "--corpus", str(folder), "--questions-file", str(questions),
-            "--questions", "1", "--context-tokens", "700", "--max-new-tokens", "3", "--methods", "snapkv:window=question",
-            "--budgets", "96", "--threads", "1", "--no-progress", "--out", str(out), "--json"]
+    args = [
+        "eval",
+        "citation",
+        "--model",
+        model_dir,
+        "--corpus",
+        str(folder),
+        "--questions-file",
+        str(questions),
+        "--questions",
+        "1",
+        "--context-tokens",
+        "700",
+        "--max-new-tokens",
+        "3",
+        "--methods",
+        "snapkv:window=question",
+        "--budgets",
+        "96",
+        "--threads",
+        "1",
+        "--no-progress",
+        "--out",
+        str(out),
+        "--json",
+    ]
     assert main(args) == 0
     paths = json.loads(capsys.readouterr().out)
     records = read_jsonl(Path(paths["jsonl"]))
@@ -201,7 +242,17 @@ def test_needle_records_name_the_resolved_question_window(engine):
 
 def test_without_noise_floor_and_methods_only_the_full_run(engine, embedder, corpus):
     folder, questions = corpus
-    records = run_rag_citation(engine, [], corpus=folder, questions=questions, n_questions=2, context_tokens=700, max_new_tokens=2,
-                               embedder=embedder, noise_threads=None, progress=False)
+    records = run_rag_citation(
+        engine,
+        [],
+        corpus=folder,
+        questions=questions,
+        n_questions=2,
+        context_tokens=700,
+        max_new_tokens=2,
+        embedder=embedder,
+        noise_threads=None,
+        progress=False,
+    )
     assert [r["method"] for r in records] == ["full"] * 4
     assert sum(bool(r.get("attribution_sweep")) for r in records) == 2

@@ -60,7 +60,10 @@ def test_readme_python_examples_run_as_written(readme, example_dir):
         assert not _port_open(8000), "port 8000 is taken; the server example needs it"
         server = subprocess.Popen(
             [sys.executable, "-m", "snapkv_rag.cli", "serve", "--port", "8000"],
-            cwd=example_dir, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            cwd=example_dir,
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
         )
     try:
         if server is not None:

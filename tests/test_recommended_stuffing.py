@@ -5,6 +5,7 @@ unless told otherwise; other models fill their context."""
 from __future__ import annotations
 
 from conftest import tiny_engine
+
 from snapkv_rag.loading import DEFAULT_MODEL, RECOMMENDED_CONTEXT_TOKENS
 from snapkv_rag.rag.stuffing import StuffingRetriever
 

@@ -131,8 +131,16 @@ def test_models_that_cannot_move_keys_are_refused(tok):
     with pytest.raises(SegmentReuseUnsupported, match="rotary"):
         RopeShift(gpt2)
     config = AutoConfig.for_model(
-        "gemma3_text", vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, sliding_window=16, layer_types=["sliding_attention", "full_attention"],
+        "gemma3_text",
+        vocab_size=len(tok),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        sliding_window=16,
+        layer_types=["sliding_attention", "full_attention"],
     )
     gemma3 = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
     with pytest.raises(SegmentReuseUnsupported, match="sliding"):
@@ -148,7 +156,9 @@ def test_policies_needing_every_query_prefill_whole(tok):
     engine = tiny_engine("llama", tok)
     result = engine.generate(prompt_for([0, 1, 2]), compression=H2O(max_capacity_prompt=24, recent=8), max_new_tokens=2, reuse_segments=DOCS)
     assert "every prompt query" in result.stats.segment_reuse
-    streaming = engine.generate(prompt_for([0, 1, 2]), compression=StreamingLLM(sink_tokens=4, max_capacity_prompt=24), max_new_tokens=2, reuse_segments=DOCS, prefix_cache=False)
+    streaming = engine.generate(
+        prompt_for([0, 1, 2]), compression=StreamingLLM(sink_tokens=4, max_capacity_prompt=24), max_new_tokens=2, reuse_segments=DOCS, prefix_cache=False
+    )
     assert streaming.stats.segment_reuse == "blended"
 
 

@@ -17,8 +17,8 @@ import jsonschema
 import numpy as np
 import openai
 import pytest
-
 from conftest import running, terse_bias, tiny_engine, tiny_tool_engine
+
 from snapkv_rag.server import ServerConfig
 
 MAGIC = {
@@ -72,7 +72,11 @@ def test_reuse_segments_extension_stores_and_reuses_document_kv(client, engine):
     assert again.choices[0].message.content == direct.text
     # with recompute 0 only the policy's observation window (always fresh) is computed inside a document
     assert stats["recomputed_prompt_tokens"] == direct.stats.recomputed_prompt_tokens <= direct.stats.compression["window_size"]
-    for body, param in (({"reuse_segments": "text"}, "reuse_segments"), ({"reuse_segments": [1]}, "reuse_segments"), ({"reuse_segments": docs, "recompute": 2}, "recompute")):
+    for body, param in (
+        ({"reuse_segments": "text"}, "reuse_segments"),
+        ({"reuse_segments": [1]}, "reuse_segments"),
+        ({"reuse_segments": docs, "recompute": 2}, "recompute"),
+    ):
         with pytest.raises(openai.BadRequestError) as err:
             client.chat.completions.create(model="tiny", messages=messages, max_tokens=2, extra_body=body)
         assert err.value.body["param"] == param
@@ -180,7 +184,17 @@ BAD_REQUESTS = [
     (ask(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]), 400, "messages", "unsupported_parameter"),
     (ask(messages=[{"role": "user", "content": "\ud83d hi"}]), 400, None, None),  # a lone surrogate escape
     (ask(messages=[{"role": "user", "content": "hi"}, {"role": "assistant", "content": "", "tool_calls": -1}]), 400, "messages", None),
-    (ask(messages=[{"role": "user", "content": "hi"}, {"role": "assistant", "content": "", "tool_calls": [{"id": [1], "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]), 400, "messages", None),
+    (
+        ask(
+            messages=[
+                {"role": "user", "content": "hi"},
+                {"role": "assistant", "content": "", "tool_calls": [{"id": [1], "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
+            ]
+        ),
+        400,
+        "messages",
+        None,
+    ),
     (ask(messages=[{"role": "user", "content": "hi"}, {"role": "tool", "tool_call_id": [], "content": "22"}]), 400, "messages", None),
     (ask(messages=[{"role": "user", "content": "hi"}, {"role": "tool", "tool_call_id": "call_1", "content": "22"}]), 400, "messages", None),
     (ask(messages=[{"role": "user", "content": "hi", "name": 5}]), 400, "messages", None),
@@ -256,7 +270,11 @@ def test_cors_only_when_origins_are_allowed(engine, base_url):
 
 
 def test_a_call_cut_short_mid_stream_ends_with_an_error_event(base_url):
-    nested = {"type": "object", "properties": {"where": {"type": "object", "properties": {"name": {"type": "string"}, "lat": {"type": "number"}}, "required": ["name", "lat"]}}, "required": ["where"]}
+    nested = {
+        "type": "object",
+        "properties": {"where": {"type": "object", "properties": {"name": {"type": "string"}, "lat": {"type": "number"}}, "required": ["name", "lat"]}},
+        "required": ["where"],
+    }
     tool = {"type": "function", "function": {"name": "locate", "parameters": nested}}
     body = ask(tools=[tool], tool_choice="required", max_tokens=4, stream=True)
     with httpx.stream("POST", base_url + "/v1/chat/completions", json=body, timeout=60) as response:
@@ -313,7 +331,13 @@ def test_a_client_that_goes_away_stops_its_generation(tokenizer, caplog):
     catcher.emit = server_errors.append
     with running(ServerConfig(slow, model_id="slow", compression=None)) as url, caplog.at_level(logging.INFO, logger="snapkv_rag.server"):
         logging.getLogger("uvicorn.error").addHandler(catcher)  # after uvicorn configured its loggers
-        body = {"model": "slow", "messages": [{"role": "user", "content": "Hello world"}], "max_tokens": 400, "stream": True, "stream_options": {"include_usage": True}}
+        body = {
+            "model": "slow",
+            "messages": [{"role": "user", "content": "Hello world"}],
+            "max_tokens": 400,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
         with httpx.stream("POST", url + "/v1/chat/completions", json={**body, "temperature": 1.0, "seed": 0}, timeout=60) as response:
             for i, _ in enumerate(response.iter_lines()):
                 if i >= 6:
@@ -371,6 +395,9 @@ def test_embedded_model_answers_through_the_openai_client(embedded_engine):
         response = client.chat.completions.create(model="default", messages=[{"role": "user", "content": "What is the capital of France?"}], max_tokens=20)
         assert "Paris" in response.choices[0].message.content
         call = client.chat.completions.create(
-            model="SmolLM2-135M-Instruct", messages=[{"role": "user", "content": "What is the value of magic_function(3)?"}], tools=[MAGIC], tool_choice="required"
+            model="SmolLM2-135M-Instruct",
+            messages=[{"role": "user", "content": "What is the value of magic_function(3)?"}],
+            tools=[MAGIC],
+            tool_choice="required",
         )
         assert call.choices[0].message.tool_calls[0].function.name == "magic_function"

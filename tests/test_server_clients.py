@@ -11,10 +11,10 @@ import asyncio
 
 import langchain_openai
 import pytest
+from conftest import running, terse_bias, tiny_tool_engine
 from llama_index.llms import openai_like
 from pydantic import BaseModel
 
-from conftest import running, terse_bias, tiny_tool_engine
 from snapkv_rag.server import ServerConfig
 
 COMPRESSION = "snapkv:budget=64"
@@ -60,7 +60,17 @@ def test_llamaindex_openai_like(base_url, engine):
     from llama_index.core.llms import ChatMessage
     from llama_index.core.tools import FunctionTool
 
-    llm = openai_like.OpenAILike(api_base=base_url, api_key="unused", model="tiny", is_chat_model=True, is_function_calling_model=True, max_tokens=16, temperature=0, context_window=2048, max_retries=0)
+    llm = openai_like.OpenAILike(
+        api_base=base_url,
+        api_key="unused",
+        model="tiny",
+        is_chat_model=True,
+        is_function_calling_model=True,
+        max_tokens=16,
+        temperature=0,
+        context_window=2048,
+        max_retries=0,
+    )
     direct = engine.generate([{"role": "user", "content": QUESTION}], max_new_tokens=16, temperature=0.0, compression=COMPRESSION)
     messages = [ChatMessage(role="user", content=QUESTION)]
     assert llm.chat(messages).message.content == direct.text

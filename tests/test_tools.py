@@ -12,12 +12,11 @@ import json
 
 import jsonschema
 import pytest
+from conftest import terse_bias, tiny_tool_engine
 
 from snapkv_rag import StructuredOutputError, ToolCall, ToolCallDelta
-from snapkv_rag.errors import InvalidGenerationParameterError, SnapKVRagError
 from snapkv_rag.constraints import JsonDepth, closing_reserve
-
-from conftest import terse_bias, tiny_tool_engine
+from snapkv_rag.errors import InvalidGenerationParameterError, SnapKVRagError
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +40,11 @@ SCHEMAS = {
         "properties": {
             "where": {
                 "type": "object",
-                "properties": {"lat": {"type": "number"}, "lon": {"type": "number"}, "label": {"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]}},
+                "properties": {
+                    "lat": {"type": "number"},
+                    "lon": {"type": "number"},
+                    "label": {"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]},
+                },
                 "required": ["lat", "lon", "label"],
             }
         },
@@ -72,9 +75,7 @@ SCHEMAS = {
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_forced_call_parses_and_validates(tool_engine, kind, seed):
     schema = SCHEMAS[kind]
-    result = tool_engine.generate(
-        "Call the tool.", tools=[fn("do_it", schema)], tool_choice="required", max_new_tokens=160, temperature=1.0, seed=seed
-    )
+    result = tool_engine.generate("Call the tool.", tools=[fn("do_it", schema)], tool_choice="required", max_new_tokens=160, temperature=1.0, seed=seed)
     assert result.finish_reason == "tool_calls"
     (call,) = result.tool_calls
     assert isinstance(call, ToolCall) and call.name == "do_it" and call.id.startswith("call_")
@@ -96,8 +97,12 @@ def test_named_tool_choice_calls_that_tool(tool_engine):
     tools = [fn("first", SCHEMAS["integer"]), fn("second", SCHEMAS["enum"])]
     for seed in range(3):
         result = tool_engine.generate(
-            "Go.", tools=tools, tool_choice={"type": "function", "function": {"name": "second"}},
-            max_new_tokens=80, temperature=1.0, seed=seed,
+            "Go.",
+            tools=tools,
+            tool_choice={"type": "function", "function": {"name": "second"}},
+            max_new_tokens=80,
+            temperature=1.0,
+            seed=seed,
         )
         assert [c.name for c in result.tool_calls] == ["second"]
         jsonschema.validate(result.tool_calls[0].arguments, SCHEMAS["enum"])
@@ -116,8 +121,13 @@ def test_required_with_several_tools_picks_an_offered_one(tool_engine):
 
 def test_parallel_tool_calls_are_all_valid(tool_engine):
     result = tool_engine.generate(
-        "Go.", tools=[fn("f", SCHEMAS["integer"])], tool_choice="required", parallel_tool_calls=True,
-        max_new_tokens=200, temperature=1.0, seed=3,
+        "Go.",
+        tools=[fn("f", SCHEMAS["integer"])],
+        tool_choice="required",
+        parallel_tool_calls=True,
+        max_new_tokens=200,
+        temperature=1.0,
+        seed=3,
     )
     assert result.finish_reason == "tool_calls" and len(result.tool_calls) >= 1
     assert len({c.id for c in result.tool_calls}) == len(result.tool_calls)
@@ -128,8 +138,12 @@ def test_parallel_tool_calls_are_all_valid(tool_engine):
 @pytest.mark.parametrize("seed", [0, 1])
 def test_none_never_calls(tool_engine, seed):
     result = tool_engine.generate(
-        "Call the tool.", tools=[fn("do_it", SCHEMAS["integer"])], tool_choice="none",
-        max_new_tokens=30, temperature=1.0, seed=seed,
+        "Call the tool.",
+        tools=[fn("do_it", SCHEMAS["integer"])],
+        tool_choice="none",
+        max_new_tokens=30,
+        temperature=1.0,
+        seed=seed,
     )
     assert result.tool_calls == [] and result.finish_reason in ("stop", "length")
     assert result.stats.constraint_ms_per_step is None  # no grammar at all
@@ -139,9 +153,7 @@ def test_none_never_calls(tool_engine, seed):
 
 def test_auto_output_is_text_or_valid_calls(tool_engine):
     for seed in range(3):
-        result = tool_engine.generate(
-            "Maybe call.", tools=[fn("f", SCHEMAS["enum"])], tool_choice="auto", max_new_tokens=60, temperature=1.0, seed=seed
-        )
+        result = tool_engine.generate("Maybe call.", tools=[fn("f", SCHEMAS["enum"])], tool_choice="auto", max_new_tokens=60, temperature=1.0, seed=seed)
         assert "<tool_call>" not in result.text
         for call in result.tool_calls:
             jsonschema.validate(call.arguments, SCHEMAS["enum"])
@@ -156,7 +168,9 @@ def test_batch_mixes_tool_and_plain_rows(tool_engine):
         tools=[[fn("f", SCHEMAS["integer"])], None, [fn("g", SCHEMAS["array"])], None],
         tool_choice=["required", None, "required", None],
         response_format=[None, None, None, fmt],
-        max_new_tokens=120, temperature=1.0, seed=5,
+        max_new_tokens=120,
+        temperature=1.0,
+        seed=5,
     )
     assert results[0].finish_reason == "tool_calls" and results[0].tool_calls[0].name == "f"
     assert results[2].finish_reason == "tool_calls" and results[2].tool_calls[0].name == "g"
@@ -171,9 +185,7 @@ def test_batch_mixes_tool_and_plain_rows(tool_engine):
 def test_unconstrained_row_is_unaffected_by_constrained_neighbours(tool_engine):
     prompts = ["Call it.", "Tell me a story about a long road."]
     plain = tool_engine.generate_batch(prompts, max_new_tokens=40)
-    mixed = tool_engine.generate_batch(
-        prompts, tools=[[fn("f", SCHEMAS["integer"])], None], tool_choice=["required", None], max_new_tokens=40
-    )
+    mixed = tool_engine.generate_batch(prompts, tools=[[fn("f", SCHEMAS["integer"])], None], tool_choice=["required", None], max_new_tokens=40)
     assert mixed[1].token_ids == plain[1].token_ids and mixed[1].text == plain[1].text
     assert mixed[0].tool_calls
 
@@ -208,9 +220,7 @@ def reassemble(deltas):
 
 @pytest.mark.parametrize("kind", ["nested", "unicode", "array"])
 def test_streaming_deltas_reassemble_to_the_final_call(tool_engine, kind):
-    stream = tool_engine.stream(
-        "Call it.", tools=[fn("do_it", SCHEMAS[kind])], tool_choice="required", max_new_tokens=160, temperature=1.0, seed=7
-    )
+    stream = tool_engine.stream("Call it.", tools=[fn("do_it", SCHEMAS[kind])], tool_choice="required", max_new_tokens=160, temperature=1.0, seed=7)
     text, deltas = collect(stream)
     result = stream.result
     assert text == result.text == ""
@@ -264,7 +274,9 @@ def test_auto_tools_with_a_response_format_give_json_or_calls(tool_engine):
     kinds = set()
     for seed in range(8):
         for response_format in (fmt, {"type": "json_object"}):
-            result = tool_engine.generate("Go.", tools=[fn("f", SCHEMAS["integer"])], response_format=response_format, max_new_tokens=60, temperature=1.0, seed=seed)
+            result = tool_engine.generate(
+                "Go.", tools=[fn("f", SCHEMAS["integer"])], response_format=response_format, max_new_tokens=60, temperature=1.0, seed=seed
+            )
             if result.tool_calls:
                 assert result.finish_reason == "tool_calls" and result.text == ""
                 jsonschema.validate(result.tool_calls[0].arguments, SCHEMAS["integer"])
@@ -288,8 +300,13 @@ def test_to_dict_includes_tool_calls(tool_engine):
 def test_constraint_composes_with_compression(tool_engine):
     long_prompt = " ".join(f"Fact {i}: the value of item {i} is {i * 7}." for i in range(60)) + " Call the tool."
     result = tool_engine.generate(
-        long_prompt, tools=[fn("f", SCHEMAS["nested"])], tool_choice="required", compression="snapkv:budget=64,window=8",
-        max_new_tokens=120, temperature=1.0, seed=2,
+        long_prompt,
+        tools=[fn("f", SCHEMAS["nested"])],
+        tool_choice="required",
+        compression="snapkv:budget=64,window=8",
+        max_new_tokens=120,
+        temperature=1.0,
+        seed=2,
     )
     assert result.stats.kept_tokens_per_layer == [64, 64]
     jsonschema.validate(result.tool_calls[0].arguments, SCHEMAS["nested"])

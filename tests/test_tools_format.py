@@ -13,10 +13,21 @@ from snapkv_rag.errors import InvalidPromptError, StructuredOutputError
 from snapkv_rag.prompts import fallback_messages, render_prompt, template_supports_tools
 from snapkv_rag.tools import ToolCall, ToolCallDelta, ToolCallStream, build_output_spec, format_call, parse_tool_calls, split_calls
 
-INT_TOOL = {"type": "function", "function": {"name": "magic_function", "description": "Magic.", "parameters": {
-    "type": "object", "properties": {"input": {"type": "integer"}}, "required": ["input"]}}}
-ENUM_TOOL = {"type": "function", "function": {"name": "weather", "parameters": {
-    "type": "object", "properties": {"city": {"type": "string"}, "unit": {"enum": ["c", "f"]}}, "required": ["city"]}}}
+INT_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "magic_function",
+        "description": "Magic.",
+        "parameters": {"type": "object", "properties": {"input": {"type": "integer"}}, "required": ["input"]},
+    },
+}
+ENUM_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "weather",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}, "unit": {"enum": ["c", "f"]}}, "required": ["city"]},
+    },
+}
 
 
 @pytest.fixture(scope="module")
@@ -109,7 +120,7 @@ def test_grammar_text_is_stable():
 
 
 # ------------------------------------------------------------------ parsing and streaming
-TEXT = "Let me check. " + format_call("magic_function", {"input": 3}) + "\n" + format_call("weather", {"city": "東京 \"}\n</tool_call>\"", "unit": "c"})
+TEXT = "Let me check. " + format_call("magic_function", {"input": 3}) + "\n" + format_call("weather", {"city": '東京 "}\n</tool_call>"', "unit": "c"})
 
 
 def test_split_calls_handles_markers_inside_strings():
@@ -117,7 +128,7 @@ def test_split_calls_handles_markers_inside_strings():
     assert parsed.text == "Let me check. "
     assert parsed.calls == [("magic_function", {"input": 3}), ("weather", {"city": '東京 "}\n</tool_call>"', "unit": "c"})]
     with pytest.raises(StructuredOutputError):
-        split_calls("<tool_call>\n{\"name\": \"f\", \"arguments\": {")
+        split_calls('<tool_call>\n{"name": "f", "arguments": {')
 
 
 def test_parse_tool_calls_validates_against_the_schema():
@@ -162,7 +173,7 @@ def test_fallback_renders_tools_calls_and_results(smollm_tokenizer):
     ]
     text = smollm_tokenizer.decode(render_prompt(smollm_tokenizer, messages, tools=spec.tools))
     assert text.startswith("<|im_start|>system\nYou can call the following tools.")
-    assert '"name": "magic_function"' in text and "<tool_call>\n{\"name\": \"<tool name>\"" in text
+    assert '"name": "magic_function"' in text and '<tool_call>\n{"name": "<tool name>"' in text
     assert "<|im_start|>assistant\n" + format_call("magic_function", {"input": 3}) + "<|im_end|>" in text
     # each result keeps its own tool turn, so appending a message only appends to the rendering
     assert (
@@ -180,7 +191,11 @@ def test_fallback_merges_into_an_existing_system_message_and_uses_user_role_when
     messages = [
         {"role": "system", "content": "Be brief."},
         {"role": "user", "content": "q"},
-        {"role": "assistant", "content": "ok", "tool_calls": [{"id": "a", "type": "function", "function": {"name": "magic_function", "arguments": {"input": 1}}}]},
+        {
+            "role": "assistant",
+            "content": "ok",
+            "tool_calls": [{"id": "a", "type": "function", "function": {"name": "magic_function", "arguments": {"input": 1}}}],
+        },
         {"role": "tool", "tool_call_id": "a", "content": "5"},
         {"role": "tool", "tool_call_id": "a", "content": "6"},
     ]
@@ -213,4 +228,6 @@ def test_tools_need_a_chat_template(smollm_tokenizer):
     with pytest.raises(InvalidPromptError):
         render_prompt(smollm_tokenizer, "hi", chat=False, tools=build_output_spec([INT_TOOL]).tools)
     with pytest.raises(InvalidPromptError):
-        render_prompt(smollm_tokenizer, [{"role": "user", "content": "q"}, {"role": "assistant", "content": "", "tool_calls": [{"name": "f", "arguments": "{oops"}]}])
+        render_prompt(
+            smollm_tokenizer, [{"role": "user", "content": "q"}, {"role": "assistant", "content": "", "tool_calls": [{"name": "f", "arguments": "{oops"}]}]
+        )

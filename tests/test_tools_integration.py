@@ -43,7 +43,13 @@ def test_streamed_call_matches_and_json_output_parses(embedded_engine):
     assert deltas[0].name == "magic_function" and deltas[0].id == stream.result.tool_calls[0].id
     assert json.loads("".join(d.arguments for d in deltas)) == {"input": 3}
 
-    fmt = {"type": "json_schema", "json_schema": {"name": "capital", "strict": True, "schema": {
-        "type": "object", "properties": {"country": {"type": "string"}, "capital": {"type": "string"}}, "required": ["country", "capital"]}}}
+    fmt = {
+        "type": "json_schema",
+        "json_schema": {
+            "name": "capital",
+            "strict": True,
+            "schema": {"type": "object", "properties": {"country": {"type": "string"}, "capital": {"type": "string"}}, "required": ["country", "capital"]},
+        },
+    }
     result = embedded_engine.generate("What is the capital of France? Answer in JSON.", response_format=fmt, max_new_tokens=40)
     assert set(result.parsed) == {"country", "capital"} and "Paris" in result.parsed["capital"]

@@ -32,14 +32,14 @@ import streamlit as st  # noqa: E402
 
 from snapkv_rag import Engine  # noqa: E402
 from snapkv_rag.compression import H2O, LESS, SnapKV, StreamingLLM, recording_kept_indices  # noqa: E402
-from snapkv_rag.rag.intake import IntakeError, Upload, folder_files, remove_skipped_uploads, save_uploads  # noqa: E402
 from snapkv_rag.errors import SnapKVRagError  # noqa: E402
 from snapkv_rag.loading import cache_root  # noqa: E402
 from snapkv_rag.metrics import citation_prf  # noqa: E402
 from snapkv_rag.rag import Answer, DocumentQA, DocumentStore, Embedder, IngestReport, Skipped  # noqa: E402
+from snapkv_rag.rag.intake import IntakeError, Upload, folder_files, remove_skipped_uploads, save_uploads  # noqa: E402
 from snapkv_rag.rag.kept import DocumentKept, kept_per_document  # noqa: E402
-from snapkv_rag.rag.qa import small_model_note  # noqa: E402
 from snapkv_rag.rag.loaders import SUPPORTED_SUFFIXES, iter_files  # noqa: E402
+from snapkv_rag.rag.qa import small_model_note  # noqa: E402
 from snapkv_rag.rag.store import default_store_dir, make_client, validate_collection_name  # noqa: E402
 
 MAX_QUESTION_CHARS = 2000
@@ -82,8 +82,14 @@ def app_config(argv: list[str] | None = None) -> AppConfig:
     p.add_argument("--allow-folder-root", default=env("SNAPKV_RAG_APP_FOLDER_ROOT") or None)
     args, _ = p.parse_known_args(argv)
     return AppConfig(
-        args.model, args.device, args.dtype, str(Path(args.store).expanduser()), str(Path(args.uploads).expanduser()), args.collection,
-        folder_root=args.allow_folder_root, password=env("SNAPKV_RAG_APP_PASSWORD") or None,
+        args.model,
+        args.device,
+        args.dtype,
+        str(Path(args.store).expanduser()),
+        str(Path(args.uploads).expanduser()),
+        args.collection,
+        folder_root=args.allow_folder_root,
+        password=env("SNAPKV_RAG_APP_PASSWORD") or None,
     )
 
 
@@ -354,11 +360,14 @@ def render_comparison(full: Run, other: Run) -> None:
     f1 = citation_prf(cited_numbers(b), cited_numbers(a))[2]
     sa, sb = a.result.stats, b.result.stats
     c1, c2, c3, c4 = st.columns(4)
-    c1.metric("Citation agreement F1", f"{f1:.2f}", help="F1 of the compressed answer's sources against the full-cache answer's sources (both empty counts as 1).")
+    c1.metric(
+        "Citation agreement F1", f"{f1:.2f}", help="F1 of the compressed answer's sources against the full-cache answer's sources (both empty counts as 1)."
+    )
     c2.metric("Same answer text", "yes" if a.text.strip() == b.text.strip() else "no")
     c3.metric("KV cache kept", f"{sb.prompt_kv_bytes_kept / sb.prompt_kv_bytes_full:.0%}" if sb.prompt_kv_bytes_full else "–")
     c4.metric(
-        "Decode speed vs full", decode_speedup(sa, sb),
+        "Decode speed vs full",
+        decode_speedup(sa, sb),
         help="Full-cache ms/token over compressed ms/token (medians of one run each), with the range their step-time "
         "quartiles allow; 'no clear difference' when that range holds 1×, n/a when nothing was evicted.",
     )
@@ -471,12 +480,15 @@ def render_turn(turn: Turn, *, last: bool) -> None:
 # ----------------------------------------------------------------------------- sidebar
 def sidebar_model(cfg: AppConfig) -> tuple[Engine | None, str | None]:
     st.sidebar.subheader("Model")
-    model = st.sidebar.text_input(
-        "Model path",
-        value=cfg.model,
-        key="model",
-        help="'default' is the embedded SmolLM2-135M-Instruct. Or a model directory, a .gguf file or a hub id.",
-    ).strip() or "default"
+    model = (
+        st.sidebar.text_input(
+            "Model path",
+            value=cfg.model,
+            key="model",
+            help="'default' is the embedded SmolLM2-135M-Instruct. Or a model directory, a .gguf file or a hub id.",
+        ).strip()
+        or "default"
+    )
     try:
         with st.spinner(f"Loading model {model}… (once per process)"):
             engine = load_engine(model, cfg.device, cfg.dtype)
@@ -541,17 +553,28 @@ def sidebar_settings(engine: Engine | None) -> Settings:
             window_size = st.sidebar.number_input("Window tokens", min_value=1, max_value=4096, value=32, key="window_size")
     st.sidebar.subheader("Generation")
     context_tokens = st.sidebar.number_input(
-        "Context tokens to stuff", min_value=32, max_value=1_000_000, value=1024, step=128, key="context_tokens",
+        "Context tokens to stuff",
+        min_value=32,
+        max_value=1_000_000,
+        value=1024,
+        step=128,
+        key="context_tokens",
         help="LLM tokens of retrieved documents put into the prompt.",
     )
     max_new_tokens = st.sidebar.number_input("Max new tokens", min_value=1, max_value=8192, value=96, step=16, key="max_new_tokens")
     temperature = st.sidebar.slider("Temperature", 0.0, 1.5, 0.0, 0.05, key="temperature", help="0 = greedy")
     side_by_side = st.sidebar.toggle(
-        "Side by side with the full cache", value=False, key="side_by_side", disabled=not compressed,
+        "Side by side with the full cache",
+        value=False,
+        key="side_by_side",
+        disabled=not compressed,
         help="Answer each question twice: with the full KV cache and with the chosen compression.",
     )
     kv_reuse = st.sidebar.selectbox(
-        "K/V reuse", list(KV_REUSE), format_func=KV_REUSE.get, key="kv_reuse",
+        "K/V reuse",
+        list(KV_REUSE),
+        format_func=KV_REUSE.get,
+        key="kv_reuse",
         index=list(KV_REUSE).index(engine.recommended_kv_reuse) if engine is not None else 0,
         help="Chunks: each document's K/V is computed once, stored beside the collection and reused wherever it lands in a "
         "prompt (15% of its tokens recomputed; approximate: the embedded 135M model loses answers, so it defaults to Prefix). "
@@ -566,8 +589,7 @@ def sidebar_settings(engine: Engine | None) -> Settings:
         st.sidebar.error(str(exc))
     if compressed and budget >= context_tokens:
         st.sidebar.info(
-            f"The budget ({budget:,}) is not below the context tokens ({context_tokens:,}): the prompt will usually fit "
-            "whole and nothing gets compressed."
+            f"The budget ({budget:,}) is not below the context tokens ({context_tokens:,}): the prompt will usually fit whole and nothing gets compressed."
         )
     if engine is not None and engine.context_length and context_tokens + max_new_tokens > engine.context_length:
         st.sidebar.warning(
@@ -627,9 +649,7 @@ def documents_panel(cfg: AppConfig, client, embedder: Embedder, collection: str)
             st.error(error)
         left, right = st.columns(2, gap="large")
         with left.form("upload", clear_on_submit=True, border=False):
-            uploads = st.file_uploader(
-                "Upload files", type=UPLOAD_TYPES, accept_multiple_files=True, key="uploads", help="txt, md, html, pdf, json, jsonl"
-            )
+            uploads = st.file_uploader("Upload files", type=UPLOAD_TYPES, accept_multiple_files=True, key="uploads", help="txt, md, html, pdf, json, jsonl")
             add_files = st.form_submit_button("Add files", type="primary", key="add_files")
         add_folder = False
         if cfg.folder_root:
@@ -672,7 +692,10 @@ def documents_panel(cfg: AppConfig, client, embedder: Embedder, collection: str)
             render_report(report)
         if files:
             table = pd.DataFrame(
-                [{"Document": Path(f["file"]).name, "Title": f["title"], "Chunks": f["chunks"], "Tokens": f["tokens"], "Folder": str(Path(f["file"]).parent)} for f in files]
+                [
+                    {"Document": Path(f["file"]).name, "Title": f["title"], "Chunks": f["chunks"], "Tokens": f["tokens"], "Folder": str(Path(f["file"]).parent)}
+                    for f in files
+                ]
             )
             st.table(table.set_index("Document"))
         elif store is None and not error:
@@ -706,7 +729,9 @@ def answer_question(question: str, engine: Engine | None, engine_error: str | No
             turn.error = problem
             return turn
         turn.model_note = small_model_note(engine, "For better answers start the app with a larger instruct model: `snapkv-rag app --model PATH_OR_HUB_ID`.")
-        qa = DocumentQA(engine, store, compression=None, context_tokens=settings.context_tokens, max_new_tokens=settings.max_new_tokens, kv_reuse=settings.kv_reuse)
+        qa = DocumentQA(
+            engine, store, compression=None, context_tokens=settings.context_tokens, max_new_tokens=settings.max_new_tokens, kv_reuse=settings.kv_reuse
+        )
         runs = [Run("Full cache", "full")] if settings.side_by_side else []
         runs.append(Run(settings.label, settings.method))
         targets = st.columns(2, gap="large") if len(runs) == 2 else [st.container()]

@@ -41,16 +41,50 @@ def main() -> int:
         port = s.getsockname()[1]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": str(ROOT)}
     server = subprocess.Popen(
-        [sys.executable, "-m", "streamlit", "run", str(ROOT / "apps" / "docqa" / "app.py"),
-         "--server.address", "127.0.0.1", "--server.port", str(port), "--server.headless", "true",
-         "--browser.gatherUsageStats", "false", "--server.fileWatcherType", "none", "--client.toolbarMode", "minimal",
-         "--", "--store", str(tmp / "chroma"), "--uploads", str(tmp / "uploads"), "--collection", "marrowick"],
-        cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        [
+            sys.executable,
+            "-m",
+            "streamlit",
+            "run",
+            str(ROOT / "apps" / "docqa" / "app.py"),
+            "--server.address",
+            "127.0.0.1",
+            "--server.port",
+            str(port),
+            "--server.headless",
+            "true",
+            "--browser.gatherUsageStats",
+            "false",
+            "--server.fileWatcherType",
+            "none",
+            "--client.toolbarMode",
+            "minimal",
+            "--",
+            "--store",
+            str(tmp / "chroma"),
+            "--uploads",
+            str(tmp / "uploads"),
+            "--collection",
+            "marrowick",
+        ],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
     )
     options = Options()
     options.binary_location = "/usr/bin/chromium"
-    for a in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--disable-background-networking",
-              "--disable-component-update", "--no-first-run", "--disable-sync", "--window-size=1600,1000"):
+    for a in (
+        "--headless=new",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-dev-shm-usage",
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--no-first-run",
+        "--disable-sync",
+        "--window-size=1600,1000",
+    ):
         options.add_argument(a)
     driver = None
     try:
@@ -109,14 +143,10 @@ def main() -> int:
         if panel.get_attribute("open") is not None:
             driver.execute_script("arguments[0].click();", panel.find_element("css selector", "summary"))
         time.sleep(1.5)
-        height = driver.execute_script(
-            "return Math.max(...Array.from(document.querySelectorAll('*'), e => e.scrollHeight));"
-        )
+        height = driver.execute_script("return Math.max(...Array.from(document.querySelectorAll('*'), e => e.scrollHeight));")
         driver.set_window_size(1600, min(int(height) + 200, 6000))  # room for the pinned chat input
         time.sleep(1.5)
-        driver.execute_script(
-            "document.querySelectorAll('*').forEach(e => { if (e.scrollTop) e.scrollTop = 0; }); window.scrollTo(0, 0);"
-        )
+        driver.execute_script("document.querySelectorAll('*').forEach(e => { if (e.scrollTop) e.scrollTop = 0; }); window.scrollTo(0, 0);")
         time.sleep(0.5)
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         driver.save_screenshot(args.out)

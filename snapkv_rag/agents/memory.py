@@ -94,9 +94,7 @@ def context_budget(engine: Any, *, max_new_tokens: int = 256, reserve: int = 0) 
         return None
     budget = int(context) - max_new_tokens - reserve
     if budget <= 0:
-        raise AgentMemoryError(
-            f"no room for history: context {context} - max_new_tokens {max_new_tokens} - reserve {reserve} = {budget}"
-        )
+        raise AgentMemoryError(f"no room for history: context {context} - max_new_tokens {max_new_tokens} - reserve {reserve} = {budget}")
     return budget
 
 
@@ -109,7 +107,7 @@ def _thread(thread_id: Any) -> str:
 class _SqlSummaries:
     """The window's summary cache, stored per thread so a cut renders the same summary after restart."""
 
-    def __init__(self, memory: "AgentMemory", thread_id: str):
+    def __init__(self, memory: AgentMemory, thread_id: str):
         self.memory, self.thread_id = memory, thread_id
 
     def get(self, upto: int) -> str | None:
@@ -235,7 +233,7 @@ class AgentMemory:
                     db.close()
             self._all.clear()
 
-    def __enter__(self) -> "AgentMemory":
+    def __enter__(self) -> AgentMemory:
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -261,21 +259,16 @@ class AgentMemory:
         now = time.time()
         with self._write() as db:
             db.execute(
-                "INSERT INTO threads(thread_id, created_at, updated_at) VALUES (?, ?, ?) "
-                "ON CONFLICT(thread_id) DO UPDATE SET updated_at=excluded.updated_at",
+                "INSERT INTO threads(thread_id, created_at, updated_at) VALUES (?, ?, ?) ON CONFLICT(thread_id) DO UPDATE SET updated_at=excluded.updated_at",
                 (thread_id, now, now),
             )
             (seq,) = db.execute("SELECT COALESCE(MAX(seq) + 1, 0) FROM messages WHERE thread_id=?", (thread_id,)).fetchone()
             positions = []
             for i, (msg, metadata) in enumerate(checked):
                 if msg["role"] == "tool":
-                    row = db.execute(
-                        "SELECT name FROM tool_calls WHERE thread_id=? AND call_id=?", (thread_id, msg["tool_call_id"])
-                    ).fetchone()
+                    row = db.execute("SELECT name FROM tool_calls WHERE thread_id=? AND call_id=?", (thread_id, msg["tool_call_id"])).fetchone()
                     if row is None:
-                        raise InvalidPromptError(
-                            f"message {i}: tool_call_id {msg['tool_call_id']!r} answers no tool call in thread {thread_id!r}"
-                        )
+                        raise InvalidPromptError(f"message {i}: tool_call_id {msg['tool_call_id']!r} answers no tool call in thread {thread_id!r}")
                     msg.setdefault("name", row[0])
                 for call in msg.get("tool_calls", ()):
                     try:
@@ -284,9 +277,7 @@ class AgentMemory:
                             (thread_id, call["id"], seq, call["function"]["name"]),
                         )
                     except sqlite3.IntegrityError:
-                        raise InvalidPromptError(
-                            f"message {i}: tool call id {call['id']!r} is already used in thread {thread_id!r}"
-                        ) from None
+                        raise InvalidPromptError(f"message {i}: tool call id {call['id']!r} is already used in thread {thread_id!r}") from None
                 db.execute(
                     "INSERT INTO messages(thread_id, seq, role, content, tool_calls, tool_call_id, name, metadata, created_at) "
                     "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
@@ -330,8 +321,7 @@ class AgentMemory:
         thread_id = _thread(thread_id)
         with self._read() as db:
             rows = db.execute(
-                "SELECT seq, role, content, tool_calls, tool_call_id, name, metadata, created_at "
-                "FROM messages WHERE thread_id=? ORDER BY seq",
+                "SELECT seq, role, content, tool_calls, tool_call_id, name, metadata, created_at FROM messages WHERE thread_id=? ORDER BY seq",
                 (thread_id,),
             ).fetchall()
         out = []

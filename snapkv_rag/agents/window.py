@@ -201,7 +201,7 @@ def fit_history(
         return int(count_tokens(msgs))  # type: ignore[misc]
 
     def rest(cut: int) -> list[dict[str, Any]]:
-        return messages[turns[cut][0]:] if cut < len(turns) else []
+        return messages[turns[cut][0] :] if cut < len(turns) else []
 
     def report(msgs, tokens, cut, summary=None) -> RenderedHistory:
         first = turns[cut][0] if cut < len(turns) else len(messages)
@@ -230,7 +230,7 @@ def fit_history(
     candidates: list[int] = []
     acc = 0
     for t in range(len(turns) - 1):
-        acc += costs.cost(count_tokens, messages[turns[t][0]:turns[t][1]])  # type: ignore[arg-type]
+        acc += costs.cost(count_tokens, messages[turns[t][0] : turns[t][1]])  # type: ignore[arg-type]
         if acc >= block:
             candidates.append(t + 1)
             acc = 0

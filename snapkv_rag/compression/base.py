@@ -59,7 +59,7 @@ class CompressionPolicy(ABC):
         """True when the policy must be resolved per prompt with :meth:`for_prompt` first."""
         return False
 
-    def for_prompt(self, question_tokens: int | None) -> "CompressionPolicy":
+    def for_prompt(self, question_tokens: int | None) -> CompressionPolicy:
         """This policy for one prompt whose question spans ``question_tokens`` trailing tokens."""
         return self
 
@@ -78,11 +78,11 @@ class CompressionPolicy(ABC):
         scaling: float | None = None,
     ) -> torch.Tensor: ...
 
-    def with_budget(self, budget: int) -> "CompressionPolicy":
+    def with_budget(self, budget: int) -> CompressionPolicy:
         """This policy with ``max_capacity_prompt = budget`` (validated)."""
         return dataclasses.replace(self, max_capacity_prompt=budget)
 
-    def with_query_window(self, window: int) -> "CompressionPolicy":
+    def with_query_window(self, window: int) -> CompressionPolicy:
         """This policy voting with ``window`` trailing queries (policies without a window ignore it)."""
         return self
 
@@ -90,7 +90,7 @@ class CompressionPolicy(ABC):
     decode_budget: int | None = None  # sparse policies declare both as dataclass fields
     decode_interval: int = 64
 
-    def for_decode(self) -> "CompressionPolicy":
+    def for_decode(self) -> CompressionPolicy:
         """The policy that cuts the cache at decode time: this one at budget ``decode_budget``."""
         return dataclasses.replace(self, max_capacity_prompt=self.decode_budget, decode_budget=None)
 
@@ -105,7 +105,7 @@ class CompressionPolicy(ABC):
         except InvalidCompressionError as exc:
             raise InvalidCompressionError(f"{exc} (at decode time the budget is decode_budget={self.decode_budget})") from None
 
-    def decode_state(self, model, sliding: list[bool]) -> "PolicyState | None":
+    def decode_state(self, model, sliding: list[bool]) -> PolicyState | None:
         """This policy's state for one decode run, or None when nothing happens after the prefill."""
         if self.decode_budget is None:
             return None

@@ -42,7 +42,7 @@ def layer_entries(layer) -> int:
 class DecodeCompaction:
     """Cut a run's full-attention layers back to ``policy.decode_budget`` every ``decode_interval`` steps."""
 
-    def __init__(self, policy: "CompressionPolicy", sliding: list[bool]):
+    def __init__(self, policy: CompressionPolicy, sliding: list[bool]):
         assert policy.decode_budget is not None
         self.policy = policy.for_decode()
         self.budget: int = policy.decode_budget
@@ -119,7 +119,7 @@ class PolicyState:
     """Decode-time state of one run for a policy; this base does decode-time compression
     when the policy asks for it (``decode_budget``) and nothing else."""
 
-    def __init__(self, policy: "CompressionPolicy", sliding: list[bool]):
+    def __init__(self, policy: CompressionPolicy, sliding: list[bool]):
         self.compaction = DecodeCompaction(policy, sliding) if getattr(policy, "decode_budget", None) else None
 
     @property

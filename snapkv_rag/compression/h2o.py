@@ -15,8 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import CompressionPolicy, check_choice, check_positive_int, keep_all, keep_recent_and_top, reduce_groups, window_attention
 from ..errors import InvalidCompressionError
+from .base import CompressionPolicy, check_choice, check_positive_int, keep_all, keep_recent_and_top, reduce_groups, window_attention
 
 
 @dataclass(frozen=True)
@@ -40,9 +40,7 @@ class H2O(CompressionPolicy):
         if self.recent is not None:
             check_positive_int("H2O", "recent", self.recent)
             if self.recent >= self.max_capacity_prompt:
-                raise InvalidCompressionError(
-                    f"H2O: recent ({self.recent}) must be smaller than max_capacity_prompt ({self.max_capacity_prompt})"
-                )
+                raise InvalidCompressionError(f"H2O: recent ({self.recent}) must be smaller than max_capacity_prompt ({self.max_capacity_prompt})")
         elif self.max_capacity_prompt < 2:
             raise InvalidCompressionError("H2O: max_capacity_prompt must be at least 2")
         check_choice("H2O", "gqa_reduce", self.gqa_reduce, ("mean", "max"))

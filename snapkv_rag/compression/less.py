@@ -16,9 +16,9 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..errors import InvalidCompressionError
 from .base import CompressionPolicy
 from .snapkv import SnapKV
-from ..errors import InvalidCompressionError
 
 
 @dataclass(frozen=True)
@@ -52,7 +52,7 @@ class LESS(CompressionPolicy):
     def question_aware(self) -> bool:
         return self.base.question_aware
 
-    def with_budget(self, budget: int) -> "LESS":
+    def with_budget(self, budget: int) -> LESS:
         return dataclasses.replace(self, base=self.base.with_budget(budget))
 
     def select(self, queries, keys, attention_mask=None, *, scaling=None):

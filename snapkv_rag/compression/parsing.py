@@ -82,17 +82,13 @@ def parse_compression(spec: str) -> CompressionPolicy:
         return _parse_less(rest)
     cls = POLICIES.get(name.strip().lower())
     if cls is None:
-        raise InvalidCompressionError(
-            f"unknown compression method {name!r}; choose one of {', '.join(sorted({*POLICIES, 'less'}))}"
-        )
+        raise InvalidCompressionError(f"unknown compression method {name!r}; choose one of {', '.join(sorted({*POLICIES, 'less'}))}")
     allowed = {f.name for f in dataclasses.fields(cls)}
     kwargs: dict[str, Any] = {}
     for key, value in _items(rest):
         key = ALIASES.get(key, key)
         if key not in allowed:
-            raise InvalidCompressionError(
-                f"{cls.name} has no setting {key!r}; settings: {', '.join(sorted(allowed)) or 'none'}"
-            )
+            raise InvalidCompressionError(f"{cls.name} has no setting {key!r}; settings: {', '.join(sorted(allowed)) or 'none'}")
         kwargs[key] = _coerce(value)
     return cls(**kwargs)
 
@@ -104,7 +100,5 @@ def as_policy(compression: CompressionPolicy | str | None) -> CompressionPolicy 
     if isinstance(compression, str):
         compression = parse_compression(compression)
     if not isinstance(compression, CompressionPolicy):
-        raise InvalidCompressionError(
-            f"compression must be a policy, a spec string or None, got {type(compression).__name__}"
-        )
+        raise InvalidCompressionError(f"compression must be a policy, a spec string or None, got {type(compression).__name__}")
     return None if isinstance(compression, FullCache) else compression

@@ -6,8 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import CompressionPolicy, check_positive_int, keep_all, keep_recent_and_top
 from ..errors import InvalidCompressionError
+from .base import CompressionPolicy, check_positive_int, keep_all, keep_recent_and_top
 
 
 @dataclass(frozen=True)
@@ -29,9 +29,7 @@ class RandomKeep(CompressionPolicy):
         check_positive_int("RandomKeep", "seed", self.seed, minimum=0)
         check_positive_int("RandomKeep", "recent", self.recent, minimum=0)
         if self.recent >= self.max_capacity_prompt:
-            raise InvalidCompressionError(
-                f"RandomKeep: recent ({self.recent}) must be smaller than max_capacity_prompt ({self.max_capacity_prompt})"
-            )
+            raise InvalidCompressionError(f"RandomKeep: recent ({self.recent}) must be smaller than max_capacity_prompt ({self.max_capacity_prompt})")
         self.check_decode_budget()
 
     def select(self, queries, keys, attention_mask=None, *, scaling=None):

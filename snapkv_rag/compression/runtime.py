@@ -10,10 +10,11 @@ attention goes through the interface (Llama, Mistral, Qwen2/3, Gemma, Phi3, ...)
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Iterator, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -22,12 +23,12 @@ from .base import CompressionPolicy
 if TYPE_CHECKING:
     from .decoding import PolicyState
 
-_ACTIVE: ContextVar["PrefillCompression | None"] = ContextVar("snapkv_rag_prefill", default=None)
-_RECORDER: ContextVar["list[KeptIndices] | None"] = ContextVar("snapkv_rag_kept_recorder", default=None)
+_ACTIVE: ContextVar[PrefillCompression | None] = ContextVar("snapkv_rag_prefill", default=None)
+_RECORDER: ContextVar[list[KeptIndices] | None] = ContextVar("snapkv_rag_kept_recorder", default=None)
 # The policy state of the decode run whose forward is running (None: the policy has none).
-_POLICY_STATE: ContextVar["PolicyState | None"] = ContextVar("snapkv_rag_policy_state", default=None)
+_POLICY_STATE: ContextVar[PolicyState | None] = ContextVar("snapkv_rag_policy_state", default=None)
 # Training capture (``snapkv-rag less train``): called with every layer's attention inputs and output.
-_CAPTURE: ContextVar["Callable | None"] = ContextVar("snapkv_rag_capture", default=None)
+_CAPTURE: ContextVar[Callable | None] = ContextVar("snapkv_rag_capture", default=None)
 
 # Implementations registered globally in transformers (eager is per-model code, so it cannot be wrapped).
 WRAPPED_IMPLEMENTATIONS = ("sdpa", "flash_attention_2")
@@ -147,7 +148,7 @@ class PrefillCompression:
         cache,
         attention_mask: torch.Tensor | None,
         sliding: list[bool],
-        state: "PolicyState | None" = None,
+        state: PolicyState | None = None,
     ):
         rows = [policy] if isinstance(policy, CompressionPolicy) else list(policy)
         self.row_policies = rows if len(set(rows)) > 1 else None
@@ -248,7 +249,7 @@ def recording_kept_indices() -> Iterator[list[KeptIndices]]:
 
 
 @contextmanager
-def policy_attention(state: "PolicyState | None") -> Iterator[None]:
+def policy_attention(state: PolicyState | None) -> Iterator[None]:
     """Consult ``state`` in the attention of the model calls inside the block (None: off)."""
     token = _POLICY_STATE.set(state)
     try:

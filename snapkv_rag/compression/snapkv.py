@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from ..errors import InvalidCompressionError
 from .base import (
     CompressionPolicy,
     check_choice,
@@ -21,7 +22,6 @@ from .base import (
     reduce_groups,
     window_attention,
 )
-from ..errors import InvalidCompressionError
 
 QUESTION_WINDOW = "question"
 FALLBACK_WINDOW = 32
@@ -86,7 +86,7 @@ class SnapKV(CompressionPolicy):
     def needs_question_span(self) -> bool:
         return self.window_size == QUESTION_WINDOW
 
-    def for_prompt(self, question_tokens: int | None) -> "SnapKV":
+    def for_prompt(self, question_tokens: int | None) -> SnapKV:
         """The fixed-window policy for one prompt whose question (plus template tail) spans
         ``question_tokens`` trailing tokens (None: not found, the paper's 32 is used)."""
         if not self.needs_question_span:
@@ -98,7 +98,7 @@ class SnapKV(CompressionPolicy):
     def question_aware(self) -> bool:
         return True
 
-    def with_query_window(self, window: int) -> "SnapKV":
+    def with_query_window(self, window: int) -> SnapKV:
         return self if window == self.window_size else dataclasses.replace(self, window_size=window)
 
     def votes(self, queries: torch.Tensor, keys: torch.Tensor, attention_mask: torch.Tensor | None, scaling: float | None) -> torch.Tensor:

@@ -10,8 +10,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import CompressionPolicy, check_positive_int, keep_all, keep_recent_and_top
 from ..errors import InvalidCompressionError
+from .base import CompressionPolicy, check_positive_int, keep_all, keep_recent_and_top
 
 
 @dataclass(frozen=True)

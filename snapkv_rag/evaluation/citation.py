@@ -55,10 +55,7 @@ def build_collection(n_docs: int, seed: int = 0) -> list[Document]:
     if n_docs < 3:
         raise ValueError("a citation collection needs at least 3 documents")
     rng = random.Random(seed)
-    return [
-        Document(i + 1, name, rng.choice(CITIES), rng.randint(1900, 2020), rng.choice(PRODUCTS))
-        for i, name in enumerate(_names(rng, n_docs))
-    ]
+    return [Document(i + 1, name, rng.choice(CITIES), rng.randint(1900, 2020), rng.choice(PRODUCTS)) for i, name in enumerate(_names(rng, n_docs))]
 
 
 def build_questions(n_docs: int, n_questions: int, *, seed: int = 0, two_doc_share: float = 0.3) -> list[CitationQuestion]:

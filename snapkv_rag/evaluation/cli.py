@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import shlex
 import sys
 from pathlib import Path
@@ -43,7 +42,12 @@ def add_eval_parser(sub) -> None:
             p.add_argument("--seeds", type=_ints, default=[0])
         if name == "citation":
             p.add_argument("--corpus", type=Path, default=None, help="folder of documents to ingest (default: examples/sample_corpus)")
-            p.add_argument("--questions-file", type=Path, default=None, help="JSON lines: question, answer, gold (file names in the corpus); default examples/sample_questions.jsonl")
+            p.add_argument(
+                "--questions-file",
+                type=Path,
+                default=None,
+                help="JSON lines: question, answer, gold (file names in the corpus); default examples/sample_questions.jsonl",
+            )
             p.add_argument("--questions", type=int, default=None, help="use the first N questions (default: all)")
             p.add_argument("--context-tokens", type=int, default=2000, help="LLM tokens of stuffed documents per prompt")
             p.add_argument("--max-new-tokens", type=int, default=48)
@@ -160,11 +164,14 @@ def _run_task(args, methods):
         from .heldout import run_heldout_fidelity
 
         return run_heldout_fidelity(
-            engine, methods, args.lengths, continuation_tokens=args.continuation_tokens, per_length=args.prompts_per_length,
-            decode_tokens=args.decode_tokens, progress=progress,
+            engine,
+            methods,
+            args.lengths,
+            continuation_tokens=args.continuation_tokens,
+            per_length=args.prompts_per_length,
+            decode_tokens=args.decode_tokens,
+            progress=progress,
         )
     if args.task == "fidelity":
         return run_fidelity(engine, methods, args.lengths, continuation_tokens=args.continuation_tokens, seeds=args.seeds, progress=progress)
-    return run_speed(
-        engine, methods, args.lengths, new_tokens=args.new_tokens, repeats=args.repeats, batch_sizes=args.batch_sizes, progress=progress
-    )
+    return run_speed(engine, methods, args.lengths, new_tokens=args.new_tokens, repeats=args.repeats, batch_sizes=args.batch_sizes, progress=progress)

@@ -51,7 +51,9 @@ def heldout_prompts(tokenizer, lengths: Sequence[int], continuation_tokens: int,
     for start, length in zip(starts, (n for n in lengths for _ in range(per_length))):
         end = start + length + continuation_tokens
         if end > len(tokens):
-            raise ValueError(f"the held-out split ({len(tokens)} tokens) is too short for {per_length} prompts of each of {list(lengths)} (+{continuation_tokens}) tokens")
+            raise ValueError(
+                f"the held-out split ({len(tokens)} tokens) is too short for {per_length} prompts of each of {list(lengths)} (+{continuation_tokens}) tokens"
+            )
         out.append((length, tokens[start : start + length], tokens[start + length : end]))
     return out
 
@@ -113,7 +115,7 @@ def run_heldout_fidelity(
         _decode_timing(engine, prompts[0][1][:256], None, 4)
     for index, (length, prompt, continuation) in enumerate(prompts):
 
-        def teacher_force(policy):
+        def teacher_force(policy, prompt=prompt, continuation=continuation):
             run = DecodeRun(engine.model, [prompt], GenerationParams(max_new_tokens=len(continuation)), policy, pad)
             return run, run.teacher_force(continuation).float().cpu()
 
@@ -134,7 +136,9 @@ def run_heldout_fidelity(
                 "heldout_start": starts[index],
                 **timing,
             }
-            records.append(_record(engine, method, role, length, index, prompt, continuation, float(kl.mean()), _perplexity(logits, continuation), full_ppl, run, extra))
+            records.append(
+                _record(engine, method, role, length, index, prompt, continuation, float(kl.mean()), _perplexity(logits, continuation), full_ppl, run, extra)
+            )
             bar.update()
     bar.close()
     return records

@@ -131,8 +131,17 @@ def summarize_citation(records: Sequence[Record]) -> str:
                 )
             )
     header = [
-        "method", "route", "questions", "agreement F1 (macro)", "agreement F1 (micro)", "identical answers",
-        "gold F1 (macro)", "gold F1 (micro)", "gold F1 rel. diff vs full", "invalid citations", "answer accuracy",
+        "method",
+        "route",
+        "questions",
+        "agreement F1 (macro)",
+        "agreement F1 (micro)",
+        "identical answers",
+        "gold F1 (macro)",
+        "gold F1 (micro)",
+        "gold F1 rel. diff vs full",
+        "invalid citations",
+        "answer accuracy",
     ]
     parts.append(_table(header, rows))
     sweep = summarize_attribution_sweep(records)
@@ -209,29 +218,61 @@ def summarize_heldout(records: Sequence[Record]) -> str:
         for label in labels:
             group = dict(roles, less=[r for r in roles.get("less", []) if r["settings"]["kernels"] == label])
 
-            def m(role: str, field: str, how=_mean) -> float:
+            def m(role: str, field: str, how=_mean, group=group) -> float:
                 return how([r[field] for r in group.get(role, []) if r.get(field) is not None])
 
             kl = {role: m(role, "kl_mean") for role in ("base", "baseline+", "less")}
             ppl = {role: m(role, "perplexity") for role in ("base", "baseline+", "less")}
             full_ppl = _mean([r["perplexity"] for r in full[length]])
-            base_ms, less_ms, low_ms = m("base", "decode_ms_per_token", median), m("less", "decode_ms_per_token", median), m("less", "low_rank_ms_per_step", median)
+            base_ms, less_ms, low_ms = (
+                m("base", "decode_ms_per_token", median),
+                m("less", "decode_ms_per_token", median),
+                m("less", "low_rank_ms_per_step", median),
+            )
             plus = group.get("baseline+", [])
             extra = plus[0]["settings"]["max_capacity_prompt"] - budget if plus else math.nan
             rows.append(
                 (
-                    length, base_name, budget, len(group.get("base", [])), extra,
-                    kl["base"], kl["baseline+"], kl["less"], gap_closed(kl["less"], kl["base"], 0.0), gap_closed(kl["baseline+"], kl["base"], 0.0),
-                    full_ppl, ppl["base"], ppl["baseline+"], ppl["less"], gap_closed(ppl["less"], ppl["base"], full_ppl),
-                    base_ms, less_ms, low_ms,
+                    length,
+                    base_name,
+                    budget,
+                    len(group.get("base", [])),
+                    extra,
+                    kl["base"],
+                    kl["baseline+"],
+                    kl["less"],
+                    gap_closed(kl["less"], kl["base"], 0.0),
+                    gap_closed(kl["baseline+"], kl["base"], 0.0),
+                    full_ppl,
+                    ppl["base"],
+                    ppl["baseline+"],
+                    ppl["less"],
+                    gap_closed(ppl["less"], ppl["base"], full_ppl),
+                    base_ms,
+                    less_ms,
+                    low_ms,
                 )
                 + ((label,) if len(kernel_labels) > 1 else ())
             )
     header = [
-        "prompt tokens", "base", "budget", "prompts", "baseline+ extra tokens",
-        "KL base", "KL baseline+", "KL LESS", "KL gap closed (LESS)", "KL gap closed (baseline+)",
-        "ppl full", "ppl base", "ppl baseline+", "ppl LESS", "ppl gap closed (LESS)",
-        "decode ms/token base", "decode ms/token LESS", "low-rank part ms/step",
+        "prompt tokens",
+        "base",
+        "budget",
+        "prompts",
+        "baseline+ extra tokens",
+        "KL base",
+        "KL baseline+",
+        "KL LESS",
+        "KL gap closed (LESS)",
+        "KL gap closed (baseline+)",
+        "ppl full",
+        "ppl base",
+        "ppl baseline+",
+        "ppl LESS",
+        "ppl gap closed (LESS)",
+        "decode ms/token base",
+        "decode ms/token LESS",
+        "low-rank part ms/step",
     ] + (["LESS kernels"] if len(kernel_labels) > 1 else [])
     return _table(header, rows)
 
@@ -271,8 +312,16 @@ def summarize_batch_speed(records: Sequence[Record]) -> str:
         for r in records
     ]
     header = [
-        "prompts", "mean prompt tokens", "method", "largest bucket", "single calls s", "one batch call s",
-        "throughput batch / single", "decode ms/step single", "decode ms/step batch", "same tokens",
+        "prompts",
+        "mean prompt tokens",
+        "method",
+        "largest bucket",
+        "single calls s",
+        "one batch call s",
+        "throughput batch / single",
+        "decode ms/step single",
+        "decode ms/step batch",
+        "same tokens",
     ]
     return _table(header, rows)
 
@@ -314,8 +363,16 @@ def _summarize_single_speed(records: Sequence[Record]) -> str:
                 )
             )
     header = [
-        "prompt tokens", "method", "prefill s", "prefill vs full", "decode ms/token", "decode speed-up vs full",
-        "decode floor ms", "KV kept MiB", "KV full MiB", "peak RSS MiB",
+        "prompt tokens",
+        "method",
+        "prefill s",
+        "prefill vs full",
+        "decode ms/token",
+        "decode speed-up vs full",
+        "decode floor ms",
+        "KV kept MiB",
+        "KV full MiB",
+        "peak RSS MiB",
     ]
     bw = records[0]["bandwidth_bytes_per_second"] / 1e9 if records else math.nan
     return _table(header, rows) + f"\n\nMeasured copy bandwidth: {bw:.1f} GB/s; weights {records[0]['weight_bytes'] / 2**20:.0f} MiB."
@@ -359,7 +416,7 @@ def plot_needle(records: Sequence[Record], out: Path) -> list[Path]:
         ax.set_yticks(range(len(depths)), [f"{d:.2f}" for d in depths], fontsize=7)
         ax.set_xlabel("prompt tokens", fontsize=8)
         ax.set_ylabel("depth", fontsize=8)
-    for ax in list(axes.flat)[len(groups):]:
+    for ax in list(axes.flat)[len(groups) :]:
         ax.axis("off")
     fig.suptitle("Needle exact match (green = found)", fontsize=10)
     fig.tight_layout()

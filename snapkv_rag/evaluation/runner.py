@@ -7,7 +7,6 @@ dtype, device, threads and toolkit version.
 
 from __future__ import annotations
 
-import dataclasses
 import statistics
 import time
 from collections.abc import Iterable, Sequence

@@ -23,19 +23,39 @@ def add_less_parser(sub) -> None:
     p.add_argument("--budgets", type=_ints, default=[256], help="comma-separated budgets, one kernel file each")
     p.add_argument("--prompt-tokens", type=_ints, default=[2048, 4096], help="comma-separated prompt lengths trained on")
     p.add_argument("--continuation-tokens", type=int, default=128)
-    p.add_argument("--sequences", type=_ints, default=None, help="windows per prompt length, --val-sequences of each validate (one number: every length; default: about 80K prompt tokens each, 40 at 2048)")
+    p.add_argument(
+        "--sequences",
+        type=_ints,
+        default=None,
+        help="windows per prompt length, --val-sequences of each validate (one number: every length; default: about 80K prompt tokens each, 40 at 2048)",
+    )
     p.add_argument("--val-sequences", type=int, default=4)
     p.add_argument("--rank", type=int, default=8)
     p.add_argument("--features", choices=("exp", "mlp"), default="exp", help="feature maps: exponential (default) or less.md's MLPs")
-    p.add_argument("--mass-rank", type=int, default=None, help="exp features: extra features that estimate only the evicted mass, 1 state number each per KV head (default: 32 for exp, 0 for mlp)")
+    p.add_argument(
+        "--mass-rank",
+        type=int,
+        default=None,
+        help="exp features: extra features that estimate only the evicted mass, 1 state number each per KV head (default: 32 for exp, 0 for mlp)",
+    )
     p.add_argument("--hidden", type=int, default=32, help="hidden width of the mlp feature maps")
     p.add_argument("--epochs", type=int, default=20)
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--lr", type=float, default=None, help="stage-1 learning rate (default: 1e-2 for exp features, 3e-3 for mlp)")
     p.add_argument("--distill-epochs", type=int, default=2, help="stage 2: epochs of all layers together on the end-to-end KL (0: stage 1 only)")
-    p.add_argument("--distill-sequences", type=_ints, default=None, help="stage 2: overlapping training windows per prompt length (default: about 240K prompt tokens each, 120 at 2048)")
+    p.add_argument(
+        "--distill-sequences",
+        type=_ints,
+        default=None,
+        help="stage 2: overlapping training windows per prompt length (default: about 240K prompt tokens each, 120 at 2048)",
+    )
     p.add_argument("--distill-lr", type=float, default=1e-2)
-    p.add_argument("--distill-params", choices=("calibration", "all"), default="calibration", help="stage 2 trains the output biases and key scales only, or every kernel tensor")
+    p.add_argument(
+        "--distill-params",
+        choices=("calibration", "all"),
+        default="calibration",
+        help="stage 2 trains the output biases and key scales only, or every kernel tensor",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
     p.add_argument("--work-dir", type=Path, default=Path("less-train"), help="capture shards and per-layer checkpoints (resume from here)")
@@ -49,9 +69,16 @@ def add_less_parser(sub) -> None:
     d.add_argument("kernels", type=Path, help="a kernel file made by `less train --distill-epochs 0`")
     d.add_argument("--out", type=Path, default=None, help="output file (default: overwrite the input)")
     d.add_argument("--epochs", type=int, default=2)
-    d.add_argument("--sequences", type=_ints, default=None, help="overlapping training windows per prompt length of the file (default: about 240K prompt tokens each, 120 at 2048)")
+    d.add_argument(
+        "--sequences",
+        type=_ints,
+        default=None,
+        help="overlapping training windows per prompt length of the file (default: about 240K prompt tokens each, 120 at 2048)",
+    )
     d.add_argument("--lr", type=float, default=1e-2)
-    d.add_argument("--params", choices=("calibration", "all"), default="calibration", help="train the output biases and key scales only, or every kernel tensor")
+    d.add_argument(
+        "--params", choices=("calibration", "all"), default="calibration", help="train the output biases and key scales only, or every kernel tensor"
+    )
     d.add_argument("--seed", type=int, default=0)
     d.add_argument("--threads", type=int, default=2, help="torch CPU threads (default 2)")
     d.add_argument("--work-dir", type=Path, default=Path("less-train"), help="collected sequences and the distilled checkpoint (resume from here)")
@@ -125,7 +152,16 @@ def cmd_less_distill(args: argparse.Namespace) -> int:
     engine = load_engine(args)
     start = time.perf_counter()
     out = distill_file(
-        engine, args.kernels, args.out or args.kernels, args.work_dir, epochs=args.epochs, sequences=args.sequences, lr=args.lr, params=args.params, seed=args.seed, progress=not args.no_progress
+        engine,
+        args.kernels,
+        args.out or args.kernels,
+        args.work_dir,
+        epochs=args.epochs,
+        sequences=args.sequences,
+        lr=args.lr,
+        params=args.params,
+        seed=args.seed,
+        progress=not args.no_progress,
     )
     print(json.dumps({"kernels": str(out), "seconds": round(time.perf_counter() - start, 1), "threads": args.threads}))
     return 0
@@ -139,8 +175,7 @@ def cmd_less_gap(args: argparse.Namespace) -> int:
     import torch
 
     from ..compression import LESS, parse_compression
-    from ..errors import InvalidCompressionError
-    from ..errors import EvalInputError
+    from ..errors import EvalInputError, InvalidCompressionError
     from .gap import gap_analysis, write_gap_report
 
     policy = parse_compression(args.compression)
@@ -151,7 +186,13 @@ def cmd_less_gap(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads)
     engine = load_engine(args)
     rows = gap_analysis(
-        engine, policy, args.lengths, per_length=args.prompts_per_length, continuation_tokens=args.continuation_tokens, per_layer=not args.no_per_layer, progress=not args.no_progress
+        engine,
+        policy,
+        args.lengths,
+        per_length=args.prompts_per_length,
+        continuation_tokens=args.continuation_tokens,
+        per_layer=not args.no_per_layer,
+        progress=not args.no_progress,
     )
     command = "snapkv-rag " + shlex.join(sys.argv[1:]) if sys.argv[1:3] == ["less", "gap"] else None
     report = write_gap_report(rows, args.out, spec=policy.spec(), command=command)

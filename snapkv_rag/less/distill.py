@@ -31,9 +31,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 from tqdm.auto import tqdm
 
-from ..errors import LessTrainingError
 from ..compression import LESS, CompressionPolicy, parse_compression
 from ..compression.runtime import PrefillCompression, capturing, select_for_prompt
+from ..errors import LessTrainingError
 from .corpus import corpus_tokens, overlapping_windows, validation_tail
 from .kernels import LayerKernels, LessKernels
 
@@ -74,7 +74,15 @@ class _PromptCapture:
 
 
 def collect_lengths(
-    engine, base: str, budgets: list[int], prompt_tokens: list[int], continuation_tokens: int, sequences: list[int], val_sequences: int, work: Path, progress: bool = True
+    engine,
+    base: str,
+    budgets: list[int],
+    prompt_tokens: list[int],
+    continuation_tokens: int,
+    sequences: list[int],
+    val_sequences: int,
+    work: Path,
+    progress: bool = True,
 ) -> tuple[list[Path], list[Path]]:
     """:func:`collect` for each prompt length (``sequences[i]`` training windows of ``prompt_tokens[i]``),
     every length's validation windows in the tail the longest length needs; returns all (train, val) paths."""
@@ -88,7 +96,16 @@ def collect_lengths(
 
 
 def collect(
-    engine, base: str, budgets: list[int], prompt_tokens: int, continuation_tokens: int, sequences: int, val_sequences: int, work: Path, progress: bool = True, tail: int | None = None
+    engine,
+    base: str,
+    budgets: list[int],
+    prompt_tokens: int,
+    continuation_tokens: int,
+    sequences: int,
+    val_sequences: int,
+    work: Path,
+    progress: bool = True,
+    tail: int | None = None,
 ) -> tuple[list[Path], list[Path]]:
     """Write one file per window under ``work/distill-<settings hash>`` (skipping those already
     there; the collection time, summed over resumed runs, is in its ``seconds.json``);
@@ -143,7 +160,7 @@ def collection_seconds(directory: Path) -> float:
     return json.loads(path.read_text())["seconds"] if path.exists() else 0.0
 
 
-def less_log_probs(engine, policy: LESS, kernels: LessKernels, sample: dict[str, torch.Tensor], budget: int, state: "LowRankState | None" = None) -> torch.Tensor:
+def less_log_probs(engine, policy: LESS, kernels: LessKernels, sample: dict[str, torch.Tensor], budget: int, state: LowRankState | None = None) -> torch.Tensor:
     """Log-probabilities ``[c-1, vocab]`` of the continuation under LESS, differentiable in the kernels.
 
     Rebuilds the state the compressed prefill would leave (kept K/V in the cache, evicted
@@ -211,7 +228,9 @@ def evaluate(engine, policy: LESS, kernels: LessKernels, samples: list[dict], bu
         return sum(float(_kl(s["log_probs"], less_log_probs(engine, policy, kernels, s, budget))) for s in samples) / len(samples)
 
 
-def distill(engine, kernels: LessKernels, train_paths: list[Path], val_paths: list[Path], budget: int, config: DistillConfig, progress: bool = True) -> tuple[LessKernels, dict[str, Any]]:
+def distill(
+    engine, kernels: LessKernels, train_paths: list[Path], val_paths: list[Path], budget: int, config: DistillConfig, progress: bool = True
+) -> tuple[LessKernels, dict[str, Any]]:
     """Fine-tune ``kernels`` (stage 1's, a copy is trained) on the end-to-end KL; returns the best epoch's.
 
     The model's parameters are frozen for the run and given back their ``requires_grad`` after."""

@@ -100,7 +100,9 @@ class OracleState(LowRankState):
         return log_mass, value
 
 
-def variant_kl(engine, policy: LESS, kernels: LessKernels, sample: dict[str, torch.Tensor], budget: int, modes: dict[int, tuple[str, str]], default: tuple[str, str]) -> float:
+def variant_kl(
+    engine, policy: LESS, kernels: LessKernels, sample: dict[str, torch.Tensor], budget: int, modes: dict[int, tuple[str, str]], default: tuple[str, str]
+) -> float:
     """Mean KL(full || variant) over the recorded continuation."""
     with torch.no_grad():
         state = OracleState(kernels, engine.device, modes, default)
@@ -119,8 +121,8 @@ def gap_analysis(
 ) -> list[dict[str, Any]]:
     """One row per held-out prompt: its length, the KL of every variant and, with ``per_layer``,
     of ``exact value`` in each layer alone (``exact_value_at_layer``, indexed by layer)."""
-    from ..evaluation.heldout import heldout_prompts
     from ..errors import EvalInputError
+    from ..evaluation.heldout import heldout_prompts
 
     budget = policy.max_capacity_prompt
     kernels = policy.load_kernels(engine.model)
@@ -182,8 +184,15 @@ def write_gap_report(rows: list[dict[str, Any]], out_dir, *, spec: str, command:
     summary = summarize(rows)
     (out / "gap.json").write_text(json.dumps({"policy": spec, "command": command, "rows": rows, "summary": summary}, indent=1))
     names = list(VARIANTS)
-    lines = [f"# LESS gap analysis: {spec}", ""] + ([f"Produced by `{command}`", ""] if command else []) + ["Mean KL(full || variant) over the continuation; in brackets the share of the base policy's KL gap closed. "
-        "`exact` is the full cache up to the fp16 recording of the prompt's K/V (hence KLs of about 1e-5, either sign).", ""]
+    lines = (
+        [f"# LESS gap analysis: {spec}", ""]
+        + ([f"Produced by `{command}`", ""] if command else [])
+        + [
+            "Mean KL(full || variant) over the continuation; in brackets the share of the base policy's KL gap closed. "
+            "`exact` is the full cache up to the fp16 recording of the prompt's K/V (hence KLs of about 1e-5, either sign).",
+            "",
+        ]
+    )
     lines += ["| prompts | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
     for s in summary:
         cells = [f"{s['kl'][n]:.4f} ({100 * s['gap_closed'][n]:.0f}%)" for n in names]

@@ -187,7 +187,7 @@ class LayerKernels:
         features = self.query_features(queries).reshape(b, hkv, hq // hkv, t, -1)
         return low_rank_estimate(features, A[:, :, None], B[:, :, None])
 
-    def to(self, device: torch.device) -> "LayerKernels":
+    def to(self, device: torch.device) -> LayerKernels:
         return LayerKernels({k: v.to(device) for k, v in self.phi.items()}, {k: v.to(device) for k, v in self.psi.items()}, self.kind)
 
 
@@ -202,13 +202,21 @@ class LessKernels:
     def rank(self) -> int:
         return next(iter(self.layers.values())).rank
 
-    def to(self, device: torch.device) -> "LessKernels":
+    def to(self, device: torch.device) -> LessKernels:
         return LessKernels({i: k.to(device) for i, k in self.layers.items()}, self.header)
 
     @classmethod
     def zeros(
-        cls, signature: dict[str, Any], *, rank: int = 8, hidden: int = 16, layers: list[int] | None = None, features: str = "mlp", mass_rank: int = 0, **header: Any
-    ) -> "LessKernels":
+        cls,
+        signature: dict[str, Any],
+        *,
+        rank: int = 8,
+        hidden: int = 16,
+        layers: list[int] | None = None,
+        features: str = "mlp",
+        mass_rank: int = 0,
+        **header: Any,
+    ) -> LessKernels:
         """Kernels with no low-rank contribution (zero ``mlp`` features; ``exp`` key biases of -inf),
         for tests and as a shape reference. ``mass_rank`` (``exp`` only): mass-only features."""
         if features not in FEATURE_KINDS:
@@ -239,7 +247,18 @@ class LessKernels:
 
         indices = range(signature["num_layers"]) if layers is None else layers
         built = {i: layer() for i in indices}
-        return cls(built, {"format": FORMAT, "model": signature, "rank": rank, "hidden": hidden, "features": features, **({"mass_rank": mass_rank} if mass_rank else {}), **header})
+        return cls(
+            built,
+            {
+                "format": FORMAT,
+                "model": signature,
+                "rank": rank,
+                "hidden": hidden,
+                "features": features,
+                **({"mass_rank": mass_rank} if mass_rank else {}),
+                **header,
+            },
+        )
 
     @classmethod
     def initial(
@@ -254,7 +273,7 @@ class LessKernels:
         features: str = "mlp",
         mass_rank: int = 0,
         **header: Any,
-    ) -> "LessKernels":
+    ) -> LessKernels:
         """Random kernels as training starts them, with the low-rank term near zero so the output
         starts near the base policy's: ``mlp``: Gaussian MLPs, identity ``mix``, ``scale``
         everywhere; ``exp``: Gaussian ``W`` (half the ``1/sqrt(d)`` scale), query biases 0, key
@@ -361,7 +380,8 @@ def shipped_kernels() -> list[tuple[Path, dict[str, Any]]]:
 
 def describe(header: dict[str, Any]) -> str:
     model = header.get("model", {})
-    return f"{model.get('model_type')} {model.get('num_layers')}x{model.get('num_query_heads')}/{model.get('num_kv_heads')} base={header.get('base')} budget={header.get('budget')}"
+    shape = f"{model.get('num_layers')}x{model.get('num_query_heads')}/{model.get('num_kv_heads')}"
+    return f"{model.get('model_type')} {shape} base={header.get('base')} budget={header.get('budget')}"
 
 
 def find_shipped(signature: dict[str, Any], base: str, budget: int) -> Path:

@@ -35,9 +35,9 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from ..errors import LessTrainingError
 from ..compression import CompressionPolicy, parse_compression
 from ..compression.runtime import select_for_prompt
+from ..errors import LessTrainingError
 from .corpus import LICENSE, SOURCE, corpus_tokens, overlapping_windows, validation_tail
 from .distill import DistillConfig, collect_lengths, collection_seconds, distill
 from .kernels import FEATURE_KINDS, FORMAT, LayerKernels, LessKernels, load_kernels, model_signature
@@ -67,7 +67,9 @@ class TrainConfig:
     shard: int = 8  # sequences per capture shard
     # stage 2 (:mod:`.distill`): all layers together on the end-to-end KL; 0 epochs skips it
     distill_epochs: int = 2
-    distill_sequences: int | list[int] | None = None  # (a list after __post_init__) training windows per prompt length; None: about 240K prompt tokens per length
+    distill_sequences: int | list[int] | None = (
+        None  # (a list after __post_init__) training windows per prompt length; None: about 240K prompt tokens per length
+    )
     distill_lr: float = 1e-2
     distill_params: str = "calibration"  # or "all" (every kernel tensor; overfits 120 windows, see distill.py)
 
@@ -356,7 +358,13 @@ def train(engine, config: TrainConfig, work: Path, out_dir: Path, *, model_tag: 
     for budget in config.budgets:
         layers_dir = work / f"kernels-b{budget}"
         template = LessKernels.initial(
-            signature, rank=config.rank, hidden=config.hidden, seed=config.seed, scale=config.init_scale, features=config.features, mass_rank=config.mass_features
+            signature,
+            rank=config.rank,
+            hidden=config.hidden,
+            seed=config.seed,
+            scale=config.init_scale,
+            features=config.features,
+            mass_rank=config.mass_features,
         )
         trained: dict[int, LayerKernels] = {}
         report: dict[str, dict[str, float]] = {}
@@ -375,7 +383,14 @@ def train(engine, config: TrainConfig, work: Path, out_dir: Path, *, model_tag: 
             kernels = template.layers[layer_idx]
             stats = train_layer(groups, kernels, meta[layer_idx]["o_proj"], config, config.seed + layer_idx)
             elapsed = time.perf_counter() - t0
-            checkpoint = {"format": FORMAT, "model": signature, "features": config.features, "validation": {str(layer_idx): stats}, "seconds": elapsed, "partial_layers_ok": True}
+            checkpoint = {
+                "format": FORMAT,
+                "model": signature,
+                "features": config.features,
+                "validation": {str(layer_idx): stats},
+                "seconds": elapsed,
+                "partial_layers_ok": True,
+            }
             LessKernels({layer_idx: kernels}, checkpoint).save(path)
             trained[layer_idx], report[str(layer_idx)] = kernels, stats
             seconds += elapsed
@@ -417,7 +432,17 @@ def _stage2(engine, stage1: LessKernels, train_paths, val_paths, budget: int, co
 
 
 def distill_file(
-    engine, kernels_path: Path, out_path: Path, work: Path, *, epochs: int, sequences: int | list[int] | None, lr: float, params: str = "calibration", seed: int = 0, progress: bool = True
+    engine,
+    kernels_path: Path,
+    out_path: Path,
+    work: Path,
+    *,
+    epochs: int,
+    sequences: int | list[int] | None,
+    lr: float,
+    params: str = "calibration",
+    seed: int = 0,
+    progress: bool = True,
 ) -> Path:
     """Run stage 2 alone on a stage-1 kernel file (its header says how it was trained) and save the result."""
     stage1 = load_kernels(kernels_path)
@@ -427,8 +452,17 @@ def distill_file(
         raise LessTrainingError(f"{kernels_path} is already distilled; start from a stage-1 file")
     lengths = _as_list(done["prompt_tokens"])
     config = TrainConfig(
-        base=done["base"], budgets=[header["budget"]], prompt_tokens=lengths, continuation_tokens=done["continuation_tokens"], sequences=done["sequences"],
-        val_sequences=done["val_sequences"], seed=seed, distill_epochs=epochs, distill_sequences=sequences, distill_lr=lr, distill_params=params,
+        base=done["base"],
+        budgets=[header["budget"]],
+        prompt_tokens=lengths,
+        continuation_tokens=done["continuation_tokens"],
+        sequences=done["sequences"],
+        val_sequences=done["val_sequences"],
+        seed=seed,
+        distill_epochs=epochs,
+        distill_sequences=sequences,
+        distill_lr=lr,
+        distill_params=params,
     )
     config.check()
     work.mkdir(parents=True, exist_ok=True)
@@ -436,5 +470,12 @@ def distill_file(
         engine, config.base, config.budgets, config.prompt_tokens, config.continuation_tokens, config.distill_counts, config.val_sequences, work, progress
     )
     layers, report = _stage2(engine, stage1, train_paths, val_paths, header["budget"], config, progress)
-    training = {**done, "distill_epochs": epochs, "distill_sequences": config.distill_sequences, "distill_lr": lr, "distill_params": params, "distill_threads": torch.get_num_threads()}
+    training = {
+        **done,
+        "distill_epochs": epochs,
+        "distill_sequences": config.distill_sequences,
+        "distill_lr": lr,
+        "distill_params": params,
+        "distill_threads": torch.get_num_threads(),
+    }
     return LessKernels(layers, {**header, "training": training, "distill": report}).save(out_path)

@@ -39,7 +39,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from .embeddings import Embedder
     from .loaders import Skipped, SourceText, load_file
     from .qa import DEFAULT_COMPRESSION, Answer, AnswerStream, Citation, DocumentQA, cite, cite_with_support
-    from .store import DocumentStore, IngestReport, StoreError, StoreUnavailableError, StoredChunk
+    from .store import DocumentStore, IngestReport, StoredChunk, StoreError, StoreUnavailableError
     from .stuffing import ContextBudgetError, EmptyCollectionError, StuffedContext, StuffingRetriever, build_messages
 
 

@@ -147,7 +147,6 @@ def _unit_prefix(fact: str) -> str:
     return f"{number} {unit[:4]}" if unit else fact
 
 
-
 def split_sentences(text: str) -> list[str]:
     return [m.group(0).strip() for m in _SENTENCE.finditer(text) if len(m.group(0).strip()) > 1]
 
@@ -177,7 +176,9 @@ def absent_subjects(sentence: str, question: str, chunk_texts: Sequence[str]) ->
     contains, compared by their first five letters: the documents do not talk about them."""
     present = set().union(*(_evidence(t).stems for t in chunk_texts))
     asked = _stems(question)
-    return {w.lower() for w in _WORD.findall(sentence) if len(w) >= 4 and w.lower()[:5] in asked and w.lower()[:5] not in present and w.lower() not in STOPWORDS}
+    return {
+        w.lower() for w in _WORD.findall(sentence) if len(w) >= 4 and w.lower()[:5] in asked and w.lower()[:5] not in present and w.lower() not in STOPWORDS
+    }
 
 
 def fact_gate(sentence: str, question: str, chunk_texts: Sequence[str]) -> tuple[list[bool], set[str]]:
@@ -227,7 +228,9 @@ def choose(row: Sequence[float], threshold: float, margin: float, max_cited: int
     return tuple(sorted((i for i, s in enumerate(row) if s >= best - margin), key=lambda i: -row[i])[:max_cited])
 
 
-def score_matrices(embedder: Embedder, question: str, sentences: Sequence[str], chunk_texts: Sequence[str], methods: Sequence[str] = METHODS) -> dict[str, list[list[float]]]:
+def score_matrices(
+    embedder: Embedder, question: str, sentences: Sequence[str], chunk_texts: Sequence[str], methods: Sequence[str] = METHODS
+) -> dict[str, list[list[float]]]:
     """``{method: [sentence][chunk] scores}`` for several methods, embedding each text once."""
     lexical = [[lexical_support(s, c) for c in chunk_texts] for s in sentences]
     out: dict[str, list[list[float]]] = {}
@@ -282,9 +285,7 @@ class EvidenceAttributor:
         return out
 
 
-def sweep(
-    embedder: Embedder, question: str, answer: str, chunk_texts: Sequence[str], grid: Sequence[tuple[str, float, float]]
-) -> dict[str, list[int]]:
+def sweep(embedder: Embedder, question: str, answer: str, chunk_texts: Sequence[str], grid: Sequence[tuple[str, float, float]]) -> dict[str, list[int]]:
     """Cited document numbers (1-based, sorted) under each ``(method, threshold, margin)`` of
     ``grid``, keyed ``"method:threshold=T,margin=M"``; each method's scores are computed once."""
     sentences = answer_sentences(answer)

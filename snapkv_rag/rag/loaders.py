@@ -106,8 +106,7 @@ def _decode(data: bytes) -> str:
         best = next((m for m in tied if m.encoding == "cp1252"), best)
     if best is None or best.encoding is None:
         raise _SkipFile(
-            f"not valid UTF-8 (byte {position}) and no other text encoding was recognised; "
-            "convert it, e.g. iconv -f LATIN1 -t UTF-8 FILE > FILE.utf8.txt"
+            f"not valid UTF-8 (byte {position}) and no other text encoding was recognised; convert it, e.g. iconv -f LATIN1 -t UTF-8 FILE > FILE.utf8.txt"
         )
     return str(best)
 

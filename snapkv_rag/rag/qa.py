@@ -135,10 +135,7 @@ def cite_with_support(
             raise ValueError("the attributed citation route needs an attributor")
         supports = attributor.attribute(question, text, [c.text for c in chunks])
         for support in supports:
-            citations += [
-                Citation(n, "attributed", chunks[n - 1], score, support.sentence)
-                for n, score in zip(support.numbers, support.scores)
-            ]
+            citations += [Citation(n, "attributed", chunks[n - 1], score, support.sentence) for n, score in zip(support.numbers, support.scores)]
     return citations, invalid, supports
 
 
@@ -160,7 +157,7 @@ def small_model_note(engine, remedy: str) -> str | None:
 class AnswerStream:
     """Iterate for answer text pieces; ``answer`` once exhausted."""
 
-    def __init__(self, qa: "DocumentQA", context: StuffedContext, stream):
+    def __init__(self, qa: DocumentQA, context: StuffedContext, stream):
         self._qa, self._context, self._stream = qa, context, stream
         self._answer: Answer | None = None
 

@@ -44,8 +44,7 @@ def validate_collection_name(name: object) -> str:
     """``name`` when Chroma accepts it as a collection name; StoreError otherwise."""
     if not isinstance(name, str) or not _NAME.match(name) or ".." in name:
         raise StoreError(
-            f"collection name {name!r} is not valid: use 3-512 characters from letters, digits, '.', '_', '-', "
-            "starting and ending with a letter or digit"
+            f"collection name {name!r} is not valid: use 3-512 characters from letters, digits, '.', '_', '-', starting and ending with a letter or digit"
         )
     return name
 
@@ -161,8 +160,7 @@ class DocumentStore:
         have = (collection.metadata or {}).get("embedder")
         if have is not None and have != self.embedder.model_name:
             raise StoreError(
-                f"collection {self.name!r} was embedded with {have!r}, not {self.embedder.model_name!r}; "
-                "use the same embedder or another collection"
+                f"collection {self.name!r} was embedded with {have!r}, not {self.embedder.model_name!r}; use the same embedder or another collection"
             )
         return collection
 

@@ -25,6 +25,7 @@ from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
 from ..compression import as_policy
+from . import DEFAULT_COMPRESSION, DEFAULT_MAX_REQUEST_BYTES, DEFAULT_MAX_TOKENS
 from .protocol import (
     APIError,
     ChunkWriter,
@@ -38,8 +39,6 @@ from .protocol import (
     parse_completion_request,
     parse_embedding_request,
 )
-
-from . import DEFAULT_COMPRESSION, DEFAULT_MAX_REQUEST_BYTES, DEFAULT_MAX_TOKENS
 
 log = logging.getLogger("snapkv_rag.server")
 
@@ -153,9 +152,16 @@ def _log(config: ServerConfig, request_id: str, request: ParsedRequest, result) 
     method = stats.compression["method"] if stats.compression else "full"
     log.info(
         "%s %s prompt=%d reused=%d completion=%d finish=%s compression=%s kept=%s ratio=%.1fx prefill=%.2fs decode=%sms/token",
-        request_id, request.kind, result.usage.prompt_tokens, stats.reused_prompt_tokens, result.usage.completion_tokens,
-        result.finish_reason, method, stats.kept_tokens_per_layer[0] if stats.kept_tokens_per_layer else 0,
-        stats.compression_ratio, stats.prefill_seconds,
+        request_id,
+        request.kind,
+        result.usage.prompt_tokens,
+        stats.reused_prompt_tokens,
+        result.usage.completion_tokens,
+        result.finish_reason,
+        method,
+        stats.kept_tokens_per_layer[0] if stats.kept_tokens_per_layer else 0,
+        stats.compression_ratio,
+        stats.prefill_seconds,
         f"{stats.decode_ms_per_token:.1f}" if stats.decode_ms_per_token is not None else "-",
     )
 
@@ -251,7 +257,9 @@ async def embeddings(request: Request):
             counts = [len(tokenizer(t, add_special_tokens=True)["input_ids"]) for t in texts]
             for i, n in enumerate(counts):
                 if n > limit:
-                    raise invalid(f"input[{i}] has {n} tokens; the embedder reads at most {limit}, so it would be cut: split it first", "input", "input_too_long")
+                    raise invalid(
+                        f"input[{i}] has {n} tokens; the embedder reads at most {limit}, so it would be cut: split it first", "input", "input_too_long"
+                    )
             return embedder.embed(texts), sum(counts)
 
         vectors, tokens = await asyncio.get_running_loop().run_in_executor(None, work)
@@ -295,11 +303,19 @@ async def model(request: Request):
 async def health(request: Request):
     config: ServerConfig = request.app.state.config
     info = config.engine.info()
-    return JSONResponse({"status": "ok", "model": config.model_id, "context_length": info.context_length, "compression": config.compression_spec, "device": info.device})
+    return JSONResponse(
+        {"status": "ok", "model": config.model_id, "context_length": info.context_length, "compression": config.compression_spec, "device": info.device}
+    )
 
 
 async def not_found(request: Request, exc: Exception):
-    return _error_response(APIError(404, f"no route {request.method} {request.url.path}; see GET /v1/models, POST /v1/chat/completions, /v1/completions, /v1/embeddings", code="not_found"))
+    return _error_response(
+        APIError(
+            404,
+            f"no route {request.method} {request.url.path}; see GET /v1/models, POST /v1/chat/completions, /v1/completions, /v1/embeddings",
+            code="not_found",
+        )
+    )
 
 
 async def method_not_allowed(request: Request, exc: Exception):
@@ -317,7 +333,9 @@ def create_app(config: ServerConfig) -> Starlette:
             Route("/health", health, methods=["GET"]),
         ],
         exception_handlers={404: not_found, 405: method_not_allowed},
-        middleware=[Middleware(CORSMiddleware, allow_origins=list(config.allow_origins), allow_methods=["GET", "POST"], allow_headers=["*"])] if config.allow_origins else [],
+        middleware=[Middleware(CORSMiddleware, allow_origins=list(config.allow_origins), allow_methods=["GET", "POST"], allow_headers=["*"])]
+        if config.allow_origins
+        else [],
     )
     app.state.config = config
     return app

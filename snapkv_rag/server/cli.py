@@ -19,15 +19,32 @@ def add_serve_parser(sub) -> None:
     p.add_argument("--dtype", default=None, help="float32, bfloat16, float16 (default: bf16 on GPU and on CPUs with native bf16, else fp32)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: this machine only; 0.0.0.0 for all)")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--compression", default=DEFAULT_COMPRESSION, help=f"default policy spec for requests that name none (default {DEFAULT_COMPRESSION}; 'full' for none)")
-    p.add_argument("--served-model-name", default=None, help="the model id clients send (default: the model's name, e.g. SmolLM2-135M-Instruct; the --model value is accepted too)")
+    p.add_argument(
+        "--compression", default=DEFAULT_COMPRESSION, help=f"default policy spec for requests that name none (default {DEFAULT_COMPRESSION}; 'full' for none)"
+    )
+    p.add_argument(
+        "--served-model-name",
+        default=None,
+        help="the model id clients send (default: the model's name, e.g. SmolLM2-135M-Instruct; the --model value is accepted too)",
+    )
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (default: $SNAPKV_RAG_API_KEY, else no key)")
-    p.add_argument("--default-max-tokens", type=int, default=DEFAULT_MAX_TOKENS, help=f"max_tokens when a request gives none (default {DEFAULT_MAX_TOKENS}, capped by the room in the context)")
+    p.add_argument(
+        "--default-max-tokens",
+        type=int,
+        default=DEFAULT_MAX_TOKENS,
+        help=f"max_tokens when a request gives none (default {DEFAULT_MAX_TOKENS}, capped by the room in the context)",
+    )
     p.add_argument("--embedder", default="default", help="sentence-transformers model for /v1/embeddings: 'default' (all-MiniLM-L6-v2), a path, or 'none'")
-    p.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES, help=f"larger request bodies get a 413 (default {DEFAULT_MAX_REQUEST_BYTES})")
-    p.add_argument("--allow-origin", action="append", default=None, help="an origin browsers may call from (CORS), e.g. http://localhost:3000; repeatable; '*' for any")
+    p.add_argument(
+        "--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES, help=f"larger request bodies get a 413 (default {DEFAULT_MAX_REQUEST_BYTES})"
+    )
+    p.add_argument(
+        "--allow-origin", action="append", default=None, help="an origin browsers may call from (CORS), e.g. http://localhost:3000; repeatable; '*' for any"
+    )
     p.add_argument("--prefix-cache-bytes", type=int, default=None, help="bound of the prefix cache (default: 1 GiB on CPU; 0 disables)")
-    p.add_argument("--kv-dir", default=None, help="store the K/V of requests' reuse_segments here (shared with other processes, kept across restarts; default: in memory)")
+    p.add_argument(
+        "--kv-dir", default=None, help="store the K/V of requests' reuse_segments here (shared with other processes, kept across restarts; default: in memory)"
+    )
     p.add_argument("--kv-cache-bytes", type=int, default=None, help="bound of --kv-dir (default 2 GiB; least recently used first)")
     p.set_defaults(func=cmd_serve)
 

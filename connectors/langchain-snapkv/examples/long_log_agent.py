@@ -76,14 +76,20 @@ def run_session(llm: ChatSnapKV, history: SnapKVChatMessageHistory, turns: int =
     for turn, question in enumerate(questions, start=1):
         before = history.fitted_messages(llm.client, max_new_tokens=llm.max_tokens or 256)
         state = agent.invoke({"messages": [*before, HumanMessage(question)]})
-        new = state["messages"][len(before):]
+        new = state["messages"][len(before) :]
         history.add_messages(new)
         for j, m in enumerate((m for m in new if isinstance(m, AIMessage)), start=1):
             meta = m.response_metadata
             row = {
-                "turn": turn, "call": j, "prompt_tokens": meta["prompt_tokens"], "reused_prompt_tokens": meta.get("reused_prompt_tokens"),
-                "kept_tokens": meta["kept_tokens"], "compression_ratio": meta["compression_ratio"], "prefill_seconds": meta["prefill_seconds"],
-                "tool_calls": m.tool_calls, "text": m.content,
+                "turn": turn,
+                "call": j,
+                "prompt_tokens": meta["prompt_tokens"],
+                "reused_prompt_tokens": meta.get("reused_prompt_tokens"),
+                "kept_tokens": meta["kept_tokens"],
+                "compression_ratio": meta["compression_ratio"],
+                "prefill_seconds": meta["prefill_seconds"],
+                "tool_calls": m.tool_calls,
+                "text": m.content,
             }
             rows.append(row)
             what = f"tool call {m.tool_calls[0]['name']}({m.tool_calls[0]['args']})" if m.tool_calls else repr(m.content.strip()[:70])
@@ -114,7 +120,9 @@ def main() -> None:
     final = [m for m in messages if isinstance(m, AIMessage)][-1].content.strip()
     print(f"\nFinal answer: {final}")
     print(f"Expected (from part 1): {SECRET}; code E-4471 in the answer: {'E-4471' in final}")
-    print(f"{len(messages)} messages stored verbatim; tool logs {tool_tokens} tokens in all vs SnapKV budget {args.budget}; {time.perf_counter() - started:.0f} s")
+    print(
+        f"{len(messages)} messages stored verbatim; tool logs {tool_tokens} tokens in all vs SnapKV budget {args.budget}; {time.perf_counter() - started:.0f} s"
+    )
 
 
 if __name__ == "__main__":

@@ -10,7 +10,7 @@
 
 from importlib import metadata
 
-from .chains import create_cited_qa_chain, cited_prompt
+from .chains import cited_prompt, create_cited_qa_chain
 from .chat_history import SnapKVChatMessageHistory
 from .chat_models import ChatSnapKV, from_engine_messages, to_engine_messages
 from .embeddings import SnapKVEmbeddings

@@ -22,8 +22,7 @@ from langchain_core.messages import BaseMessage
 from langchain_core.runnables import Runnable, RunnableLambda, RunnablePassthrough
 
 from snapkv_rag.rag import EvidenceAttributor, build_messages
-from snapkv_rag.rag.qa import cite_with_support
-from snapkv_rag.rag.qa import ROUTES
+from snapkv_rag.rag.qa import ROUTES, cite_with_support
 from snapkv_rag.rag.stuffing import SYSTEM_PROMPT
 
 from .chat_models import from_engine_messages
@@ -85,8 +84,7 @@ def create_cited_qa_chain(
             "question": inputs["question"],
             "answer": text,
             "citations": [
-                {"number": c.number, "route": c.route, "document": documents[c.number - 1], "score": c.score, "sentence": c.sentence}
-                for c in citations
+                {"number": c.number, "route": c.route, "document": documents[c.number - 1], "score": c.score, "sentence": c.sentence} for c in citations
             ],
             "invalid_citations": invalid,
             # sentences whose numbers, names or dates no document contains (nothing cited), or only partly

@@ -10,9 +10,9 @@ output come from the engine's constrained decoding; compression stats and usage 
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from operator import itemgetter
-from typing import Any, Callable, Literal
+from typing import Any, Literal
 
 from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
 from langchain_core.language_models import LanguageModelInput
@@ -44,8 +44,18 @@ from snapkv_rag.offered import check_kv_reuse, resolve_kv_reuse, reuse_kwargs, s
 PROVIDER = "snapkv"
 # Per-call keyword arguments passed to the engine as they are.
 _ENGINE_KWARGS = (
-    "compression", "tools", "tool_choice", "response_format", "parallel_tool_calls", "question", "ignore_eos", "chat",
-    "reuse_segments", "segment_store", "recompute", "prefix_cache",
+    "compression",
+    "tools",
+    "tool_choice",
+    "response_format",
+    "parallel_tool_calls",
+    "question",
+    "ignore_eos",
+    "chat",
+    "reuse_segments",
+    "segment_store",
+    "recompute",
+    "prefix_cache",
 )
 # Per-call overrides of the model's own sampling fields: LangChain name -> engine name.
 _SAMPLING = {"max_tokens": "max_new_tokens", "max_new_tokens": "max_new_tokens", "temperature": "temperature", "top_p": "top_p", "seed": "seed"}
@@ -204,7 +214,7 @@ class ChatSnapKV(BaseChatModel):
     _engine: Any = PrivateAttr(default=None)
 
     @model_validator(mode="after")
-    def _check(self) -> "ChatSnapKV":
+    def _check(self) -> ChatSnapKV:
         as_policy(self.compression)  # InvalidCompressionError now, not at the first call
         check_kv_reuse(self.kv_reuse)
         if self.engine is not None and not isinstance(self.engine, Engine):
@@ -323,7 +333,9 @@ class ChatSnapKV(BaseChatModel):
         return ChatGenerationChunk(message=message, generation_info={"finish_reason": result.finish_reason})
 
     # ------------------------------------------------------------------ generation
-    def _generate(self, messages: list[BaseMessage], stop: list[str] | None = None, run_manager: CallbackManagerForLLMRun | None = None, **kwargs: Any) -> ChatResult:
+    def _generate(
+        self, messages: list[BaseMessage], stop: list[str] | None = None, run_manager: CallbackManagerForLLMRun | None = None, **kwargs: Any
+    ) -> ChatResult:
         if self.streaming:
             from langchain_core.language_models.chat_models import generate_from_stream
 
@@ -331,7 +343,9 @@ class ChatSnapKV(BaseChatModel):
         result = self._client_for(kwargs).generate(to_engine_messages(messages), **self._engine_kwargs(stop, kwargs))
         return self._result(result)
 
-    async def _agenerate(self, messages: list[BaseMessage], stop: list[str] | None = None, run_manager: AsyncCallbackManagerForLLMRun | None = None, **kwargs: Any) -> ChatResult:
+    async def _agenerate(
+        self, messages: list[BaseMessage], stop: list[str] | None = None, run_manager: AsyncCallbackManagerForLLMRun | None = None, **kwargs: Any
+    ) -> ChatResult:
         if self.streaming:
             from langchain_core.language_models.chat_models import agenerate_from_stream
 
@@ -339,7 +353,9 @@ class ChatSnapKV(BaseChatModel):
         result = await self._client_for(kwargs).agenerate(to_engine_messages(messages), **self._engine_kwargs(stop, kwargs))
         return self._result(result)
 
-    def _stream(self, messages: list[BaseMessage], stop: list[str] | None = None, run_manager: CallbackManagerForLLMRun | None = None, **kwargs: Any) -> Iterator[ChatGenerationChunk]:
+    def _stream(
+        self, messages: list[BaseMessage], stop: list[str] | None = None, run_manager: CallbackManagerForLLMRun | None = None, **kwargs: Any
+    ) -> Iterator[ChatGenerationChunk]:
         stream = self._client_for(kwargs).stream(to_engine_messages(messages), **self._engine_kwargs(stop, kwargs))
         try:
             for piece in stream:
@@ -351,7 +367,9 @@ class ChatSnapKV(BaseChatModel):
             stream.close()  # a consumer that stops early cancels generation
         yield self._final_chunk(stream.result)
 
-    async def _astream(self, messages: list[BaseMessage], stop: list[str] | None = None, run_manager: AsyncCallbackManagerForLLMRun | None = None, **kwargs: Any) -> AsyncIterator[ChatGenerationChunk]:
+    async def _astream(
+        self, messages: list[BaseMessage], stop: list[str] | None = None, run_manager: AsyncCallbackManagerForLLMRun | None = None, **kwargs: Any
+    ) -> AsyncIterator[ChatGenerationChunk]:
         stream = self._client_for(kwargs).astream(to_engine_messages(messages), **self._engine_kwargs(stop, kwargs))
         async for piece in stream:
             chunk = self._chunk(piece)
@@ -415,11 +433,7 @@ class ChatSnapKV(BaseChatModel):
             tool = convert_to_openai_tool(schema)
             name = tool["function"]["name"]
             llm = self.bind_tools([schema], tool_choice=name, ls_structured_output_format=ls_format)
-            parser = (
-                PydanticToolsParser(tools=[schema], first_tool_only=True)
-                if is_pydantic
-                else JsonOutputKeyToolsParser(key_name=name, first_tool_only=True)
-            )
+            parser = PydanticToolsParser(tools=[schema], first_tool_only=True) if is_pydantic else JsonOutputKeyToolsParser(key_name=name, first_tool_only=True)
         else:
             function = convert_to_openai_tool(schema)["function"]
             response_format = {"type": "json_schema", "json_schema": {"name": function["name"], "schema": function["parameters"], "strict": True}}
@@ -445,7 +459,9 @@ def from_engine_messages(messages: Sequence[dict[str, Any]]) -> list[BaseMessage
             calls = []
             for c in m.get("tool_calls") or []:
                 args = c["function"].get("arguments", {})
-                calls.append({"name": c["function"]["name"], "args": json.loads(args) if isinstance(args, str) else dict(args), "id": c["id"], "type": "tool_call"})
+                calls.append(
+                    {"name": c["function"]["name"], "args": json.loads(args) if isinstance(args, str) else dict(args), "id": c["id"], "type": "tool_call"}
+                )
             out.append(AIMessage(content=content, tool_calls=calls))
         elif role == "tool":
             out.append(ToolMessage(content=content, tool_call_id=m["tool_call_id"], name=m.get("name")))

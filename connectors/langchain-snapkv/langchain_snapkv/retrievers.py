@@ -121,12 +121,12 @@ class SnapKVStuffingRetriever(BaseRetriever):
     system_prompt: str = SYSTEM_PROMPT
 
     @classmethod
-    def from_vectorstore(cls, vectorstore: VectorStore, **kwargs: Any) -> "SnapKVStuffingRetriever":
+    def from_vectorstore(cls, vectorstore: VectorStore, **kwargs: Any) -> SnapKVStuffingRetriever:
         """Pack the results of any LangChain vector store (e.g. ``langchain_chroma.Chroma``)."""
         return cls(store=LangChainChunkSource(vectorstore), **kwargs)
 
     @classmethod
-    def from_retriever(cls, retriever: BaseRetriever, **kwargs: Any) -> "SnapKVStuffingRetriever":
+    def from_retriever(cls, retriever: BaseRetriever, **kwargs: Any) -> SnapKVStuffingRetriever:
         """Pack the Documents any LangChain retriever returns, in its order."""
         return cls(store=LangChainChunkSource(retriever), **kwargs)
 

@@ -23,7 +23,6 @@ from llama_index.core.instrumentation.events.llm import LLMChatEndEvent
 from llama_index.core.node_parser import SentenceSplitter
 from llama_index.core.query_engine import CitationQueryEngine
 from llama_index.core.tools import FunctionTool
-
 from llama_index.llms.snapkv import (
     CITATION_HEADER,
     SnapKVLLM,
@@ -33,6 +32,7 @@ from llama_index.llms.snapkv import (
     default_embed_model,
     hide_file_metadata,
 )
+
 from snapkv_rag.metrics import parse_citations
 
 CORPUS = Path(__file__).resolve().parents[3] / "examples" / "sample_corpus"

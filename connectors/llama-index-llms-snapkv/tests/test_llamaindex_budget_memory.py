@@ -7,9 +7,9 @@ import asyncio
 import pytest
 from llama_index.core.base.llms.types import ChatMessage, TextBlock, ToolCallBlock
 from llama_index.core.schema import NodeWithScore, QueryBundle, TextNode
-
 from llama_index.llms.snapkv import SnapKVLLM, SnapKVMemory, TokenBudgetPostprocessor
 from llama_index.llms.snapkv.postprocessor import CITATION_HEADER
+
 from snapkv_rag.agents import AgentMemory
 from snapkv_rag.rag.stuffing import ContextBudgetError
 
@@ -20,7 +20,9 @@ def llm(engine):
 
 
 def nodes(texts, **metadata):
-    return [NodeWithScore(node=TextNode(text=t, metadata=dict(metadata), excluded_llm_metadata_keys=list(metadata)), score=1 - i / 10) for i, t in enumerate(texts)]
+    return [
+        NodeWithScore(node=TextNode(text=t, metadata=dict(metadata), excluded_llm_metadata_keys=list(metadata)), score=1 - i / 10) for i, t in enumerate(texts)
+    ]
 
 
 TEXTS = ["hello world " * 10, "the fox " * 40, "paris " * 5, "engine " * 8]
@@ -59,11 +61,13 @@ def test_memory_round_trips_tool_calls_and_keeps_tool_output_whole(llm):
     memory = SnapKVMemory.from_defaults(llm=llm, thread_id="t1")
     long_output = "log line " * 60
     memory.put(ChatMessage(role="user", content="read the log"))
-    memory.put_messages([
-        ChatMessage(role="assistant", blocks=[TextBlock(text=""), ToolCallBlock(tool_call_id="c1", tool_name="read_log", tool_kwargs={"job": "nightly"})]),
-        ChatMessage(role="tool", content=long_output, additional_kwargs={"tool_call_id": "c1"}),
-        ChatMessage(role="assistant", content="It failed."),
-    ])
+    memory.put_messages(
+        [
+            ChatMessage(role="assistant", blocks=[TextBlock(text=""), ToolCallBlock(tool_call_id="c1", tool_name="read_log", tool_kwargs={"job": "nightly"})]),
+            ChatMessage(role="tool", content=long_output, additional_kwargs={"tool_call_id": "c1"}),
+            ChatMessage(role="assistant", content="It failed."),
+        ]
+    )
     got = memory.get()
     assert [m.role.value for m in got] == ["user", "assistant", "tool", "assistant"]
     (call,) = [b for b in got[1].blocks if isinstance(b, ToolCallBlock)]
@@ -92,7 +96,6 @@ def test_memory_drops_whole_old_turns_when_the_thread_outgrows_the_budget(llm):
 def test_in_a_retriever_query_engine(tokenizer):
     from llama_index.core.base.base_retriever import BaseRetriever
     from llama_index.core.query_engine import RetrieverQueryEngine
-
     from snapkv_root_conftest import tiny_engine
 
     class Fixed(BaseRetriever):
@@ -121,7 +124,6 @@ def test_memory_renders_append_only_so_the_prefix_cache_is_reused(llm):
 def test_query_engine_reuses_the_kept_nodes_kv_in_any_order(tokenizer):
     from llama_index.core.base.base_retriever import BaseRetriever
     from llama_index.core.query_engine import RetrieverQueryEngine
-
     from snapkv_root_conftest import tiny_engine
 
     texts = [f"Report {i}: the {w} opened in {1900 + i} and keeps its records in hall {i}." * 2 for i, w in enumerate(["ferry", "museum", "tram"])]

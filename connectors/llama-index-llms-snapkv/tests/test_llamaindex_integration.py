@@ -12,7 +12,6 @@ from llama_index.core.agent.workflow import AgentStream, FunctionAgent, ToolCall
 from llama_index.core.node_parser import SentenceSplitter
 from llama_index.core.query_engine import CitationQueryEngine
 from llama_index.core.tools import FunctionTool
-
 from llama_index.llms.snapkv import (
     CITATION_HEADER,
     SnapKVLLM,

@@ -11,13 +11,12 @@ from llama_index.core.base.llms.types import ChatMessage, MessageRole, TextBlock
 from llama_index.core.callbacks import CallbackManager, CBEventType, LlamaDebugHandler
 from llama_index.core.prompts import PromptTemplate
 from llama_index.core.tools import FunctionTool
-from pydantic import BaseModel
-
 from llama_index.llms.snapkv import SnapKVLLM
 from llama_index.llms.snapkv.messages import to_engine_messages
-from snapkv_rag.errors import PromptTooLongError
-
+from pydantic import BaseModel
 from snapkv_root_conftest import terse_bias, tiny_tool_engine
+
+from snapkv_rag.errors import PromptTooLongError
 
 LONG = " ".join(["The quick brown fox jumps over the lazy dog."] * 12) + " What does the fox do?"
 
@@ -140,12 +139,16 @@ def test_messages_translate_tool_calls_and_tool_results():
         ChatMessage(role="user", content="What is magic(3)?"),
         ChatMessage(role="assistant", blocks=[TextBlock(text=""), ToolCallBlock(tool_call_id="c1", tool_name="magic", tool_kwargs={"input": 3})]),
         ChatMessage(role="tool", content="22", additional_kwargs={"tool_call_id": "c1", "name": "magic"}),
-        ChatMessage(role="assistant", content="", additional_kwargs={"tool_calls": [{"id": "c2", "type": "function", "function": {"name": "magic", "arguments": "{\"input\": 4}"}}]}),
+        ChatMessage(
+            role="assistant",
+            content="",
+            additional_kwargs={"tool_calls": [{"id": "c2", "type": "function", "function": {"name": "magic", "arguments": '{"input": 4}'}}]},
+        ),
     ]
     out = to_engine_messages(history)
     assert out[1]["tool_calls"] == [{"id": "c1", "type": "function", "function": {"name": "magic", "arguments": {"input": 3}}}]
     assert out[2] == {"role": "tool", "content": "22", "tool_call_id": "c1", "name": "magic"}
-    assert out[3]["tool_calls"][0]["function"]["arguments"] == "{\"input\": 4}"
+    assert out[3]["tool_calls"][0]["function"]["arguments"] == '{"input": 4}'
 
 
 def test_forced_tool_call_parses_into_tool_selections(tool_llm):
@@ -183,9 +186,7 @@ def test_tool_result_round_trip_renders(tool_llm):
     (sel,) = tool_llm.get_tool_calls_from_response(call)
     follow = [*USER, call.message, ChatMessage(role="tool", content=magic(**sel.tool_kwargs), additional_kwargs={"tool_call_id": sel.tool_id})]
     prompt = to_engine_messages(follow)
-    rendered = tool_llm.engine.tokenizer.decode(
-        __import__("snapkv_rag.prompts", fromlist=["render_prompt"]).render_prompt(tool_llm.engine.tokenizer, prompt)
-    )
+    rendered = tool_llm.engine.tokenizer.decode(__import__("snapkv_rag.prompts", fromlist=["render_prompt"]).render_prompt(tool_llm.engine.tokenizer, prompt))
     assert "<tool_response>" in rendered and magic(**sel.tool_kwargs) in rendered
     answer = tool_llm.chat_with_tools([MAGIC], chat_history=follow, tool_choice="none", max_new_tokens=4)
     assert answer.additional_kwargs["finish_reason"] in ("stop", "length")
@@ -215,6 +216,9 @@ def test_model_name_loads_through_the_shared_engine_cache(engine, monkeypatch):
     a = SnapKVLLM(model="some/model", compression="snapkv:budget=64", prefix_cache_bytes=0)
     b = SnapKVLLM(model="some/model", dtype="float32")
     assert a.engine is b.engine is engine and a.model == "some/model"
-    assert asked == [("some/model", {"device": None, "dtype": None, "prefix_cache_bytes": 0}), ("some/model", {"device": None, "dtype": "float32", "prefix_cache_bytes": None})]
+    assert asked == [
+        ("some/model", {"device": None, "dtype": None, "prefix_cache_bytes": 0}),
+        ("some/model", {"device": None, "dtype": "float32", "prefix_cache_bytes": None}),
+    ]
     with pytest.raises(ValueError, match="prefix_cache_bytes"):
         SnapKVLLM(engine, prefix_cache_bytes=1024)

@@ -102,8 +102,12 @@ def test_stop_sequences_from_field_and_call(tiny_engine):
 def test_ls_params_and_model_override(tiny_engine, monkeypatch):
     llm = ChatSnapKV(engine=tiny_engine, max_tokens=5, stop=["x"], temperature=0.5)
     assert llm._get_ls_params() == {
-        "ls_provider": "snapkv", "ls_model_name": "tiny-llama", "ls_model_type": "chat",
-        "ls_temperature": 0.5, "ls_max_tokens": 5, "ls_stop": ["x"],
+        "ls_provider": "snapkv",
+        "ls_model_name": "tiny-llama",
+        "ls_model_type": "chat",
+        "ls_temperature": 0.5,
+        "ls_max_tokens": 5,
+        "ls_stop": ["x"],
     }
     assert llm._get_ls_params(model="other")["ls_model_name"] == "other"
     import snapkv_rag.engine_cache as shared
@@ -127,7 +131,7 @@ def test_engines_by_name_are_shared(tiny_engine, monkeypatch):
     a, b = ChatSnapKV(model="some/model", max_tokens=2), ChatSnapKV(model="some/model", temperature=0.3)
     assert loads == []  # nothing loads at construction
     assert a.client is b.client is tiny_engine and len(loads) == 1
-    ChatSnapKV(model="some/model", prefix_cache_bytes=0).client
+    _ = ChatSnapKV(model="some/model", prefix_cache_bytes=0).client  # the property loads the engine
     assert loads[-1] == ("some/model", {"device": None, "dtype": None, "prefix_cache_bytes": 0})
     shared.clear_shared_engines()
 
@@ -187,8 +191,13 @@ def test_structured_output_pydantic(tool_engine, method):
 
 def test_structured_output_dict_schema_include_raw_and_json_mode(tool_engine):
     llm = ChatSnapKV(engine=tool_engine, max_tokens=60, compression=None)
-    schema = {"title": "city", "description": "A city.", "type": "object",
-              "properties": {"name": {"type": "string"}, "size": {"type": "integer"}}, "required": ["name", "size"]}
+    schema = {
+        "title": "city",
+        "description": "A city.",
+        "type": "object",
+        "properties": {"name": {"type": "string"}, "size": {"type": "integer"}},
+        "required": ["name", "size"],
+    }
     out = llm.with_structured_output(schema, include_raw=True).invoke("A city?")
     assert set(out) == {"raw", "parsed", "parsing_error"} and out["parsing_error"] is None
     assert set(out["parsed"]) == {"name", "size"} and isinstance(out["raw"], AIMessage)

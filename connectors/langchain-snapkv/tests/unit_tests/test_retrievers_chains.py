@@ -63,10 +63,12 @@ def test_langchain_chroma_interop(tmp_path, embedder, tiny_engine):
     from langchain_chroma import Chroma
 
     vs = Chroma("interop", embedding_function=SnapKVEmbeddings(embedder=embedder), persist_directory=str(tmp_path))
-    vs.add_documents([
-        Document(page_content=f"The {t} opens at {7 + i} a.m.", metadata={"source": f"{t}.txt", "title": t.title()}, id=f"id-{t}")
-        for i, t in enumerate(TOPICS)
-    ])
+    vs.add_documents(
+        [
+            Document(page_content=f"The {t} opens at {7 + i} a.m.", metadata={"source": f"{t}.txt", "title": t.title()}, id=f"id-{t}")
+            for i, t in enumerate(TOPICS)
+        ]
+    )
     r = SnapKVStuffingRetriever.from_vectorstore(vs, engine=tiny_engine, context_tokens=60, max_new_tokens=8)
     docs = r.invoke("When does the ferry open?")
     assert docs[0].id == "id-ferry" and docs[0].metadata["source"] == "ferry.txt"

@@ -7,7 +7,7 @@ Every method calls the engine's own generation path (``generate``/``stream``/``a
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Type, Union
+from typing import TYPE_CHECKING, Any
 
 from llama_index.core.base.llms.types import (
     ChatMessage,
@@ -32,8 +32,8 @@ from llama_index.core.prompts import BasePromptTemplate
 from snapkv_rag import Engine, GenerationResult, ToolCallDelta
 from snapkv_rag.compression import as_policy
 from snapkv_rag.engine_cache import shared_engine
-from snapkv_rag.offered import check_kv_reuse, resolve_kv_reuse, reuse_kwargs, segment_store_at
 from snapkv_rag.errors import PromptTooLongError
+from snapkv_rag.offered import check_kv_reuse, resolve_kv_reuse, reuse_kwargs, segment_store_at
 
 from .messages import assistant_message, result_message, result_summary, to_engine_messages, tool_selections
 
@@ -43,7 +43,7 @@ if TYPE_CHECKING:
 dispatcher = get_dispatcher(__name__)
 
 
-def response_format_for(output_cls: Type[BaseModel]) -> dict[str, Any]:
+def response_format_for(output_cls: type[BaseModel]) -> dict[str, Any]:
     """The engine's ``response_format`` for a pydantic class (its JSON Schema, strict)."""
     return {"type": "json_schema", "json_schema": {"name": output_cls.__name__, "schema": output_cls.model_json_schema(), "strict": True}}
 
@@ -55,7 +55,7 @@ class _StreamState:
         self.text = ""
         self.calls: list[list[Any]] = []  # [id, name, arguments text so far]
 
-    def add(self, piece: Union[str, ToolCallDelta]) -> str:
+    def add(self, piece: str | ToolCallDelta) -> str:
         if isinstance(piece, ToolCallDelta):
             while len(self.calls) <= piece.index:
                 self.calls.append([None, "", ""])
@@ -95,34 +95,34 @@ class SnapKVLLM(FunctionCallingLLM):
     max_new_tokens: int = Field(default=256, gt=0, description="Tokens to generate per call (num_output).")
     temperature: float = Field(default=0.0, ge=0.0, description="0 = greedy.")
     context_window: int = Field(default=0, description="Prompt + output tokens per call; default: the model's context.")
-    prefix_cache_bytes: Optional[int] = Field(default=None, description="Prefix-cache bound of a loaded engine (None = engine default).")
-    device: Optional[str] = Field(default=None)
-    dtype: Optional[str] = Field(default=None)
-    generate_kwargs: Dict[str, Any] = Field(default_factory=dict, description="Other engine options (top_p, stop, seed).")
-    kv_reuse: Optional[str] = Field(
+    prefix_cache_bytes: int | None = Field(default=None, description="Prefix-cache bound of a loaded engine (None = engine default).")
+    device: str | None = Field(default=None)
+    dtype: str | None = Field(default=None)
+    generate_kwargs: dict[str, Any] = Field(default_factory=dict, description="Other engine options (top_p, stop, seed).")
+    kv_reuse: str | None = Field(
         default=None,
         description="'chunks': nodes a TokenBudgetPostprocessor (or SnapKVMemory) offered are reused as stored K/V wherever "
         "they sit in a prompt; 'prefix': only an identical prompt prefix; 'off': every prompt prefilled whole; "
         "None: the engine's recommended_kv_reuse ('chunks'; 'prefix' for the embedded model).",
     )
-    kv_dir: Optional[str] = Field(default=None, description="Where chunk K/V are stored (None: the engine's memory).")
+    kv_dir: str | None = Field(default=None, description="Where chunk K/V are stored (None: the engine's memory).")
 
     _engine: Engine = PrivateAttr()
 
     def __init__(
         self,
-        engine: Optional[Engine] = None,
+        engine: Engine | None = None,
         *,
         model: str = "default",
         compression: Any = None,
         max_new_tokens: int = 256,
         temperature: float = 0.0,
-        context_window: Optional[int] = None,
-        prefix_cache_bytes: Optional[int] = None,
-        device: Optional[str] = None,
-        dtype: Optional[str] = None,
-        generate_kwargs: Optional[Dict[str, Any]] = None,
-        callback_manager: Optional[CallbackManager] = None,
+        context_window: int | None = None,
+        prefix_cache_bytes: int | None = None,
+        device: str | None = None,
+        dtype: str | None = None,
+        generate_kwargs: dict[str, Any] | None = None,
+        callback_manager: CallbackManager | None = None,
         **kwargs: Any,
     ) -> None:
         if engine is None:
@@ -173,7 +173,7 @@ class SnapKVLLM(FunctionCallingLLM):
         )
 
     # ------------------------------------------------------------------ token counting
-    def tokenize(self, text: str) -> List[int]:
+    def tokenize(self, text: str) -> list[int]:
         """The LLM's tokens of plain ``text`` (no special tokens); usable as ``Settings.tokenizer``."""
         return self._engine.tokenizer(text, add_special_tokens=False)["input_ids"]
 
@@ -181,8 +181,8 @@ class SnapKVLLM(FunctionCallingLLM):
         return len(self.tokenize(text))
 
     # ------------------------------------------------------------------ the engine call
-    def _options(self, kwargs: Dict[str, Any]) -> Dict[str, Any]:
-        options: Dict[str, Any] = {"compression": self.compression, "max_new_tokens": self.max_new_tokens, "temperature": self.temperature}
+    def _options(self, kwargs: dict[str, Any]) -> dict[str, Any]:
+        options: dict[str, Any] = {"compression": self.compression, "max_new_tokens": self.max_new_tokens, "temperature": self.temperature}
         options.update(reuse_kwargs(resolve_kv_reuse(self.kv_reuse, self._engine), "offered", segment_store_at(self.kv_dir)))
         options.update(self.generate_kwargs)
         kwargs = dict(kwargs)
@@ -197,7 +197,7 @@ class SnapKVLLM(FunctionCallingLLM):
         options.update(kwargs)
         return options
 
-    def _check_window(self, prompt: Any, options: Dict[str, Any]) -> None:
+    def _check_window(self, prompt: Any, options: dict[str, Any]) -> None:
         """Enforce ``context_window`` when it is set below the model's own context."""
         limit = self._engine.context_length
         if limit is not None and self.context_window >= limit:
@@ -206,7 +206,7 @@ class SnapKVLLM(FunctionCallingLLM):
         if n + options["max_new_tokens"] > self.context_window:
             raise PromptTooLongError(n, options["max_new_tokens"], self.context_window)
 
-    def _prompt_for(self, messages: Sequence[ChatMessage]) -> List[Dict[str, Any]]:
+    def _prompt_for(self, messages: Sequence[ChatMessage]) -> list[dict[str, Any]]:
         return to_engine_messages(self._extend_messages(list(messages)))
 
     @staticmethod
@@ -214,7 +214,7 @@ class SnapKVLLM(FunctionCallingLLM):
         return ChatResponse(message=result_message(result), raw=result.to_dict(), additional_kwargs=result_summary(result))
 
     @staticmethod
-    def _completion_response(result: GenerationResult, text: Optional[str] = None, delta: Optional[str] = None) -> CompletionResponse:
+    def _completion_response(result: GenerationResult, text: str | None = None, delta: str | None = None) -> CompletionResponse:
         return CompletionResponse(text=result.text if text is None else text, raw=result.to_dict(), additional_kwargs=result_summary(result), delta=delta)
 
     # ------------------------------------------------------------------ sync
@@ -314,15 +314,15 @@ class SnapKVLLM(FunctionCallingLLM):
     # ------------------------------------------------------------------ tools
     def _prepare_chat_with_tools(
         self,
-        tools: Sequence["BaseTool"],
-        user_msg: Optional[Union[str, ChatMessage]] = None,
-        chat_history: Optional[List[ChatMessage]] = None,
+        tools: Sequence[BaseTool],
+        user_msg: str | ChatMessage | None = None,
+        chat_history: list[ChatMessage] | None = None,
         verbose: bool = False,
         allow_parallel_tool_calls: bool = False,
         tool_required: bool = False,
         tool_choice: Any = None,
         **kwargs: Any,
-    ) -> Dict[str, Any]:
+    ) -> dict[str, Any]:
         """``tools`` as OpenAI function specs for the engine's constrained tool calling.
 
         ``tool_choice``: ``"auto"``, ``"required"``, ``"none"``, a tool name (that tool is
@@ -336,14 +336,12 @@ class SnapKVLLM(FunctionCallingLLM):
             tool_choice = "required" if tool_required else "auto"
         elif isinstance(tool_choice, str) and tool_choice not in ("auto", "required", "none"):
             tool_choice = {"type": "function", "function": {"name": tool_choice}}
-        out: Dict[str, Any] = {"messages": messages, **kwargs}
+        out: dict[str, Any] = {"messages": messages, **kwargs}
         if specs:
             out.update(tools=specs, tool_choice=tool_choice, parallel_tool_calls=allow_parallel_tool_calls)
         return out
 
-    def get_tool_calls_from_response(
-        self, response: ChatResponse, error_on_no_tool_call: bool = True, **kwargs: Any
-    ) -> List[ToolSelection]:
+    def get_tool_calls_from_response(self, response: ChatResponse, error_on_no_tool_call: bool = True, **kwargs: Any) -> list[ToolSelection]:
         """The response's tool calls; a streamed chunk's unfinished arguments are parsed partially."""
         selections = tool_selections(response.message)
         if not selections and error_on_no_tool_call:
@@ -351,16 +349,16 @@ class SnapKVLLM(FunctionCallingLLM):
         return selections
 
     # ------------------------------------------------------------------ structured output
-    def _structured_messages(self, prompt: BasePromptTemplate, prompt_args: Dict[str, Any]) -> List[ChatMessage]:
+    def _structured_messages(self, prompt: BasePromptTemplate, prompt_args: dict[str, Any]) -> list[ChatMessage]:
         return prompt.format_messages(llm=self, **prompt_args)
 
     @staticmethod
-    def _structured_result(output_cls: Type[BaseModel], response: ChatResponse) -> BaseModel:
+    def _structured_result(output_cls: type[BaseModel], response: ChatResponse) -> BaseModel:
         return output_cls.model_validate(response.raw["parsed"])
 
     @dispatcher.span
     def structured_predict(
-        self, output_cls: Type[BaseModel], prompt: BasePromptTemplate, llm_kwargs: Optional[Dict[str, Any]] = None, **prompt_args: Any
+        self, output_cls: type[BaseModel], prompt: BasePromptTemplate, llm_kwargs: dict[str, Any] | None = None, **prompt_args: Any
     ) -> BaseModel:
         """An ``output_cls`` instance decoded under its JSON Schema (the engine's ``response_format``)."""
         dispatcher.event(LLMStructuredPredictStartEvent(output_cls=output_cls, template=prompt, template_args=prompt_args))
@@ -371,7 +369,7 @@ class SnapKVLLM(FunctionCallingLLM):
 
     @dispatcher.span
     async def astructured_predict(
-        self, output_cls: Type[BaseModel], prompt: BasePromptTemplate, llm_kwargs: Optional[Dict[str, Any]] = None, **prompt_args: Any
+        self, output_cls: type[BaseModel], prompt: BasePromptTemplate, llm_kwargs: dict[str, Any] | None = None, **prompt_args: Any
     ) -> BaseModel:
         dispatcher.event(LLMStructuredPredictStartEvent(output_cls=output_cls, template=prompt, template_args=prompt_args))
         response = await self.achat(self._structured_messages(prompt, prompt_args), response_format=response_format_for(output_cls), **(llm_kwargs or {}))

@@ -8,7 +8,7 @@ whole turns dropped or summarised, never shortened.
 
 from __future__ import annotations
 
-from typing import Any, List, Optional
+from typing import Any
 
 from llama_index.core.base.llms.types import ChatMessage
 from llama_index.core.bridge.pydantic import Field, PrivateAttr
@@ -34,7 +34,7 @@ class SnapKVMemory(BaseMemory):
 
     _store: AgentMemory = PrivateAttr()
     _engine: Any = PrivateAttr(default=None)
-    _last: Optional[RenderedHistory] = PrivateAttr(default=None)
+    _last: RenderedHistory | None = PrivateAttr(default=None)
 
     @classmethod
     def class_name(cls) -> str:
@@ -46,15 +46,15 @@ class SnapKVMemory(BaseMemory):
         llm: Any = None,
         *,
         engine: Any = None,
-        memory: Optional[AgentMemory] = None,
+        memory: AgentMemory | None = None,
         path: str = ":memory:",
         thread_id: str = "default",
         mode: str = "drop",
         summarizer: Any = None,
-        max_new_tokens: Optional[int] = None,
+        max_new_tokens: int | None = None,
         reserve_tokens: int = 0,
         **kwargs: Any,
-    ) -> "SnapKVMemory":
+    ) -> SnapKVMemory:
         """``llm`` (a SnapKVLLM) or ``engine`` sets the token budget; without either, nothing is cut."""
         if engine is None and llm is not None:
             engine = llm.engine
@@ -70,27 +70,27 @@ class SnapKVMemory(BaseMemory):
         return self._store
 
     @property
-    def last_render(self) -> Optional[RenderedHistory]:
+    def last_render(self) -> RenderedHistory | None:
         return self._last
 
-    def get(self, input: Optional[str] = None, **kwargs: Any) -> List[ChatMessage]:
+    def get(self, input: str | None = None, **kwargs: Any) -> list[ChatMessage]:
         if self._engine is None:
             self._last = self._store.render(self.thread_id)
         else:
             self._last = self._store.render_for(self._engine, self.thread_id, max_new_tokens=self.max_new_tokens, reserve=self.reserve_tokens)
         return [from_engine_message(m) for m in self._last.messages]
 
-    def get_all(self) -> List[ChatMessage]:
+    def get_all(self) -> list[ChatMessage]:
         return [from_engine_message(m) for m in self._store.messages(self.thread_id)]
 
     def put(self, message: ChatMessage) -> None:
         self.put_messages([message])
 
-    def put_messages(self, messages: List[ChatMessage]) -> None:
+    def put_messages(self, messages: list[ChatMessage]) -> None:
         if messages:
             self._store.append(self.thread_id, [to_engine_message(m, i) for i, m in enumerate(messages)])
 
-    def set(self, messages: List[ChatMessage]) -> None:
+    def set(self, messages: list[ChatMessage]) -> None:
         self._store.delete_thread(self.thread_id)
         self.put_messages(messages)
 

@@ -8,7 +8,8 @@ sends one prompt instead of refining over several.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List, Optional
+from collections.abc import Callable
+from typing import Any
 
 from llama_index.core.bridge.pydantic import Field, PrivateAttr
 from llama_index.core.postprocessor.types import BaseNodePostprocessor
@@ -36,14 +37,14 @@ class TokenBudgetPostprocessor(BaseNodePostprocessor):
     """
 
     llm: Any = Field(exclude=True, description="The LLM whose tokens and context count.")
-    context_tokens: Optional[int] = Field(default=None, gt=0)
+    context_tokens: int | None = Field(default=None, gt=0)
     reserve_tokens: int = Field(default=512, ge=0)
     node_header: str = Field(default="")
     separator: str = Field(default="\n\n")
     metadata_mode: MetadataMode = Field(default=MetadataMode.LLM)
-    count_tokens: Optional[Callable[[str], int]] = Field(default=None, exclude=True)
+    count_tokens: Callable[[str], int] | None = Field(default=None, exclude=True)
 
-    _last: Optional[Dict[str, Any]] = PrivateAttr(default=None)
+    _last: dict[str, Any] | None = PrivateAttr(default=None)
 
     @classmethod
     def class_name(cls) -> str:
@@ -55,7 +56,7 @@ class TokenBudgetPostprocessor(BaseNodePostprocessor):
             raise ValueError("give count_tokens= or an LLM with count_tokens (such as SnapKVLLM)")
         return count(text)
 
-    def budget(self, query_str: Optional[str] = None) -> int:
+    def budget(self, query_str: str | None = None) -> int:
         """Tokens available for the nodes of a query."""
         if self.context_tokens is not None:
             return self.context_tokens
@@ -70,10 +71,10 @@ class TokenBudgetPostprocessor(BaseNodePostprocessor):
         return room
 
     @property
-    def last_report(self) -> Optional[Dict[str, Any]]:
+    def last_report(self) -> dict[str, Any] | None:
         return self._last
 
-    def _postprocess_nodes(self, nodes: List[NodeWithScore], query_bundle: Optional[QueryBundle] = None) -> List[NodeWithScore]:
+    def _postprocess_nodes(self, nodes: list[NodeWithScore], query_bundle: QueryBundle | None = None) -> list[NodeWithScore]:
         budget = self.budget(query_bundle.query_str if query_bundle is not None else None)
         texts = [n.node.get_content(metadata_mode=self.metadata_mode) for n in nodes]
         packing = pack_greedy(len(nodes), lambda i, slot: self._count(self.separator + self.node_header.format(n=slot) + texts[i]), budget)

@@ -7,7 +7,7 @@ created without an embedding function, so Chroma never loads or downloads its ow
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 # What SimpleDirectoryReader attaches to every document; none of it helps the LLM answer.
 FILE_METADATA_KEYS = ["file_path", "file_name", "file_type", "file_size", "creation_date", "last_modified_date", "last_accessed_date"]
@@ -23,7 +23,7 @@ def default_embed_model(**kwargs: Any):
     return HuggingFaceEmbedding(model_name=default_embedder_path(), **kwargs)
 
 
-def chroma_vector_store(collection: str, *, path: Optional[str] = None, url: Optional[str] = None):
+def chroma_vector_store(collection: str, *, path: str | None = None, url: str | None = None):
     """A ``ChromaVectorStore`` on an embedded store at ``path`` (default: the RAG core's) or a server ``url``.
 
     The collection uses cosine distance, so LlamaIndex's scores are cosine similarities.
