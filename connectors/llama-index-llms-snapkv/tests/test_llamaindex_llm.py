@@ -222,3 +222,30 @@ def test_model_name_loads_through_the_shared_engine_cache(engine, monkeypatch):
     ]
     with pytest.raises(ValueError, match="prefix_cache_bytes"):
         SnapKVLLM(engine, prefix_cache_bytes=1024)
+
+
+@pytest.mark.parametrize("method", ["astream_chat", "astream_complete"])
+def test_an_async_stream_left_early_stops_generating(engine, method):
+    """A consumer that leaves an async stream after two chunks and closes it stops the engine."""
+    llm = SnapKVLLM(engine, max_new_tokens=300)
+    prompt = [ChatMessage(role="user", content="Hello world")] if method == "astream_chat" else "Hello world"
+    forwards = []
+    hook = engine.model.register_forward_hook(lambda *_: forwards.append(1))
+
+    async def main():
+        gen = await getattr(llm, method)(prompt, ignore_eos=True)
+        seen = 0
+        async for _ in gen:
+            seen += 1
+            if seen == 2:
+                break
+        await gen.aclose()  # LlamaIndex's callback wrapper closes ours when it is finalised: within a step
+        at_exit = len(forwards)
+        await asyncio.sleep(1.0)
+        return at_exit
+
+    try:
+        at_exit = asyncio.run(main())
+        assert len(forwards) <= at_exit + 2 and len(forwards) < 50  # 300 steps without the close
+    finally:
+        hook.remove()

@@ -206,3 +206,26 @@ def test_structured_output_dict_schema_include_raw_and_json_mode(tool_engine):
     assert isinstance(free, dict)
     with pytest.raises(ValueError, match="needs a schema"):
         llm.with_structured_output(None)
+
+
+async def test_an_async_stream_left_early_stops_generating(tiny_engine):
+    """A consumer that leaves ``astream`` after two chunks (and closes it, as ``async with``
+    or ``aclosing`` do) stops the engine: no decode step runs after it."""
+    import asyncio
+    from contextlib import aclosing
+
+    llm = ChatSnapKV(engine=tiny_engine, max_tokens=250)
+    forwards = []
+    hook = tiny_engine.model.register_forward_hook(lambda *_: forwards.append(1))
+    try:
+        async with aclosing(llm.astream(LONG, ignore_eos=True)) as chunks:
+            seen = 0
+            async for _ in chunks:
+                seen += 1
+                if seen == 2:
+                    break
+        at_exit = len(forwards)
+        await asyncio.sleep(0.5)
+        assert len(forwards) == at_exit and at_exit < 50
+    finally:
+        hook.remove()

@@ -9,6 +9,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from llama_index.core.base.llms.generic_utils import (
+    achat_to_completion_decorator,
+    astream_chat_to_completion_decorator,
+    chat_to_completion_decorator,
+    stream_chat_to_completion_decorator,
+)
 from llama_index.core.base.llms.types import (
     ChatMessage,
     ChatResponse,
@@ -213,25 +219,13 @@ class SnapKVLLM(FunctionCallingLLM):
     def _chat_response(result: GenerationResult) -> ChatResponse:
         return ChatResponse(message=result_message(result), raw=result.to_dict(), additional_kwargs=result_summary(result))
 
-    @staticmethod
-    def _completion_response(result: GenerationResult, text: str | None = None, delta: str | None = None) -> CompletionResponse:
-        return CompletionResponse(text=result.text if text is None else text, raw=result.to_dict(), additional_kwargs=result_summary(result), delta=delta)
-
-    # ------------------------------------------------------------------ sync
-    @llm_chat_callback()
-    def chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
+    # ------------------------------------------------------------------ chat (the engine's calls)
+    def _chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
         prompt, options = self._prompt_for(messages), self._options(kwargs)
         self._check_window(prompt, options)
         return self._chat_response(self._engine.generate(prompt, **options))
 
-    @llm_completion_callback()
-    def complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
-        options = self._options(kwargs)
-        self._check_window(prompt, options)
-        return self._completion_response(self._engine.generate(prompt, **options))
-
-    @llm_chat_callback()
-    def stream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseGen:
+    def _stream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseGen:
         prompt, options = self._prompt_for(messages), self._options(kwargs)
         self._check_window(prompt, options)
         stream = self._engine.stream(prompt, **options)
@@ -244,72 +238,64 @@ class SnapKVLLM(FunctionCallingLLM):
                 final = self._chat_response(stream.result)
                 yield ChatResponse(message=final.message, raw=final.raw, additional_kwargs=final.additional_kwargs, delta="")
             finally:
-                stream.close()
+                stream.close()  # a consumer that stops early cancels generation
 
         return gen()
 
-    @llm_completion_callback()
-    def stream_complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponseGen:
-        options = self._options(kwargs)
-        self._check_window(prompt, options)
-        stream = self._engine.stream(prompt, **options)
-
-        def gen() -> CompletionResponseGen:
-            text = ""
-            try:
-                for piece in stream:
-                    if isinstance(piece, str):
-                        text += piece
-                        yield CompletionResponse(text=text, delta=piece)
-                yield self._completion_response(stream.result, delta="")
-            finally:
-                stream.close()
-
-        return gen()
-
-    # ------------------------------------------------------------------ async
-    @llm_chat_callback()
-    async def achat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
+    async def _achat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
         prompt, options = self._prompt_for(messages), self._options(kwargs)
         self._check_window(prompt, options)
         return self._chat_response(await self._engine.agenerate(prompt, **options))
 
-    @llm_completion_callback()
-    async def acomplete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
-        options = self._options(kwargs)
-        self._check_window(prompt, options)
-        return self._completion_response(await self._engine.agenerate(prompt, **options))
-
-    @llm_chat_callback()
-    async def astream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseAsyncGen:
+    async def _astream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseAsyncGen:
         prompt, options = self._prompt_for(messages), self._options(kwargs)
         self._check_window(prompt, options)
         stream = self._engine.astream(prompt, **options)
 
         async def gen() -> ChatResponseAsyncGen:
             state = _StreamState()
-            async for piece in stream:
-                yield state.chunk(state.add(piece), piece)
-            final = self._chat_response(stream.result)
-            yield ChatResponse(message=final.message, raw=final.raw, additional_kwargs=final.additional_kwargs, delta="")
+            try:
+                async for piece in stream:
+                    yield state.chunk(state.add(piece), piece)
+                final = self._chat_response(stream.result)
+                yield ChatResponse(message=final.message, raw=final.raw, additional_kwargs=final.additional_kwargs, delta="")
+            finally:
+                await stream.aclose()  # a consumer that stops early cancels generation
 
         return gen()
+
+    # ------------------------------------------------------------------ public: chat, and completion derived from it
+    @llm_chat_callback()
+    def chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
+        return self._chat(messages, **kwargs)
+
+    @llm_chat_callback()
+    def stream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseGen:
+        return self._stream_chat(messages, **kwargs)
+
+    @llm_chat_callback()
+    async def achat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
+        return await self._achat(messages, **kwargs)
+
+    @llm_chat_callback()
+    async def astream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseAsyncGen:
+        return await self._astream_chat(messages, **kwargs)
+
+    @llm_completion_callback()
+    def complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
+        return chat_to_completion_decorator(self._chat)(prompt, **kwargs)
+
+    @llm_completion_callback()
+    def stream_complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponseGen:
+        return stream_chat_to_completion_decorator(self._stream_chat)(prompt, **kwargs)
+
+    @llm_completion_callback()
+    async def acomplete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
+        return await achat_to_completion_decorator(self._achat)(prompt, **kwargs)
 
     @llm_completion_callback()
     async def astream_complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponseAsyncGen:
-        options = self._options(kwargs)
-        self._check_window(prompt, options)
-        stream = self._engine.astream(prompt, **options)
-
-        async def gen() -> CompletionResponseAsyncGen:
-            text = ""
-            async for piece in stream:
-                if isinstance(piece, str):
-                    text += piece
-                    yield CompletionResponse(text=text, delta=piece)
-            yield self._completion_response(stream.result, delta="")
-
-        return gen()
+        return await astream_chat_to_completion_decorator(self._astream_chat)(prompt, **kwargs)
 
     # ------------------------------------------------------------------ tools
     def _prepare_chat_with_tools(
