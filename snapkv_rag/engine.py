@@ -225,15 +225,15 @@ class Engine:
         compiled here, so a bad schema fails before the prefill.
         """
         if not isinstance(prefix_cache, bool):
-            raise InvalidGenerationParameterError(f"prefix_cache must be True or False, got {prefix_cache!r}")
+            raise InvalidGenerationParameterError(f"prefix_cache must be True or False, got {prefix_cache!r}", param="prefix_cache")
         reuse = {k: sampling.pop(k) for k in _SEGMENT_KEYS if k in sampling}
         if per_row and reuse.get("reuse_segments") is not None:
-            raise InvalidGenerationParameterError("reuse_segments applies to one prompt (generate/stream), not generate_batch")
+            raise InvalidGenerationParameterError("reuse_segments applies to one prompt (generate/stream), not generate_batch", param="reuse_segments")
         options = {k: v for k, v in sampling.items() if k in _OUTPUT_KEYS}
         params = GenerationParams.build(**{k: v for k, v in sampling.items() if k not in _OUTPUT_KEYS})
         specs = output_specs(len(prompts), options, per_row=per_row)
         if params.ignore_eos and any(s.constrained for s in specs):
-            raise InvalidGenerationParameterError("ignore_eos cannot be combined with tools or response_format")
+            raise InvalidGenerationParameterError("ignore_eos cannot be combined with tools or response_format", param="ignore_eos")
         policy = as_policy(compression)
         rows = self._render_within_context(prompts, chat, params.max_new_tokens, specs)
         row_policies = self._resolve_policy(policy, prompts, chat, questions, specs)
@@ -270,15 +270,17 @@ class Engine:
         store = options.get("segment_store")
         recompute = options.get("recompute", DEFAULT_RECOMPUTE)
         if isinstance(recompute, bool) or not isinstance(recompute, (int, float)) or not 0.0 <= recompute <= 1.0:
-            raise InvalidGenerationParameterError(f"recompute must be a number in [0, 1], got {recompute!r}")
+            raise InvalidGenerationParameterError(f"recompute must be a number in [0, 1], got {recompute!r}", param="recompute")
         if store is not None and not isinstance(store, SegmentKVStore):
-            raise InvalidGenerationParameterError(f"segment_store must be a SegmentKVStore, got {type(store).__name__}")
+            raise InvalidGenerationParameterError(f"segment_store must be a SegmentKVStore, got {type(store).__name__}", param="segment_store")
         if segments is None:
             return None, None
         if segments != "offered" and (
             isinstance(segments, (str, bytes)) or not isinstance(segments, Sequence) or not all(isinstance(t, str) for t in segments)
         ):
-            raise InvalidGenerationParameterError('reuse_segments must be a list of strings (texts that appear in the prompt) or "offered"')
+            raise InvalidGenerationParameterError(
+                'reuse_segments must be a list of strings (texts that appear in the prompt) or "offered"', param="reuse_segments"
+            )
         if policy is not None and reuse_tail(policy) is None:
             return None, f"{policy.name} needs every prompt query; prefilled whole"
         try:
@@ -423,7 +425,7 @@ class Engine:
                     return replace(result, text=text)
             return replace(result, parsed=parse_json_output(result.text, spec))
         except StructuredOutputError as exc:
-            raise StructuredOutputError(f"{exc}{where}") from None
+            raise StructuredOutputError(f"{exc}{where}", param=exc.param) from None
 
     def _stream_request(self, request: Request, cancel: threading.Event | None = None) -> GenerationStream:
         cancel = cancel or threading.Event()
@@ -546,7 +548,7 @@ class Engine:
         if isinstance(prompts, str):
             raise TypeError("generate_batch takes a list of prompts; use generate for one")
         if max_batch_size is not None and (isinstance(max_batch_size, bool) or not isinstance(max_batch_size, int) or max_batch_size < 1):
-            raise InvalidGenerationParameterError(f"max_batch_size must be an integer >= 1 or None, got {max_batch_size!r}")
+            raise InvalidGenerationParameterError(f"max_batch_size must be an integer >= 1 or None, got {max_batch_size!r}", param="max_batch_size")
         request = self._prepare(list(prompts), compression, chat, dict(sampling or {}), questions, per_row=True, prefix_cache=prefix_cache)
         lengths = [len(r) for r in request.rows]
         if bucket:

@@ -8,7 +8,18 @@ from __future__ import annotations
 
 
 class SnapKVRagError(Exception):
-    """Base class of every error this toolkit raises on purpose."""
+    """Base class of every error this toolkit raises on purpose.
+
+    ``param``: the argument at fault when there is one (``"temperature"``, ``"tools"``), so a
+    server can name it without reading the message.
+    """
+
+    param: str | None = None
+
+    def __init__(self, *args: object, param: str | None = None):
+        super().__init__(*args)
+        if param is not None:
+            self.param = param
 
 
 class ModelNotFoundError(SnapKVRagError, FileNotFoundError):
@@ -48,6 +59,8 @@ class InvalidGenerationParameterError(SnapKVRagError, ValueError):
 
 class InvalidCompressionError(SnapKVRagError, ValueError):
     """A compression policy or its specification string is invalid."""
+
+    param = "compression"
 
 
 class LessTrainingError(SnapKVRagError, ValueError):

@@ -24,18 +24,18 @@ class GenerationParams:
     def __post_init__(self) -> None:
         bad = InvalidGenerationParameterError
         if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
-            raise bad(f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}")
+            raise bad(f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}", param="max_new_tokens")
         if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)) or not math.isfinite(self.temperature) or self.temperature < 0:
-            raise bad(f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature!r}")
+            raise bad(f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature!r}", param="temperature")
         if isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float)) or not (0.0 < self.top_p <= 1.0):
-            raise bad(f"top_p must be in (0, 1], got {self.top_p!r}")
+            raise bad(f"top_p must be in (0, 1], got {self.top_p!r}", param="top_p")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0):
-            raise bad(f"seed must be a non-negative integer or None, got {self.seed!r}")
+            raise bad(f"seed must be a non-negative integer or None, got {self.seed!r}", param="seed")
         if not isinstance(self.ignore_eos, bool):
-            raise bad(f"ignore_eos must be True or False, got {self.ignore_eos!r}")
+            raise bad(f"ignore_eos must be True or False, got {self.ignore_eos!r}", param="ignore_eos")
         for s in self.stop:
             if not isinstance(s, str) or not s:
-                raise bad(f"stop sequences must be non-empty strings, got {s!r}")
+                raise bad(f"stop sequences must be non-empty strings, got {s!r}", param="stop")
 
     @classmethod
     def build(cls, **options: Any) -> GenerationParams:
@@ -52,7 +52,7 @@ class GenerationParams:
         elif isinstance(stop, Sequence):
             stops = tuple(stop)
         else:
-            raise InvalidGenerationParameterError(f"stop must be a string or a list of strings, got {stop!r}")
+            raise InvalidGenerationParameterError(f"stop must be a string or a list of strings, got {stop!r}", param="stop")
         return cls(stop=stops, **options)
 
     @property

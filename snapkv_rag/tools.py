@@ -146,13 +146,14 @@ def check_schema(schema: Any, what: str) -> dict[str, Any]:
     """A JSON Schema that ``jsonschema`` accepts, else :class:`StructuredOutputError`."""
     import jsonschema
 
+    param = "response_format" if what.startswith("response_format") else "tools"
     if not isinstance(schema, Mapping):
-        raise StructuredOutputError(f"{what} must be a JSON Schema object, got {type(schema).__name__}")
+        raise StructuredOutputError(f"{what} must be a JSON Schema object, got {type(schema).__name__}", param=param)
     schema = dict(schema)
     try:
         jsonschema.validators.validator_for(schema).check_schema(schema)
     except jsonschema.SchemaError as exc:
-        raise StructuredOutputError(f"{what} is not a valid JSON Schema: {exc.message}") from None
+        raise StructuredOutputError(f"{what} is not a valid JSON Schema: {exc.message}", param=param) from None
     return schema
 
 
@@ -160,24 +161,24 @@ def _tool_spec(raw: Any, i: int) -> ToolSpec:
     if isinstance(raw, ToolSpec):
         return raw
     if not isinstance(raw, Mapping):
-        raise StructuredOutputError(f"tools[{i}] must be a mapping like {{'type': 'function', 'function': {{...}}}}")
+        raise StructuredOutputError(f"tools[{i}] must be a mapping like {{'type': 'function', 'function': {{...}}}}", param="tools")
     if raw.get("type", "function") != "function":
-        raise StructuredOutputError(f"tools[{i}] has type {raw.get('type')!r}; only 'function' tools are supported")
+        raise StructuredOutputError(f"tools[{i}] has type {raw.get('type')!r}; only 'function' tools are supported", param="tools")
     fn = raw.get("function", raw if "name" in raw else None)
     if not isinstance(fn, Mapping):
-        raise StructuredOutputError(f"tools[{i}] has no 'function' mapping")
+        raise StructuredOutputError(f"tools[{i}] has no 'function' mapping", param="tools")
     name = fn.get("name")
     if not isinstance(name, str) or not _NAME.match(name):
-        raise StructuredOutputError(f"tools[{i}] name {name!r} must be 1-64 characters of letters, digits, '_', '-' or '.'")
+        raise StructuredOutputError(f"tools[{i}] name {name!r} must be 1-64 characters of letters, digits, '_', '-' or '.'", param="tools")
     description = fn.get("description") or ""
     if not isinstance(description, str):
-        raise StructuredOutputError(f"tool {name!r} description must be a string")
+        raise StructuredOutputError(f"tool {name!r} description must be a string", param="tools")
     params = fn.get("parameters")
     if params is None:
         params = {"type": "object", "properties": {}}
     params = check_schema(params, f"parameters of tool {name!r}")
     if params.get("type", "object") != "object":
-        raise StructuredOutputError(f"parameters of tool {name!r} must describe an object (type 'object')")
+        raise StructuredOutputError(f"parameters of tool {name!r} must describe an object (type 'object')", param="tools")
     return ToolSpec(name, description, params)
 
 
@@ -185,7 +186,7 @@ def _response_schema(response_format: Any) -> tuple[dict[str, Any] | None, str |
     if response_format is None:
         return None, None
     if not isinstance(response_format, Mapping):
-        raise StructuredOutputError("response_format must be {'type': 'json_object'} or {'type': 'json_schema', ...}")
+        raise StructuredOutputError("response_format must be {'type': 'json_object'} or {'type': 'json_schema', ...}", param="response_format")
     kind = response_format.get("type")
     if kind == "text":
         return None, None
@@ -194,9 +195,9 @@ def _response_schema(response_format: Any) -> tuple[dict[str, Any] | None, str |
     if kind == "json_schema":
         spec = response_format.get("json_schema")
         if not isinstance(spec, Mapping) or "schema" not in spec:
-            raise StructuredOutputError("response_format json_schema needs {'json_schema': {'name': ..., 'schema': {...}}}")
+            raise StructuredOutputError("response_format json_schema needs {'json_schema': {'name': ..., 'schema': {...}}}", param="response_format")
         return check_schema(spec["schema"], "response_format schema"), spec.get("name")
-    raise StructuredOutputError(f"response_format type {kind!r} is not one of 'text', 'json_object', 'json_schema'")
+    raise StructuredOutputError(f"response_format type {kind!r} is not one of 'text', 'json_object', 'json_schema'", param="response_format")
 
 
 def build_output_spec(
@@ -210,39 +211,39 @@ def build_output_spec(
     if max_tool_calls is None:
         max_tool_calls = DEFAULT_MAX_TOOL_CALLS
     if isinstance(max_tool_calls, bool) or not isinstance(max_tool_calls, int) or max_tool_calls < 1:
-        raise StructuredOutputError(f"max_tool_calls must be a positive integer, got {max_tool_calls!r}")
+        raise StructuredOutputError(f"max_tool_calls must be a positive integer, got {max_tool_calls!r}", param="max_tool_calls")
     if tools is None:
         tools = ()
     if isinstance(tools, (str, bytes, Mapping)) or not isinstance(tools, Sequence):
-        raise StructuredOutputError("tools must be a list of function specs")
+        raise StructuredOutputError("tools must be a list of function specs", param="tools")
     specs = tuple(_tool_spec(t, i) for i, t in enumerate(tools))
     names = [s.name for s in specs]
     if len(set(names)) != len(names):
-        raise StructuredOutputError(f"tool names must be unique, got {names}")
+        raise StructuredOutputError(f"tool names must be unique, got {names}", param="tools")
     if not isinstance(parallel_tool_calls, bool):
-        raise StructuredOutputError("parallel_tool_calls must be True or False")
+        raise StructuredOutputError("parallel_tool_calls must be True or False", param="parallel_tool_calls")
     forced = None
     if tool_choice is None:
         choice = "auto"
     elif isinstance(tool_choice, str):
         if tool_choice not in ("auto", "required", "none"):
-            raise StructuredOutputError(f"tool_choice must be 'auto', 'required', 'none' or a function choice, got {tool_choice!r}")
+            raise StructuredOutputError(f"tool_choice must be 'auto', 'required', 'none' or a function choice, got {tool_choice!r}", param="tool_choice")
         choice = tool_choice
     elif isinstance(tool_choice, Mapping):
         fn = tool_choice.get("function")
         forced = fn.get("name") if isinstance(fn, Mapping) else None
         if tool_choice.get("type") != "function" or not isinstance(forced, str):
-            raise StructuredOutputError("a named tool_choice is {'type': 'function', 'function': {'name': ...}}")
+            raise StructuredOutputError("a named tool_choice is {'type': 'function', 'function': {'name': ...}}", param="tool_choice")
         if forced not in names:
-            raise StructuredOutputError(f"tool_choice names {forced!r}, which is not among the tools {names}")
+            raise StructuredOutputError(f"tool_choice names {forced!r}, which is not among the tools {names}", param="tool_choice")
         choice = "function"
     else:
-        raise StructuredOutputError(f"tool_choice must be a string or a mapping, got {type(tool_choice).__name__}")
+        raise StructuredOutputError(f"tool_choice must be a string or a mapping, got {type(tool_choice).__name__}", param="tool_choice")
     if choice in ("required", "function") and not specs:
-        raise StructuredOutputError(f"tool_choice={tool_choice!r} needs at least one tool")
+        raise StructuredOutputError(f"tool_choice={tool_choice!r} needs at least one tool", param="tool_choice")
     schema, schema_name = _response_schema(response_format)
     if schema is not None and choice in ("required", "function"):
-        raise StructuredOutputError("response_format cannot be combined with a tool_choice that forces a call")
+        raise StructuredOutputError("response_format cannot be combined with a tool_choice that forces a call", param="response_format")
     return OutputSpec(specs, choice, forced, parallel_tool_calls, schema, schema_name, max_tool_calls)
 
 
@@ -329,7 +330,7 @@ def parse_tool_calls(text: str, spec: OutputSpec, ids: Sequence[str] = ()) -> tu
         validate_instance(arguments, tool.parameters, f"arguments of the call to {name!r}")
         calls.append(ToolCall(ids[i] if i < len(ids) else new_call_id(), name, arguments))
     if spec.tool_choice in ("required", "function") and not calls:
-        raise StructuredOutputError("tool_choice forces a call but the output holds none")
+        raise StructuredOutputError("tool_choice forces a call but the output holds none", param="tool_choice")
     return parsed.text, calls
 
 

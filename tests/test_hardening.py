@@ -377,3 +377,27 @@ def test_generation_stats_has_no_dead_fields():
 def test_invalid_generation_parameter_still_typed(engine):
     with pytest.raises(InvalidGenerationParameterError):
         engine.astream("hi", top_p=0)
+
+
+@pytest.mark.parametrize(
+    "kwargs, param",
+    [
+        ({"temperature": -1}, "temperature"),
+        ({"top_p": 0}, "top_p"),
+        ({"max_new_tokens": 0}, "max_new_tokens"),
+        ({"stop": 3}, "stop"),
+        ({"seed": -2}, "seed"),
+        ({"compression": "snapkv:budget=0"}, "compression"),
+        ({"tools": [{"type": "web"}]}, "tools"),
+        ({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "sometimes"}, "tool_choice"),
+        ({"response_format": {"type": "xml"}}, "response_format"),
+        ({"recompute": 2, "reuse_segments": ["x"]}, "recompute"),
+    ],
+)
+def test_bad_arguments_name_the_argument_at_fault(engine, kwargs, param):
+    """Errors carry the argument as ``param`` (the server reports it), not only in the message."""
+    from snapkv_rag.errors import SnapKVRagError
+
+    with pytest.raises(SnapKVRagError) as info:
+        engine.generate("Hello", max_new_tokens=kwargs.pop("max_new_tokens", 2), **kwargs)
+    assert info.value.param == param

@@ -294,8 +294,11 @@ def test_api_key_is_required_when_set(engine):
                 assert response.status_code == 401 and response.json()["error"]["code"] == "invalid_api_key"
         good = openai.OpenAI(base_url=url + "/v1", api_key="s3cret", max_retries=0)
         assert good.chat.completions.create(**ask(max_tokens=3)).choices[0].message.content is not None
-        assert httpx.get(url + "/v1/embeddings").status_code == 405
+        # the key is checked first for every /v1/ path (what exists is not told to strangers); /health stays open
+        assert httpx.get(url + "/v1/embeddings").status_code == 401
+        assert httpx.get(url + "/v1/embeddings", headers={"Authorization": "Bearer s3cret"}).status_code == 405
         assert httpx.post(url + "/v1/embeddings", json={"model": "x", "input": "y"}, headers={"Authorization": "Bearer s3cret"}).status_code == 404
+        assert httpx.get(url + "/health").status_code == 200
 
 
 def test_without_max_tokens_a_reply_gets_the_servers_cap_or_the_room_left(tokenizer):

@@ -106,13 +106,23 @@ async def _json_body(request: Request, limit: int) -> Any:
     return body
 
 
-def _check_key(config: ServerConfig, request: Request) -> None:
-    if config.api_key is None:
-        return
-    header = request.headers.get("authorization", "")
-    scheme, _, token = header.partition(" ")
-    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), config.api_key.encode()):
-        raise APIError(401, "invalid or missing API key: send 'Authorization: Bearer <key>'", type="authentication_error", code="invalid_api_key")
+class APIKeyMiddleware:
+    """Every ``/v1/`` request must carry ``Authorization: Bearer <api_key>`` (``/health`` and
+    CORS preflights need none); one 401 in OpenAI's error shape otherwise."""
+
+    def __init__(self, app, api_key: str):
+        self.app = app
+        self.key = api_key.encode()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["path"].startswith("/v1/") and scope["method"] != "OPTIONS":
+            header = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
+            scheme, _, token = header.partition(" ")
+            if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.key):
+                error = APIError(401, "invalid or missing API key: send 'Authorization: Bearer <key>'", type="authentication_error", code="invalid_api_key")
+                await _error_response(error)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
 def _check_model(model: str, served: str, accepted: set[str]) -> None:
@@ -190,7 +200,6 @@ def _completions(kind: str):
     async def endpoint(request: Request):
         config: ServerConfig = request.app.state.config
         try:
-            _check_key(config, request)
             parsed = parse(await _json_body(request, config.max_request_bytes))
             _check_model(parsed.model, config.model_id, config.aliases)
             request_id = new_id(kind)
@@ -245,7 +254,6 @@ async def _stream(config: ServerConfig, request_id: str, parsed: ParsedRequest, 
 async def embeddings(request: Request):
     config: ServerConfig = request.app.state.config
     try:
-        _check_key(config, request)
         if config.embedder is None:
             raise APIError(404, "this server serves no embeddings (started with --embedder none)", code="model_not_found")
         model, texts, encoding = parse_embedding_request(await _json_body(request, config.max_request_bytes))
@@ -281,10 +289,6 @@ def _served(config: ServerConfig) -> list[str]:
 
 async def models(request: Request):
     config: ServerConfig = request.app.state.config
-    try:
-        _check_key(config, request)
-    except APIError as exc:
-        return _error_response(exc)
     return JSONResponse({"object": "list", "data": [_model_card(config, m) for m in _served(config)]})
 
 
@@ -292,7 +296,6 @@ async def model(request: Request):
     config: ServerConfig = request.app.state.config
     name = request.path_params["name"]
     try:
-        _check_key(config, request)
         if name not in _served(config):
             raise APIError(404, f"the model {name!r} does not exist on this server; it serves {_served(config)}", param="model", code="model_not_found")
     except APIError as exc:
@@ -323,6 +326,11 @@ async def method_not_allowed(request: Request, exc: Exception):
 
 
 def create_app(config: ServerConfig) -> Starlette:
+    middleware = []  # outermost first: CORS answers preflights before the key is checked
+    if config.allow_origins:
+        middleware.append(Middleware(CORSMiddleware, allow_origins=list(config.allow_origins), allow_methods=["GET", "POST"], allow_headers=["*"]))
+    if config.api_key is not None:
+        middleware.append(Middleware(APIKeyMiddleware, api_key=config.api_key))
     app = Starlette(
         routes=[
             Route("/v1/chat/completions", _completions("chat"), methods=["POST"]),
@@ -333,9 +341,7 @@ def create_app(config: ServerConfig) -> Starlette:
             Route("/health", health, methods=["GET"]),
         ],
         exception_handlers={404: not_found, 405: method_not_allowed},
-        middleware=[Middleware(CORSMiddleware, allow_origins=list(config.allow_origins), allow_methods=["GET", "POST"], allow_headers=["*"])]
-        if config.allow_origins
-        else [],
+        middleware=middleware,
     )
     app.state.config = config
     return app

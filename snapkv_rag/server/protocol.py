@@ -23,8 +23,6 @@ from typing import Any
 
 from ..errors import (
     EmptyPromptError,
-    InvalidCompressionError,
-    InvalidGenerationParameterError,
     InvalidPromptError,
     PromptTooLongError,
     SnapKVRagError,
@@ -52,31 +50,22 @@ def invalid(message: str, param: str | None = None, code: str | None = None) -> 
     return APIError(400, message, param=param, code=code)
 
 
-_SAMPLING_PARAMS = ("max_new_tokens", "temperature", "top_p", "stop", "seed", "reuse_segments", "recompute")
+# The engine's argument names that the wire spells otherwise.
+_WIRE_NAMES = {"max_new_tokens": "max_tokens"}
 
 
 def from_engine_error(exc: BaseException, kind: str = "chat") -> APIError:
-    """The engine's own input errors, as 400s naming the field at fault; anything else is a 500."""
+    """The engine's own input errors, as 400s naming the field at fault (the error's ``param``);
+    anything else is a 500."""
     prompt_field = "messages" if kind == "chat" else "prompt"
     if isinstance(exc, PromptTooLongError):
         return invalid(str(exc), prompt_field, "context_length_exceeded")
     if isinstance(exc, (EmptyPromptError, InvalidPromptError)):
         return invalid(str(exc), prompt_field)
-    if isinstance(exc, InvalidCompressionError):
-        return invalid(str(exc), "compression")
-    if isinstance(exc, InvalidGenerationParameterError):
-        named = next((p for p in _SAMPLING_PARAMS if str(exc).startswith(p)), None)
-        return invalid(str(exc), "max_tokens" if named == "max_new_tokens" else named)
-    if isinstance(exc, StructuredOutputError):
-        # The engine's messages start with the field they are about; an output that failed
-        # (cut off by max_tokens) names none.
-        message = str(exc)
-        param = next((p for p in ("response_format", "tool_choice", "parallel_tool_calls") if message.startswith(p)), None)
-        if param is None and message.startswith(("tools", "tool ", "tool names", "parameters of tool")):
-            param = "tools"
-        return invalid(message, param, "structured_output_error")
     if isinstance(exc, SnapKVRagError):
-        return invalid(str(exc))
+        param = _WIRE_NAMES.get(exc.param, exc.param) if exc.param is not None else None
+        # an output that failed (cut off by max_tokens) names no field
+        return invalid(str(exc), param, "structured_output_error" if isinstance(exc, StructuredOutputError) else None)
     if isinstance(exc, RecursionError):
         return invalid("the request is nested too deeply")
     return APIError(500, f"the server failed: {type(exc).__name__}: {exc}", type="server_error")
