@@ -454,7 +454,7 @@ class Engine:
         of the last user message. ``sampling``: ``max_new_tokens`` (256), ``temperature`` (0 =
         greedy), ``top_p`` (1.0), ``stop`` (string or list), ``seed``, ``ignore_eos``.
 
-        Tool calling and structured output (constrained decoding, see README):
+        Tool calling and structured output (constrained decoding, see docs/tools.md):
         ``tools`` (OpenAI function specs), ``tool_choice`` (``"auto"`` (default), ``"required"``,
         ``"none"`` or ``{"type": "function", "function": {"name": ...}}``), ``response_format``
         (``{"type": "json_object"}`` or ``{"type": "json_schema", "json_schema": {"name",

@@ -180,6 +180,17 @@ def test_ingest_is_idempotent_and_replaces_changed_files(tmp_path, corpus, embed
     assert DocumentStore("docs", path=tmp_path / "chroma", embedder=embedder).count() == store.count()
 
 
+def test_ingest_reports_each_file_before_reading_it(tmp_path, corpus, embedder):
+    calls = []
+    store = make_store(tmp_path, embedder)
+    (corpus / "empty.txt").write_text("")
+    report = store.ingest([corpus], on_file=lambda index, total, path: calls.append((index, total, Path(path).name)))
+    files = sorted(p.name for p in corpus.rglob("*") if p.is_file())
+    assert [c[0] for c in calls] == list(range(len(files))) and {c[1] for c in calls} == {len(files)}
+    assert sorted(c[2] for c in calls) == files  # the skipped empty file is announced too
+    assert any(Path(s.source).name == "empty.txt" for s in report.skipped)
+
+
 def test_search_ranks_the_matching_document_first(tmp_path, corpus, embedder):
     store = make_store(tmp_path, embedder)
     store.ingest([corpus], chunk_tokens=64, overlap=8)

@@ -1,7 +1,8 @@
-"""Every Python example in the READMEs runs as written, on the embedded model.
+"""Every Python example in the READMEs and the docs pages runs as written, on the embedded model.
 
-The ```python blocks of one README run in order in one interpreter, as a reader pasting them
-one after the other would (a later block may use what an earlier one defined), from a fresh
+The ```python blocks of one README (or of the docs pages, in the site's navigation order) run
+in order in one interpreter, as a reader pasting them one after the other would (a later
+block may use what an earlier one defined), from a fresh
 folder that holds only ``examples/`` (the sample corpus), with its own cache and store. A
 block preceded by ``<!-- readme-example: server -->`` needs ``snapkv-rag serve`` on
 127.0.0.1:8000, which the test starts for it.
@@ -20,14 +21,31 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-READMES = ["connectors/langchain-snapkv/README.md", "connectors/llama-index-llms-snapkv/README.md", "README.md"]
+READMES = ["connectors/langchain-snapkv/README.md", "connectors/llama-index-llms-snapkv/README.md", "README.md", "docs"]
 BLOCK = re.compile(r"(<!-- readme-example: (?P<tag>[\w-]+) -->\n)?```python\n(?P<code>.*?)```", re.S)
 
 pytestmark = pytest.mark.integration
 
 
+# Site pages built from other files by docs/hooks.py: the README (tested on its own) and eval/RESULTS.md.
+GENERATED = {"index.md", "results.md"}
+
+
+def docs_pages() -> list[str]:
+    """The docs pages in the order of the site's navigation (mkdocs.yml), generated ones left out."""
+    nav = re.findall(r"^\s+- [^:]+: ([\w/-]+\.md)$", (ROOT / "mkdocs.yml").read_text(), re.M)
+    return [f"docs/{page}" for page in nav if page not in GENERATED]
+
+
 def python_blocks(readme: str) -> list[tuple[str | None, str]]:
-    return [(m.group("tag"), m.group("code")) for m in BLOCK.finditer((ROOT / readme).read_text())]
+    files = docs_pages() if readme == "docs" else [readme]
+    return [(m.group("tag"), m.group("code")) for name in files for m in BLOCK.finditer((ROOT / name).read_text())]
+
+
+def test_the_docs_navigation_lists_every_page():
+    pages = set(docs_pages())
+    on_disk = {f"docs/{p.relative_to(ROOT / 'docs').as_posix()}" for p in (ROOT / "docs").rglob("*.md")}
+    assert pages == on_disk and len(pages) > 10
 
 
 def test_every_readme_has_examples():

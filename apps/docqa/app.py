@@ -20,7 +20,7 @@ import os
 import re
 import threading
 import time
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -31,14 +31,14 @@ import pandas as pd  # noqa: E402
 import streamlit as st  # noqa: E402
 
 from snapkv_rag import Engine  # noqa: E402
-from snapkv_rag.compression import H2O, LESS, SnapKV, StreamingLLM, recording_kept_indices  # noqa: E402
+from snapkv_rag.compression import LESS, as_policy, recording_kept_indices  # noqa: E402
 from snapkv_rag.errors import SnapKVRagError  # noqa: E402
 from snapkv_rag.loading import cache_root  # noqa: E402
 from snapkv_rag.metrics import citation_prf  # noqa: E402
 from snapkv_rag.rag import Answer, DocumentQA, DocumentStore, Embedder, IngestReport, Skipped  # noqa: E402
 from snapkv_rag.rag.intake import IntakeError, Upload, folder_files, remove_skipped_uploads, save_uploads  # noqa: E402
 from snapkv_rag.rag.kept import DocumentKept, kept_per_document  # noqa: E402
-from snapkv_rag.rag.loaders import SUPPORTED_SUFFIXES, iter_files  # noqa: E402
+from snapkv_rag.rag.loaders import SUPPORTED_SUFFIXES  # noqa: E402
 from snapkv_rag.rag.qa import small_model_note  # noqa: E402
 from snapkv_rag.rag.store import default_store_dir, make_client, validate_collection_name  # noqa: E402
 
@@ -135,17 +135,17 @@ class Settings:
     side_by_side: bool
     kv_reuse: str = "chunks"
 
+    def spec(self) -> str:
+        """The compression spec string (``snapkv_rag.compression.parse_compression``'s)."""
+        if self.method == "full":
+            return "full"
+        window = f",window={'question' if self.window == 'question' else self.window_size}" if self.method in ("snapkv", "less") else ""
+        base = "less:base=snapkv," if self.method == "less" else f"{self.method}:"
+        return f"{base}budget={self.budget}{window}"
+
     def policy(self):
         """The compression policy (None for the full cache); raises InvalidCompressionError."""
-        if self.method in ("snapkv", "less"):
-            window = "question" if self.window == "question" else self.window_size
-            snapkv = SnapKV(window_size=window, max_capacity_prompt=self.budget)
-            return snapkv if self.method == "snapkv" else LESS(base=snapkv)
-        if self.method == "streamingllm":
-            return StreamingLLM(max_capacity_prompt=self.budget)
-        if self.method == "h2o":
-            return H2O(max_capacity_prompt=self.budget)
-        return None
+        return as_policy(self.spec())
 
     @property
     def label(self) -> str:
@@ -209,15 +209,6 @@ def routes_of(answer: Answer) -> dict[int, list[Any]]:
     for c in answer.citations:
         out.setdefault(c.number, []).append(c)
     return out
-
-
-def merge_reports(total: IngestReport, part: IngestReport) -> None:
-    for f in fields(IngestReport):
-        value = getattr(part, f.name)
-        if isinstance(value, list):
-            getattr(total, f.name).extend(value)
-        else:
-            setattr(total, f.name, getattr(total, f.name) + value)
 
 
 # ----------------------------------------------------------------------------- one answer
@@ -605,22 +596,21 @@ def open_store(client, embedder: Embedder, cfg: AppConfig, name: str, *, create:
 
 
 def ingest_paths(store: DocumentStore, paths: list[Path | Skipped], lock: threading.Lock) -> IngestReport:
-    """Ingest file by file with a progress bar; bad files are reported, never fatal."""
-    total = IngestReport()
-    items: list[Path | Skipped] = []
-    for p in paths:
-        items.extend([p] if isinstance(p, Skipped) or p.is_file() else iter_files([p]))
+    """Ingest with a progress bar (``DocumentStore.ingest``); bad files are reported, never fatal."""
+    refused = [p for p in paths if isinstance(p, Skipped)]  # uploads turned away before ingest
     bar = st.progress(0.0, text="Waiting for another ingest into this collection…" if lock.locked() else "Starting…")
+    seen = [0]
+
+    def on_file(index: int, total: int, path: str) -> None:
+        seen[0] = total
+        bar.progress(index / max(1, total), text=f"Reading {Path(path).name} ({index + 1} of {total})")
+
     with lock:
-        for i, item in enumerate(items):
-            name = Path(item.source if isinstance(item, Skipped) else item).name
-            bar.progress(i / max(1, len(items)), text=f"Reading {name} ({i + 1} of {len(items)})")
-            if isinstance(item, Skipped):
-                total.skipped.append(item)
-                continue
-            merge_reports(total, store.ingest([item]))
-    bar.progress(1.0, text=f"Done: {len(items)} file{'s' if len(items) != 1 else ''}")
-    return total
+        report = store.ingest([p for p in paths if not isinstance(p, Skipped)], on_file=on_file)
+    report.skipped[:0] = refused
+    files = seen[0] + len(refused)
+    bar.progress(1.0, text=f"Done: {files} file{'s' if files != 1 else ''}")
+    return report
 
 
 def render_report(report: dict[str, Any]) -> None:

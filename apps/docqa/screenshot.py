@@ -1,4 +1,4 @@
-"""Make the README screenshot: the sample corpus, one question side by side, sources open.
+"""Make the docs screenshot (docs/app.md): the sample corpus, one question side by side, sources open.
 
     python apps/docqa/screenshot.py [--out docs/app-side-by-side.png] [--question "..."]
 

@@ -17,7 +17,7 @@ with ``d`` = head_dim, hidden ``h`` and rank ``R``:
   ``R x (d + 1)`` numbers as ``H, z``, without overflow); the estimate is
   ``log mass = logsumexp_r(log phi_r(q) + log z_r)`` and ``value = sum_r softmax_r(...) mu_r``.
   On the embedded model, trained on the same data, they cut stage 1's per-layer validation
-  error more than the MLPs in 28-30 of 30 layers at each budget (README, "LESS").
+  error more than the MLPs in 28-30 of 30 layers at each budget (docs/less.md).
 
 A file holds ``layers.{i}.{phi,psi}.{w1,b1,w2,b2}`` plus ``layers.{i}.psi.{mix,scale}``
 (``mlp``) or ``layers.{i}.{phi,psi}.{w,b}`` (``exp``), and a JSON header under the metadata key

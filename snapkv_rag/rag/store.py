@@ -175,14 +175,21 @@ class DocumentStore:
         max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
         progress: bool = False,
         on_skip=None,
+        on_file=None,
     ) -> IngestReport:
-        """Add or update the files under ``paths``; see the module docstring for the guarantees."""
+        """Add or update the files under ``paths``; see the module docstring for the guarantees.
+
+        ``on_skip(skipped)`` hears of each file left out; ``on_file(index, total, path)`` is
+        called before each file is read (a progress display).
+        """
         from tqdm.auto import tqdm
 
         report = IngestReport()
         items = list(iter_files(paths))
         bar = tqdm(items, desc="ingest", unit="file", disable=not progress, leave=False)
-        for item in bar:
+        for index, item in enumerate(bar):
+            if on_file is not None:
+                on_file(index, len(items), item.source if isinstance(item, Skipped) else str(item))
             dropped: list[Skipped] = []
             loaded = item if isinstance(item, Skipped) else load_file(item, text_field=text_field, max_bytes=max_file_bytes, dropped=dropped)
             for skipped in [loaded] if isinstance(loaded, Skipped) else dropped:
