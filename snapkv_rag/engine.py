@@ -234,6 +234,8 @@ class Engine:
         specs = output_specs(len(prompts), options, per_row=per_row)
         if params.ignore_eos and any(s.constrained for s in specs):
             raise InvalidGenerationParameterError("ignore_eos cannot be combined with tools or response_format", param="ignore_eos")
+        if params.min_new_tokens and any(s.constrained for s in specs):
+            raise InvalidGenerationParameterError("min_new_tokens cannot be combined with tools or response_format", param="min_new_tokens")
         policy = as_policy(compression)
         rows = self._render_within_context(prompts, chat, params.max_new_tokens, specs)
         row_policies = self._resolve_policy(policy, prompts, chat, questions, specs)
@@ -349,6 +351,7 @@ class Engine:
                 request.constraint,
                 self._prefix_cache_for(request.use_prefix_cache),
                 segments=request.segments,
+                eos_ids=self._eos_ids,
             )
             steps: Generator[torch.Tensor, None, None] = run.steps()
             try:
@@ -452,7 +455,9 @@ class Engine:
         for the full cache. ``question``: where the question sits in the prompt, for a
         question-aligned window (``snapkv:window=question``); by default the last paragraph
         of the last user message. ``sampling``: ``max_new_tokens`` (256), ``temperature`` (0 =
-        greedy), ``top_p`` (1.0), ``stop`` (string or list), ``seed``, ``ignore_eos``.
+        greedy), ``top_p`` (1.0), ``stop`` (string or list), ``seed``, ``ignore_eos``,
+        ``min_new_tokens`` (0: end-of-sequence tokens are not chosen before this many; stop
+        strings still end a reply).
 
         Tool calling and structured output (constrained decoding, see docs/tools.md):
         ``tools`` (OpenAI function specs), ``tool_choice`` (``"auto"`` (default), ``"required"``,

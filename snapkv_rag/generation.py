@@ -98,11 +98,13 @@ class DecodeRun:
         constraint: TokenConstraint | None = None,
         prefix_cache: PrefixCache | None = None,
         segments: SegmentRequest | None = None,
+        eos_ids: frozenset[int] = frozenset(),
     ):
         from transformers import DynamicCache
 
         self.model = model
         self.constraint = constraint
+        self.eos_ids = sorted(eos_ids)  # held back for the first params.min_new_tokens steps
         self.params = params
         self.policy = policy
         self.rows = rows
@@ -309,6 +311,8 @@ class DecodeRun:
         logits = self._prefill()
         generator = make_generator(self.params, self.device)
         for step in range(self.params.max_new_tokens):
+            if step < self.params.min_new_tokens and self.eos_ids:
+                logits = logits.index_fill(-1, torch.tensor(self.eos_ids, device=logits.device), float("-inf"))
             if self.constraint is not None:
                 logits = self.constraint.mask(logits)
             tokens = select_next_tokens(logits, self.params, generator)

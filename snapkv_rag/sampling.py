@@ -20,6 +20,7 @@ class GenerationParams:
     stop: tuple[str, ...] = field(default_factory=tuple)
     seed: int | None = None
     ignore_eos: bool = False  # benchmarks: always produce max_new_tokens tokens
+    min_new_tokens: int = 0  # end-of-sequence tokens are not chosen before this many tokens (vLLM's min_tokens)
 
     def __post_init__(self) -> None:
         bad = InvalidGenerationParameterError
@@ -33,13 +34,16 @@ class GenerationParams:
             raise bad(f"seed must be a non-negative integer or None, got {self.seed!r}", param="seed")
         if not isinstance(self.ignore_eos, bool):
             raise bad(f"ignore_eos must be True or False, got {self.ignore_eos!r}", param="ignore_eos")
+        m = self.min_new_tokens
+        if isinstance(m, bool) or not isinstance(m, int) or not 0 <= m <= self.max_new_tokens:
+            raise bad(f"min_new_tokens must be an integer from 0 to max_new_tokens ({self.max_new_tokens}), got {m!r}", param="min_new_tokens")
         for s in self.stop:
             if not isinstance(s, str) or not s:
                 raise bad(f"stop sequences must be non-empty strings, got {s!r}", param="stop")
 
     @classmethod
     def build(cls, **options: Any) -> GenerationParams:
-        """From keyword options: max_new_tokens, temperature, top_p, stop (str or list), seed, ignore_eos."""
+        """From keyword options: max_new_tokens, temperature, top_p, stop (str or list), seed, ignore_eos, min_new_tokens."""
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(options) - known)
         if unknown:

@@ -17,6 +17,7 @@ import jsonschema
 import numpy as np
 import openai
 import pytest
+import torch
 from conftest import running, terse_bias, tiny_engine, tiny_tool_engine
 
 from snapkv_rag.server import ServerConfig
@@ -404,3 +405,82 @@ def test_embedded_model_answers_through_the_openai_client(embedded_engine):
             tool_choice="required",
         )
         assert call.choices[0].message.tool_calls[0].function.name == "magic_function"
+
+
+# ----------------------------------------------------------------------------- load: back-pressure, metrics, vLLM fields
+def metric(text: str, name: str, **labels: str) -> float:
+    """One sample's value from Prometheus text exposition (0.0 when absent)."""
+    want = ",".join(f'{k}="{v}"' for k, v in labels.items())
+    for line in text.splitlines():
+        if line.startswith("#"):
+            continue
+        series, _, value = line.rpartition(" ")
+        if series == (f"{name}{{{want}}}" if labels else name):
+            return float(value)
+    return 0.0
+
+
+def test_metrics_are_scraped_in_prometheus_format(base_url):
+    before = httpx.get(base_url + "/metrics")
+    assert before.status_code == 200 and before.headers["content-type"].startswith("text/plain")
+    chat = metric(before.text, "snapkv_requests_total", endpoint="chat", status="200")
+    bad = metric(before.text, "snapkv_requests_total", endpoint="chat", status="400")
+    completion = metric(before.text, "snapkv_completion_tokens_total")
+    ttft = metric(before.text, "snapkv_time_to_first_token_seconds_count")
+    assert httpx.post(base_url + "/v1/chat/completions", json=ask(max_tokens=5, ignore_eos=True)).status_code == 200
+    with httpx.stream("POST", base_url + "/v1/chat/completions", json=ask(max_tokens=5, ignore_eos=True, stream=True)) as streamed:
+        assert streamed.status_code == 200 and "[DONE]" in "".join(streamed.iter_text())
+    assert httpx.post(base_url + "/v1/chat/completions", json=ask(temperature=-1)).status_code == 400
+    after = httpx.get(base_url + "/metrics").text
+    assert metric(after, "snapkv_requests_total", endpoint="chat", status="200") == chat + 2
+    assert metric(after, "snapkv_requests_total", endpoint="chat", status="400") == bad + 1
+    assert metric(after, "snapkv_completion_tokens_total") == completion + 10
+    assert metric(after, "snapkv_time_to_first_token_seconds_count") == ttft + 2
+    assert metric(after, "snapkv_inter_token_latency_seconds_count") >= 8  # 4 gaps in each 5-token answer
+    assert metric(after, "snapkv_requests_in_flight") == 0
+    assert metric(after, "snapkv_prefix_cache_bytes") > 0 and 0 <= metric(after, "snapkv_prefix_cache_hit_ratio") <= 1
+    for name in ("snapkv_chunk_kv_bytes", "snapkv_chunk_kv_hit_ratio", "snapkv_prompt_kv_bytes_kept_count", "snapkv_requests_rejected_total"):
+        assert f"\n{name}" in after
+
+
+def test_a_full_queue_answers_429_with_retry_after_and_recovers(engine):
+    with running(ServerConfig(engine, model_id="tiny", max_queue=1, compression=None)) as url:
+        with httpx.stream("POST", url + "/v1/chat/completions", json=ask(max_tokens=1500, ignore_eos=True, stream=True), timeout=60) as first:
+            assert first.status_code == 200
+            lines = first.iter_lines()  # kept: dropping the iterator closes the response, which frees the place
+            next(lines)  # the first request holds the only place while it streams
+            busy = httpx.post(url + "/v1/chat/completions", json=ask(max_tokens=3), timeout=60)
+            assert busy.status_code == 429 and busy.headers["retry-after"] == "1"
+            assert busy.json()["error"]["code"] == "queue_full" and busy.json()["error"]["type"] == "rate_limit_error"
+        # leaving the stream frees the place: the next request is served
+        deadline = time.monotonic() + 30
+        while (r := httpx.post(url + "/v1/chat/completions", json=ask(max_tokens=3), timeout=60)).status_code == 429:
+            assert time.monotonic() < deadline, "the place of a closed stream was never released"
+            time.sleep(0.1)
+        assert r.status_code == 200
+        scraped = httpx.get(url + "/metrics").text
+        assert metric(scraped, "snapkv_requests_rejected_total") >= 1 and metric(scraped, "snapkv_requests_in_flight") == 0
+
+
+def test_vllm_ignore_eos_and_min_tokens_are_honoured(tokenizer):
+    from conftest import tiny_engine as make
+
+    eager = make("llama", tokenizer)
+    eos = eager.tokenizer.eos_token_id
+    bias = torch.zeros(len(tokenizer))
+    bias[eos] = 50.0  # this model ends every reply at once
+    eager.model.get_output_embeddings().register_forward_hook(lambda _m, _i, out: out + bias.to(out.dtype))
+    with running(ServerConfig(eager, model_id="tiny", compression=None)) as url:
+
+        def tokens(**extra):
+            body = {"model": "tiny", "prompt": "Hello", "max_tokens": 12, **extra}
+            response = httpx.post(url + "/v1/completions", json=body, timeout=60)
+            assert response.status_code == 200, response.text
+            return response.json()["usage"]["completion_tokens"], response.json()["choices"][0]["finish_reason"]
+
+        assert tokens() == (1, "stop")  # the EOS token itself counts, as OpenAI's usage does
+        assert tokens(min_tokens=7) == (8, "stop")  # EOS is held back for 7 tokens, then chosen at once
+        assert tokens(ignore_eos=True) == (12, "length")
+        for body, param in (({"min_tokens": -1}, "min_tokens"), ({"min_tokens": 20}, "min_tokens"), ({"ignore_eos": "yes"}, "ignore_eos")):
+            response = httpx.post(url + "/v1/completions", json={"model": "tiny", "prompt": "Hello", "max_tokens": 12, **body}, timeout=60)
+            assert response.status_code == 400 and response.json()["error"]["param"] == param, response.text

@@ -21,11 +21,12 @@ from starlette.applications import Starlette
 from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
-from starlette.responses import JSONResponse, StreamingResponse
+from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from ..compression import as_policy
-from . import DEFAULT_COMPRESSION, DEFAULT_MAX_REQUEST_BYTES, DEFAULT_MAX_TOKENS
+from . import DEFAULT_COMPRESSION, DEFAULT_MAX_QUEUE, DEFAULT_MAX_REQUEST_BYTES, DEFAULT_MAX_TOKENS
+from .metrics import PieceClock, ServerMetrics
 from .protocol import (
     APIError,
     ChunkWriter,
@@ -62,9 +63,12 @@ class ServerConfig:
         embedder_id: str = "all-MiniLM-L6-v2",
         max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
         allow_origins: tuple[str, ...] = (),
+        max_queue: int = DEFAULT_MAX_QUEUE,
     ):
         if isinstance(default_max_tokens, bool) or not isinstance(default_max_tokens, int) or default_max_tokens < 1:
             raise ValueError(f"default_max_tokens must be a positive integer, got {default_max_tokens!r}")
+        if isinstance(max_queue, bool) or not isinstance(max_queue, int) or max_queue < 1:
+            raise ValueError(f"max_queue must be a positive integer, got {max_queue!r}")
         self.engine = engine
         self.model_id = model_id or engine.name
         self.aliases = {self.model_id, *aliases}  # ids a request may name for the model
@@ -76,6 +80,7 @@ class ServerConfig:
         self.embedder_id = embedder_id
         self.max_request_bytes = max_request_bytes
         self.allow_origins = tuple(allow_origins)
+        self.max_queue = max_queue  # completion requests admitted at once (waiting or generating); more get 429
         self.started = int(time.time())
 
 
@@ -149,12 +154,42 @@ def _open_stream(config: ServerConfig, request: ParsedRequest):
     return engine.astream(request.prompt, **request.engine_kwargs(max_new, compression))
 
 
-async def _finish(stream):
+async def _finish(stream, clock: PieceClock):
     """Read ``stream`` to its end; its result. Cancelling this stops the generation."""
     async with stream:
         async for _ in stream:
-            pass
+            clock.tick()
     return stream.result
+
+
+class Admission:
+    """One completion request's place among the ``max_queue`` the server admits at once."""
+
+    def __init__(self, app):
+        self.state = app.state
+        self.held = False
+
+    def enter(self) -> bool:
+        if self.state.in_flight >= self.state.config.max_queue:
+            self.state.metrics.rejected.inc()
+            return False
+        self.state.in_flight += 1
+        self.state.metrics.in_flight.inc()
+        self.held = True
+        return True
+
+    def release(self) -> None:
+        if self.held:
+            self.held = False
+            self.state.in_flight -= 1
+            self.state.metrics.in_flight.dec()
+
+
+def _queue_full(config: ServerConfig) -> JSONResponse:
+    error = APIError(
+        429, f"the server is busy: {config.max_queue} requests are already queued or running; retry shortly", type="rate_limit_error", code="queue_full"
+    )
+    return JSONResponse(error.body(), status_code=429, headers={"Retry-After": "1"})
 
 
 def _log(config: ServerConfig, request_id: str, request: ParsedRequest, result) -> None:
@@ -199,6 +234,13 @@ def _completions(kind: str):
 
     async def endpoint(request: Request):
         config: ServerConfig = request.app.state.config
+        metrics: ServerMetrics = request.app.state.metrics
+        clock = PieceClock(metrics, time.perf_counter())
+        admission: Admission | None = Admission(request.app)
+        assert admission is not None
+        if not admission.enter():
+            metrics.finished(kind, 429)
+            return _queue_full(config)
         try:
             parsed = parse(await _json_body(request, config.max_request_bytes))
             _check_model(parsed.model, config.model_id, config.aliases)
@@ -210,45 +252,64 @@ def _completions(kind: str):
             except Exception as exc:
                 raise from_engine_error(exc, kind) from None
             if parsed.stream:
-                return StreamingResponse(_stream(config, request_id, parsed, stream), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+                events = _stream(config, request_id, parsed, stream, clock, admission.release)
+                admission = None  # the stream releases it when it ends
+                return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
             try:
-                result = await _until_disconnect(request, _finish(stream))
+                result = await _until_disconnect(request, _finish(stream, clock))
             except asyncio.CancelledError:
                 log.info("%s cancelled: the client disconnected", request_id)
+                metrics.finished(kind, 499)
                 return JSONResponse(APIError(499, "the client closed the request").body(), status_code=499)
             except Exception as exc:
                 raise from_engine_error(exc, kind) from None
             _log(config, request_id, parsed, result)
+            metrics.finished(kind, 200, result)
             return JSONResponse(completion_response(parsed, request_id, int(time.time()), config.model_id, result))
         except APIError as exc:
+            metrics.finished(kind, exc.status)
             return _error_response(exc)
         except Exception as exc:  # a bug, not bad input: still one OpenAI-shaped answer, and the traceback in the log
             log.exception("request failed")
-            return _error_response(from_engine_error(exc, kind))
+            error = from_engine_error(exc, kind)
+            metrics.finished(kind, error.status)
+            return _error_response(error)
+        finally:
+            if admission is not None:
+                admission.release()
 
     return endpoint
 
 
-async def _stream(config: ServerConfig, request_id: str, parsed: ParsedRequest, stream):
+async def _stream(config: ServerConfig, request_id: str, parsed: ParsedRequest, stream, clock: PieceClock, release):
+    metrics = clock.metrics
     writer = ChunkWriter(parsed, request_id, config.model_id)
-    opening = writer.opening()
-    if opening:
-        yield opening
-    finished = False
     try:
-        async with stream:
-            async for piece in stream:
-                yield writer.piece(piece)
-        finished = True
-    except Exception as exc:  # after the 200: the error travels as an event, then the stream ends
-        yield writer.error(from_engine_error(exc, parsed.kind))
-        return
+        opening = writer.opening()
+        if opening:
+            yield opening
+        finished = False
+        try:
+            async with stream:
+                async for piece in stream:
+                    clock.tick()
+                    yield writer.piece(piece)
+            finished = True
+        except Exception as exc:  # after the 200: the error travels as an event, then the stream ends
+            finished = True
+            metrics.finished(parsed.kind, 200)
+            yield writer.error(from_engine_error(exc, parsed.kind))
+            return
+        finally:
+            if not finished:
+                log.info("%s stream ended early (client gone)", request_id)
+                metrics.finished(parsed.kind, 499)
+        _log(config, request_id, parsed, stream.result)
+        metrics.finished(parsed.kind, 200, stream.result)
+        for chunk in writer.closing(stream.result):
+            yield chunk
     finally:
-        if not finished:
-            log.info("%s stream ended early (client gone or error)", request_id)
-    _log(config, request_id, parsed, stream.result)
-    for chunk in writer.closing(stream.result):
-        yield chunk
+        release()
 
 
 async def embeddings(request: Request):
@@ -303,6 +364,11 @@ async def model(request: Request):
     return JSONResponse(_model_card(config, name))
 
 
+async def prometheus_metrics(request: Request):
+    body, content_type = request.app.state.metrics.exposition()
+    return Response(body, media_type=content_type)
+
+
 async def health(request: Request):
     config: ServerConfig = request.app.state.config
     info = config.engine.info()
@@ -339,9 +405,12 @@ def create_app(config: ServerConfig) -> Starlette:
             Route("/v1/models", models, methods=["GET"]),
             Route("/v1/models/{name:path}", model, methods=["GET"]),
             Route("/health", health, methods=["GET"]),
+            Route("/metrics", prometheus_metrics, methods=["GET"]),
         ],
         exception_handlers={404: not_found, 405: method_not_allowed},
         middleware=middleware,
     )
     app.state.config = config
+    app.state.metrics = ServerMetrics(config.engine)
+    app.state.in_flight = 0  # completion requests admitted and not finished (the event loop's own count)
     return app

@@ -11,7 +11,7 @@ from ..errors import SnapKVRagError
 
 
 def add_serve_parser(sub) -> None:
-    from . import DEFAULT_COMPRESSION, DEFAULT_MAX_REQUEST_BYTES, DEFAULT_MAX_TOKENS
+    from . import DEFAULT_COMPRESSION, DEFAULT_MAX_QUEUE, DEFAULT_MAX_REQUEST_BYTES, DEFAULT_MAX_TOKENS
 
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (chat, completions, embeddings)")
     p.add_argument("--model", default="default", help="'default' (embedded SmolLM2), a model dir, a .gguf file or a hub id")
@@ -46,6 +46,12 @@ def add_serve_parser(sub) -> None:
         "--kv-dir", default=None, help="store the K/V of requests' reuse_segments here (shared with other processes, kept across restarts; default: in memory)"
     )
     p.add_argument("--kv-cache-bytes", type=int, default=None, help="bound of --kv-dir (default 2 GiB; least recently used first)")
+    p.add_argument(
+        "--max-queue",
+        type=int,
+        default=DEFAULT_MAX_QUEUE,
+        help=f"completion requests admitted at once, waiting or generating; more get 429 with Retry-After (default {DEFAULT_MAX_QUEUE})",
+    )
     p.set_defaults(func=cmd_serve)
 
 
@@ -72,6 +78,8 @@ def build_config(args: argparse.Namespace):
         raise SnapKVRagError(f"--port must be 0-65535, got {args.port}")
     if args.default_max_tokens < 1:
         raise SnapKVRagError(f"--default-max-tokens must be at least 1, got {args.default_max_tokens}")
+    if args.max_queue < 1:
+        raise SnapKVRagError(f"--max-queue must be at least 1, got {args.max_queue}")
     if args.max_request_bytes < 1024:
         raise SnapKVRagError(f"--max-request-bytes must be at least 1024, got {args.max_request_bytes}")
     embedder, embedder_id = None, "all-MiniLM-L6-v2"
@@ -97,6 +105,7 @@ def build_config(args: argparse.Namespace):
         embedder_id=embedder_id,
         max_request_bytes=args.max_request_bytes,
         allow_origins=tuple(args.allow_origin or ()),
+        max_queue=args.max_queue,
     )
 
 

@@ -51,7 +51,7 @@ def invalid(message: str, param: str | None = None, code: str | None = None) -> 
 
 
 # The engine's argument names that the wire spells otherwise.
-_WIRE_NAMES = {"max_new_tokens": "max_tokens"}
+_WIRE_NAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens"}
 
 
 def from_engine_error(exc: BaseException, kind: str = "chat") -> APIError:
@@ -135,7 +135,7 @@ class ParsedRequest:
     prompt: Any  # messages (chat) or a string (completion)
     stream: bool
     include_usage: bool
-    sampling: dict[str, Any] = field(default_factory=dict)  # temperature, top_p, stop, seed, reuse_segments, recompute
+    sampling: dict[str, Any] = field(default_factory=dict)  # temperature, top_p, stop, seed, ignore_eos, min_new_tokens, reuse_segments, recompute
     max_tokens: int | None = None
     constraints: dict[str, Any] = field(default_factory=dict)  # tools, tool_choice, parallel_tool_calls, response_format
     compression: str | None = None  # the request's own spec, or None for the server's default
@@ -145,7 +145,21 @@ class ParsedRequest:
         return {"max_new_tokens": max_new_tokens, "compression": compression, **self.sampling, **self.constraints, **chat}
 
 
-_COMMON = {"model", "stream", "stream_options", "max_tokens", "temperature", "top_p", "stop", "seed", "compression", "reuse_segments", "recompute"}
+_COMMON = {
+    "model",
+    "stream",
+    "stream_options",
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "stop",
+    "seed",
+    "compression",
+    "reuse_segments",
+    "recompute",
+    "ignore_eos",
+    "min_tokens",  # vLLM's extensions, which benchmark clients send
+}
 MAX_REUSE_SEGMENTS = 1024
 CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "tools", "tool_choice", "parallel_tool_calls", "response_format"}
 COMPLETION_FIELDS = _COMMON | {"prompt"}
@@ -184,6 +198,13 @@ def _common(body: Any, kind: str, accepted: set[str]) -> ParsedRequest:
     seed = _optional(body, "seed", (int,), "an integer")
     if seed is not None:
         sampling["seed"] = seed
+    if _flag(body, "ignore_eos"):
+        sampling["ignore_eos"] = True
+    min_tokens = _optional(body, "min_tokens", (int,), "a non-negative integer")
+    if min_tokens is not None:
+        if min_tokens < 0:
+            raise invalid(f"min_tokens must be at least 0, got {min_tokens}", "min_tokens")
+        sampling["min_new_tokens"] = min_tokens
     segments = _optional(body, "reuse_segments", (list,), "a list of strings (texts of the prompt to reuse)")
     if segments is not None:
         if len(segments) > MAX_REUSE_SEGMENTS or not all(isinstance(t, str) for t in segments):

@@ -1,0 +1,74 @@
+"""The server's Prometheus metrics (``GET /metrics``, text format), one registry per app.
+
+Counters and histograms are fed by the request handlers; the cache gauges are read from the
+engine at scrape time, so they are never stale.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+# Seconds: a first token within 50 ms (a reused prompt on a GPU) to minutes (a long CPU prefill).
+TTFT_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32, 64, 128)
+ITL_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56)
+
+
+class ServerMetrics:
+    def __init__(self, engine: Any):
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("snapkv_requests", "Finished requests by endpoint and HTTP status", ["endpoint", "status"], registry=r)
+        self.prompt_tokens = Counter("snapkv_prompt_tokens", "Prompt tokens of finished completions", registry=r)
+        self.completion_tokens = Counter("snapkv_completion_tokens", "Generated tokens of finished completions", registry=r)
+        self.reused_tokens = Counter("snapkv_reused_prompt_tokens", "Prompt tokens whose K/V came from a cache (prefix or chunks)", registry=r)
+        self.in_flight = Gauge("snapkv_requests_in_flight", "Completion requests admitted and not finished (waiting or generating)", registry=r)
+        self.rejected = Counter("snapkv_requests_rejected", "Completion requests turned away with 429 because the queue was full", registry=r)
+        self.ttft = Histogram("snapkv_time_to_first_token_seconds", "From the request's arrival to its first generated piece", buckets=TTFT_BUCKETS, registry=r)
+        self.itl = Histogram("snapkv_inter_token_latency_seconds", "Between consecutive generated pieces of one request", buckets=ITL_BUCKETS, registry=r)
+        self.kv_kept = Histogram(
+            "snapkv_prompt_kv_bytes_kept", "Prompt K/V bytes one request kept after compression", buckets=[2**k for k in range(16, 36, 2)], registry=r
+        )
+        # read from the engine at each scrape (the CLI may swap the segment store after start)
+        Gauge("snapkv_prefix_cache_bytes", "Bytes of stored prompt K/V in the prefix cache", registry=r).set_function(lambda: engine.prefix_cache.nbytes)
+        Gauge("snapkv_prefix_cache_hit_ratio", "Prefix-cache lookups that reused something", registry=r).set_function(
+            lambda: _ratio(engine.prefix_cache.stats().hits, engine.prefix_cache.stats().lookups)
+        )
+        Gauge("snapkv_chunk_kv_bytes", "Bytes of stored chunk K/V (the engine's segment store)", registry=r).set_function(lambda: engine.segment_store.nbytes)
+        Gauge("snapkv_chunk_kv_hit_ratio", "Chunk K/V lookups found in the store", registry=r).set_function(
+            lambda: _ratio(engine.segment_store.stats.hits, engine.segment_store.stats.hits + engine.segment_store.stats.misses)
+        )
+
+    def exposition(self) -> tuple[bytes, str]:
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+    def finished(self, endpoint: str, status: int, result: Any = None) -> None:
+        self.requests.labels(endpoint=endpoint, status=str(status)).inc()
+        if result is not None:
+            self.prompt_tokens.inc(result.usage.prompt_tokens)
+            self.completion_tokens.inc(result.usage.completion_tokens)
+            self.reused_tokens.inc(result.stats.reused_prompt_tokens)
+            self.kv_kept.observe(result.stats.prompt_kv_bytes_kept)
+
+
+class PieceClock:
+    """Times one request's pieces: the first against its arrival (TTFT), the rest against the one before."""
+
+    def __init__(self, metrics: ServerMetrics, arrived: float):
+        self.metrics = metrics
+        self.last: float | None = None
+        self.arrived = arrived
+
+    def tick(self) -> None:
+        now = time.perf_counter()
+        if self.last is None:
+            self.metrics.ttft.observe(now - self.arrived)
+        else:
+            self.metrics.itl.observe(now - self.last)
+        self.last = now
+
+
+def _ratio(part: int, whole: int) -> float:
+    return part / whole if whole else 0.0
