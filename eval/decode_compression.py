@@ -12,8 +12,11 @@ that long); that continuation is the reference. Each method then
   agreement with the full cache's next token.
 
 Prompt-only compression (the cache grows by one entry per token) is the row to beat on memory.
+Decode ms/token of a long run is only comparable on a quiet machine; ``--timing-only`` times
+the methods alone (no scoring), interleaved over ``--rounds``, into ``timing.md``.
 
     .venv/bin/python eval/decode_compression.py --prompts 3 --tokens 1200
+    .venv/bin/python eval/decode_compression.py --prompts 1 --tokens 1200 --timing-only --rounds 2
 """
 
 from __future__ import annotations
@@ -84,9 +87,13 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=1200)
     parser.add_argument("--context", type=int, default=1500, help="stuffed document tokens per prompt")
     parser.add_argument("--out", type=Path, default=ROOT / "eval" / "results" / "decode_compression")
+    parser.add_argument("--timing-only", action="store_true", help="only decode ms/token per method, interleaved over --rounds")
+    parser.add_argument("--rounds", type=int, default=2)
     args = parser.parse_args()
 
     engine = Engine.default()
+    if args.timing_only:
+        return timing_only(engine, args)
     per_token = engine.info().kv_bytes_per_token
     records = []
     for index, prompt in enumerate(prompts(engine, args.prompts, args.context)):
@@ -151,6 +158,31 @@ def main() -> None:
     lines.append("")
     lines.append(f"KV bytes per token: {per_token}. Command: `.venv/bin/python eval/decode_compression.py --prompts {args.prompts} --tokens {args.tokens}`")
     write_table(args.out, lines)
+
+
+def timing_only(engine: Engine, args: argparse.Namespace) -> None:
+    prompt = prompts(engine, 1, args.context)[0]
+    engine.generate(prompt, max_new_tokens=16, prefix_cache=False)  # warm-up
+    runs: dict[str, list[float]] = {}
+    for _ in range(args.rounds):
+        for label, spec in [("full", None), *METHODS]:
+            result = engine.generate(prompt, max_new_tokens=args.tokens, ignore_eos=True, compression=spec, prefix_cache=False)
+            runs.setdefault(label, []).append(result.stats.decode_ms_per_token)
+            print(f"{label}: {result.stats.decode_ms_per_token:.1f} ms/token", flush=True)
+    full = statistics.median(runs["full"])
+    lines = [
+        f"Decode ms/token over {args.tokens} generated tokens after a {engine.count_tokens(prompt)}-token prompt, "
+        f"{engine.info().dtype}, {torch.get_num_threads()} threads; median of {args.rounds} interleaved rounds.",
+        "",
+        "| method | decode ms/token | vs full | rounds |",
+        "|---|---|---|---|",
+    ]
+    for label, values in runs.items():
+        ms = statistics.median(values)
+        lines.append(f"| {label} | {ms:.1f} | {ms / full:.2f}x | {', '.join(f'{v:.1f}' for v in values)} |")
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "timing.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
 
 
 if __name__ == "__main__":

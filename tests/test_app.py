@@ -328,11 +328,16 @@ def test_app_reads_its_options_after_the_double_dash(monkeypatch):
     module = importlib.util.module_from_spec(spec)
     monkeypatch.setitem(sys.modules, "docqa_app", module)
     spec.loader.exec_module(module)  # defines everything; main() runs only as __main__
+    import ui_config  # the app's own modules, beside app.py (it puts their folder on sys.path)
+
     monkeypatch.delenv("SNAPKV_RAG_APP_MODEL", raising=False)
-    cfg = module.app_config(["--model", "/m", "--store", "/s", "--uploads", "/u", "--collection", "c", "--stray"])
+    cfg = ui_config.app_config(["--model", "/m", "--store", "/s", "--uploads", "/u", "--collection", "c", "--stray"])
     assert (cfg.model, cfg.store, cfg.uploads, cfg.collection) == ("/m", "/s", "/u", "c")
-    assert module.app_config([]).model == "default"
-    assert module.Settings("snapkv", 256, "question", 32, 1024, 96, 0.0, True).policy().window_size == "question"
+    assert ui_config.app_config([]).model == "default"
+    settings = ui_config.Settings("snapkv", 256, "question", 32, 1024, 96, 0.0, True)
+    assert settings.policy().window_size == "question" and settings.spec() == "snapkv:budget=256,window=question"
+    assert ui_config.Settings("less", 128, "fixed", 16, 1024, 96, 0.0, True).spec() == "less:base=snapkv,budget=128,window=16"
+    assert ui_config.Settings("full", 128, "fixed", 16, 1024, 96, 0.0, True).policy() is None
 
 
 # ----------------------------------------------------------------------------- issue 31: found by a new user
@@ -363,7 +368,8 @@ def test_less_without_kernels_is_refused_before_any_answer(app_env):
 def test_decode_speedup_is_na_when_nothing_was_evicted_and_no_claim_from_noise(monkeypatch):
     from types import SimpleNamespace as NS
 
-    module = load_app_module(monkeypatch)
+    load_app_module(monkeypatch)
+    import ui_views as module
 
     def stats(ms, quartiles, kept=100, full=200):
         return NS(decode_ms_per_token=ms, decode_ms_quartiles=quartiles, prompt_kv_bytes_kept=kept, prompt_kv_bytes_full=full)

@@ -1,0 +1,153 @@
+"""The app's settings: command-line options, the resources shared by every session, and the compression choice."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import streamlit as st
+
+from snapkv_rag import Engine
+from snapkv_rag.compression import LESS, as_policy
+from snapkv_rag.loading import cache_root
+from snapkv_rag.rag import Embedder
+from snapkv_rag.rag.loaders import SUPPORTED_SUFFIXES
+from snapkv_rag.rag.store import default_store_dir, make_client
+
+MAX_QUESTION_CHARS = 2000
+
+
+METHODS = {
+    "full": "Full cache (no compression)",
+    "snapkv": "SnapKV",
+    "less": "LESS (SnapKV + learned low-rank state; shipped budgets 64, 128, 256, 512)",
+    "streamingllm": "StreamingLLM",
+    "h2o": "H2O",
+}
+
+
+KV_REUSE = {"chunks": "Chunks (stored document K/V)", "prefix": "Prefix only", "off": "Off"}
+
+
+NEW_COLLECTION = "+ New collection…"
+
+
+UPLOAD_TYPES = sorted(s.lstrip(".") for s in SUPPORTED_SUFFIXES)
+
+
+COLORS = {"kept (cited)": "#d1495b", "kept": "#4c78a8", "dropped": "#dcdfe4"}
+
+
+@dataclass(frozen=True)
+class AppConfig:
+    model: str
+    device: str | None
+    dtype: str | None
+    store: str
+    uploads: str
+    collection: str
+    folder_root: str | None = None  # folder ingest reads only under this folder; None: off
+    password: str | None = None  # asked for before anything is shown; None: no gate
+
+
+def app_config(argv: list[str] | None = None) -> AppConfig:
+    """Options given after ``--`` to ``streamlit run``, falling back to environment variables."""
+    env = os.environ.get
+    p = argparse.ArgumentParser(prog="apps/docqa/app.py", add_help=False, allow_abbrev=False)
+    p.add_argument("--model", default=env("SNAPKV_RAG_APP_MODEL", "default"))
+    p.add_argument("--device", default=env("SNAPKV_RAG_APP_DEVICE"))
+    p.add_argument("--dtype", default=env("SNAPKV_RAG_APP_DTYPE"))
+    p.add_argument("--store", default=env("SNAPKV_RAG_APP_STORE") or str(default_store_dir()))
+    p.add_argument("--uploads", default=env("SNAPKV_RAG_APP_UPLOADS") or str(cache_root() / "uploads"))
+    p.add_argument("--collection", default=env("SNAPKV_RAG_APP_COLLECTION", "documents"))
+    p.add_argument("--allow-folder-root", default=env("SNAPKV_RAG_APP_FOLDER_ROOT") or None)
+    args, _ = p.parse_known_args(argv)
+    return AppConfig(
+        args.model,
+        args.device,
+        args.dtype,
+        str(Path(args.store).expanduser()),
+        str(Path(args.uploads).expanduser()),
+        args.collection,
+        folder_root=args.allow_folder_root,
+        password=env("SNAPKV_RAG_APP_PASSWORD") or None,
+    )
+
+
+@st.cache_resource(show_spinner=False)
+def load_engine(model: str, device: str | None, dtype: str | None) -> Engine:
+    """The engine, loaded once per process and shared by every session (its calls are serialized)."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
+    return Engine.from_pretrained(model, device=device, dtype=dtype)
+
+
+@st.cache_resource(show_spinner=False)
+def load_embedder() -> Embedder:
+    embedder = Embedder()
+    _ = embedder.model  # load now, under the spinner, not during the first search
+    return embedder
+
+
+@st.cache_resource(show_spinner=False)
+def chroma_client(path: str):
+    return make_client(path=path)
+
+
+@st.cache_resource(show_spinner=False)
+def ingest_lock(store: str, collection: str) -> threading.Lock:
+    """One ingest at a time per collection, across sessions."""
+    return threading.Lock()
+
+
+@dataclass(frozen=True)
+class Settings:
+    method: str
+    budget: int
+    window: str  # "question" or "fixed"
+    window_size: int
+    context_tokens: int
+    max_new_tokens: int
+    temperature: float
+    side_by_side: bool
+    kv_reuse: str = "chunks"
+
+    def spec(self) -> str:
+        """The compression spec string (``snapkv_rag.compression.parse_compression``'s)."""
+        if self.method == "full":
+            return "full"
+        window = f",window={'question' if self.window == 'question' else self.window_size}" if self.method in ("snapkv", "less") else ""
+        base = "less:base=snapkv," if self.method == "less" else f"{self.method}:"
+        return f"{base}budget={self.budget}{window}"
+
+    def policy(self):
+        """The compression policy (None for the full cache); raises InvalidCompressionError."""
+        return as_policy(self.spec())
+
+    @property
+    def label(self) -> str:
+        if self.method == "full":
+            return "Full cache"
+        window = ""
+        if self.method in ("snapkv", "less"):
+            window = ", question window" if self.window == "question" else f", window {self.window_size}"
+        return f"{METHODS[self.method].split(' (')[0]} @ {self.budget}{window}"
+
+    def sampling(self) -> dict[str, Any]:
+        # A fixed seed makes sampled answers repeatable, so both sides of a comparison draw alike.
+        return {"temperature": self.temperature, **({"seed": 0} if self.temperature > 0 else {})}
+
+
+def checked_policy(settings: Settings, engine: Engine | None):
+    """The policy, checked against the model before any answer is produced: LESS needs kernels
+    for this model and budget, and finding out after the full-cache side finished lost that answer."""
+    policy = settings.policy()
+    if isinstance(policy, LESS) and engine is not None:
+        policy.load_kernels(engine.model)
+    return policy

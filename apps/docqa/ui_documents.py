@@ -1,0 +1,120 @@
+"""The documents panel: uploads and folder ingest into the collection, with a progress bar and a report."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+import streamlit as st
+from ui_config import UPLOAD_TYPES, AppConfig, ingest_lock
+from ui_sidebar import list_collections
+from ui_views import md_escape
+
+from snapkv_rag.errors import SnapKVRagError
+from snapkv_rag.rag import DocumentStore, Embedder, IngestReport, Skipped
+from snapkv_rag.rag.intake import IntakeError, Upload, folder_files, remove_skipped_uploads, save_uploads
+from snapkv_rag.rag.store import validate_collection_name
+
+
+def open_store(client, embedder: Embedder, cfg: AppConfig, name: str, *, create: bool) -> DocumentStore:
+    return DocumentStore(name, client=client, embedder=embedder, path=cfg.store, create=create)
+
+
+def ingest_paths(store: DocumentStore, paths: list[Path | Skipped], lock: threading.Lock) -> IngestReport:
+    """Ingest with a progress bar (``DocumentStore.ingest``); bad files are reported, never fatal."""
+    refused = [p for p in paths if isinstance(p, Skipped)]  # uploads turned away before ingest
+    bar = st.progress(0.0, text="Waiting for another ingest into this collection…" if lock.locked() else "Starting…")
+    seen = [0]
+
+    def on_file(index: int, total: int, path: str) -> None:
+        seen[0] = total
+        bar.progress(index / max(1, total), text=f"Reading {Path(path).name} ({index + 1} of {total})")
+
+    with lock:
+        report = store.ingest([p for p in paths if not isinstance(p, Skipped)], on_file=on_file)
+    report.skipped[:0] = refused
+    files = seen[0] + len(refused)
+    bar.progress(1.0, text=f"Done: {files} file{'s' if files != 1 else ''}")
+    return report
+
+
+def render_report(report: dict[str, Any]) -> None:
+    rep: IngestReport = report["report"]
+    text = f"**{report['what']}** → `{report['collection']}`: {rep.summary()}."
+    (st.success if rep.files and not rep.skipped else st.warning if rep.skipped else st.info)(text)
+    for s in rep.skipped:
+        st.markdown(f"- `{Path(s.source).name}` was skipped: {md_escape(s.reason)}")
+
+
+def documents_panel(cfg: AppConfig, client, embedder: Embedder, collection: str) -> DocumentStore | None:
+    store: DocumentStore | None = None
+    error = None
+    if collection:
+        try:
+            if collection in list_collections(client):
+                store = open_store(client, embedder, cfg, collection, create=False)
+        except SnapKVRagError as exc:
+            error = str(exc)
+    files = store.files() if store is not None else []
+    chunks = sum(f["chunks"] for f in files)
+    title = f"Documents in {collection or '(no collection)'}: {len(files)} file{'s' if len(files) != 1 else ''}, {chunks} chunks"
+    fresh = st.session_state.pop("ingest_fresh", False)
+    with st.expander(title, expanded=not files or fresh, icon=":material/description:"):
+        if error:
+            st.error(error)
+        left, right = st.columns(2, gap="large")
+        with left.form("upload", clear_on_submit=True, border=False):
+            uploads = st.file_uploader("Upload files", type=UPLOAD_TYPES, accept_multiple_files=True, key="uploads", help="txt, md, html, pdf, json, jsonl")
+            add_files = st.form_submit_button("Add files", type="primary", key="add_files")
+        add_folder = False
+        if cfg.folder_root:
+            with right.form("folder", border=False):
+                folder = st.text_input(f"Or a folder under {cfg.folder_root}", placeholder=str(Path(cfg.folder_root) / "documents"), key="folder")
+                add_folder = st.form_submit_button("Add folder", key="add_folder")
+        else:
+            right.caption("Folder ingest is off: whoever starts the app can allow one folder tree with `--allow-folder-root DIR`.")
+        what, paths, saved = None, [], []
+        try:
+            if add_files or add_folder:
+                validate_collection_name(collection)  # before anything is written or read
+            if add_files:
+                if not uploads:
+                    st.warning("Choose one or more files first.")
+                else:
+                    saved = save_uploads([Upload(f.name, f.getvalue()) for f in uploads], cfg.uploads, collection)
+                    what, paths = f"{len(uploads)} uploaded file{'s' if len(uploads) != 1 else ''}", saved
+            if add_folder:
+                if not folder.strip():
+                    st.warning("Type a folder path first.")
+                else:
+                    what, paths = f"folder {folder.strip()}", folder_files(folder.strip(), cfg.folder_root)
+        except (SnapKVRagError, IntakeError) as exc:
+            st.error(str(exc))
+            what = None
+        if what is not None:
+            try:
+                store = store or open_store(client, embedder, cfg, collection, create=True)
+                report = ingest_paths(store, paths, ingest_lock(cfg.store, collection))
+                remove_skipped_uploads(saved, report.skipped)
+                st.session_state["ingest_report"] = {"what": what, "collection": collection, "report": report}
+                st.session_state["ingest_fresh"] = True
+                st.session_state["select_collection"] = collection
+                st.rerun()
+            except SnapKVRagError as exc:
+                st.error(str(exc))
+        report = st.session_state.get("ingest_report")
+        if report and report["collection"] == collection:
+            render_report(report)
+        if files:
+            table = pd.DataFrame(
+                [
+                    {"Document": Path(f["file"]).name, "Title": f["title"], "Chunks": f["chunks"], "Tokens": f["tokens"], "Folder": str(Path(f["file"]).parent)}
+                    for f in files
+                ]
+            )
+            st.table(table.set_index("Document"))
+        elif store is None and not error:
+            st.caption("This collection does not exist yet; it is created when you add documents.")
+    return store

@@ -1,0 +1,133 @@
+"""The sidebar: the model, the collection and the answer settings."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import streamlit as st
+from ui_config import KV_REUSE, METHODS, NEW_COLLECTION, AppConfig, Settings, checked_policy, load_engine
+from ui_views import fmt_bytes
+
+from snapkv_rag import Engine
+from snapkv_rag.errors import SnapKVRagError
+
+
+def sidebar_model(cfg: AppConfig) -> tuple[Engine | None, str | None]:
+    st.sidebar.subheader("Model")
+    model = (
+        st.sidebar.text_input(
+            "Model path",
+            value=cfg.model,
+            key="model",
+            help="'default' is the embedded SmolLM2-135M-Instruct. Or a model directory, a .gguf file or a hub id.",
+        ).strip()
+        or "default"
+    )
+    try:
+        with st.spinner(f"Loading model {model}… (once per process)"):
+            engine = load_engine(model, cfg.device, cfg.dtype)
+    except Exception as exc:  # any loading failure is shown in the page; the app keeps running
+        message = f"Model {model!r} failed to load: {exc}"
+        st.sidebar.error(message)
+        return None, message
+    info = engine.info()
+    name = "SmolLM2-135M-Instruct (embedded)" if model == "default" else Path(model).name or model
+    st.sidebar.caption(
+        f"{name} · {info.parameters / 1e6:.0f}M parameters · {info.num_layers} layers · {info.num_kv_heads} KV heads · "
+        f"context {info.context_length or 0:,} · KV {fmt_bytes(info.kv_bytes_per_token)}/token · {info.device}"
+    )
+    return engine, None
+
+
+def list_collections(client) -> list[str]:
+    return sorted(c if isinstance(c, str) else c.name for c in client.list_collections())
+
+
+def sidebar_collection(cfg: AppConfig, client) -> str:
+    st.sidebar.subheader("Collection")
+    names = list_collections(client)
+    options = names + [NEW_COLLECTION]
+    wanted = st.session_state.pop("select_collection", None)
+    if "collection_choice" not in st.session_state and cfg.collection in names:
+        wanted = cfg.collection  # the start-up choice, once per session
+    if wanted in names:
+        st.session_state["collection_choice"] = wanted
+    elif st.session_state.get("collection_choice") not in options:
+        st.session_state["collection_choice"] = names[0] if names else NEW_COLLECTION
+    choice = st.sidebar.selectbox("Collection", options, key="collection_choice", label_visibility="collapsed")
+    if choice != NEW_COLLECTION:
+        return choice
+    name = st.sidebar.text_input(
+        "New collection name",
+        value=cfg.collection if cfg.collection not in names else "",
+        key="new_collection",
+        help="3-512 letters, digits, '.', '_' or '-'. It is created when you add its first documents.",
+    ).strip()
+    return name
+
+
+def sidebar_settings(engine: Engine | None) -> Settings:
+    st.sidebar.subheader("Compression")
+    method = st.sidebar.selectbox("Method", list(METHODS), format_func=METHODS.get, index=1, key="method")
+    compressed = method != "full"
+    budget = st.sidebar.number_input(
+        "KV budget (entries per layer and head)", min_value=8, max_value=1_000_000, value=256, step=64, key="budget", disabled=not compressed
+    )
+    window, window_size = "question", 32
+    if method in ("snapkv", "less"):
+        window = st.sidebar.radio(
+            "Observation window",
+            ["question", "fixed"],
+            format_func={"question": "Question-aligned", "fixed": "Fixed"}.get,
+            horizontal=True,
+            key="window",
+            help="Question-aligned: the queries of the question (plus the template tail) vote for what to keep. Fixed: the last N prompt tokens.",
+        )
+        if window == "fixed":
+            window_size = st.sidebar.number_input("Window tokens", min_value=1, max_value=4096, value=32, key="window_size")
+    st.sidebar.subheader("Generation")
+    context_tokens = st.sidebar.number_input(
+        "Context tokens to stuff",
+        min_value=32,
+        max_value=1_000_000,
+        value=1024,
+        step=128,
+        key="context_tokens",
+        help="LLM tokens of retrieved documents put into the prompt.",
+    )
+    max_new_tokens = st.sidebar.number_input("Max new tokens", min_value=1, max_value=8192, value=96, step=16, key="max_new_tokens")
+    temperature = st.sidebar.slider("Temperature", 0.0, 1.5, 0.0, 0.05, key="temperature", help="0 = greedy")
+    side_by_side = st.sidebar.toggle(
+        "Side by side with the full cache",
+        value=False,
+        key="side_by_side",
+        disabled=not compressed,
+        help="Answer each question twice: with the full KV cache and with the chosen compression.",
+    )
+    kv_reuse = st.sidebar.selectbox(
+        "K/V reuse",
+        list(KV_REUSE),
+        format_func=KV_REUSE.get,
+        key="kv_reuse",
+        index=list(KV_REUSE).index(engine.recommended_kv_reuse) if engine is not None else 0,
+        help="Chunks: each document's K/V is computed once, stored beside the collection and reused wherever it lands in a "
+        "prompt (15% of its tokens recomputed; approximate: the embedded 135M model loses answers, so it defaults to Prefix). "
+        "Prefix: only an identical prompt start is reused (exact). Off: every prompt is read whole.",
+    )
+    settings = Settings(
+        method, int(budget), window, int(window_size), int(context_tokens), int(max_new_tokens), float(temperature), bool(side_by_side and compressed), kv_reuse
+    )
+    try:
+        checked_policy(settings, engine)
+    except SnapKVRagError as exc:
+        st.sidebar.error(str(exc))
+    if compressed and budget >= context_tokens:
+        st.sidebar.info(
+            f"The budget ({budget:,}) is not below the context tokens ({context_tokens:,}): the prompt will usually fit whole and nothing gets compressed."
+        )
+    if engine is not None and engine.context_length and context_tokens + max_new_tokens > engine.context_length:
+        st.sidebar.warning(
+            f"Context tokens plus max new tokens ({context_tokens + max_new_tokens:,}) exceed the model's context "
+            f"({engine.context_length:,}); lower one of them."
+        )
+    return settings
