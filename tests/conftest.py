@@ -154,6 +154,32 @@ def tiny_tool_engine(tokenizer, *, family: str = "llama", seed: int = 0, bias: t
     return Engine(model, tokenizer, name=f"tiny-{family}-smollm2-tokenizer")
 
 
+def gemma3_engine(tokenizer, sliding_window=256, context=512):
+    """A tiny Gemma 3: one sliding-window layer, then one full-attention layer."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from snapkv_rag import Engine
+
+    config = AutoConfig.for_model(
+        "gemma3_text",
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=context,
+        sliding_window=sliding_window,
+        layer_types=["sliding_attention", "full_attention"],
+        bos_token_id=1,
+        eos_token_id=8,
+        pad_token_id=3,
+    )
+    torch.manual_seed(0)
+    return Engine(AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval(), tokenizer, name="tiny-gemma3")
+
+
 @contextlib.contextmanager
 def running(config):
     """The OpenAI-compatible app for ``config`` (a ``ServerConfig``) under a real uvicorn server

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import FAMILIES, tiny_engine, tiny_model
+from conftest import FAMILIES, gemma3_engine, tiny_engine, tiny_model
 
 from snapkv_rag.compression import H2O, RandomKeep, SnapKV, StreamingLLM
 from snapkv_rag.compression.runtime import register_attention_functions
@@ -128,28 +128,7 @@ def test_stats_report_compression(tokenizer):
 
 
 def test_gemma3_sliding_layers_stay_uncompressed(tokenizer):
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    from snapkv_rag import Engine
-
-    config = AutoConfig.for_model(
-        "gemma3_text",
-        vocab_size=len(tokenizer),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=512,
-        sliding_window=256,
-        layer_types=["sliding_attention", "full_attention"],
-        bos_token_id=1,
-        eos_token_id=8,
-        pad_token_id=3,
-    )
-    torch.manual_seed(0)
-    engine = Engine(AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval(), tokenizer)
+    engine = gemma3_engine(tokenizer)
     ids = prompt_ids(engine)
     run, _ = prefill(engine, ids, SnapKV(window_size=8, max_capacity_prompt=24))
     assert run.kept_tokens_per_layer == [len(ids), 24]

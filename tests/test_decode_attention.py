@@ -62,7 +62,7 @@ def test_generation_is_unchanged_in_every_family(tokenizer, family, monkeypatch)
 
 
 def test_gemma3_sliding_layers_are_unchanged(tokenizer, monkeypatch):
-    from test_hardening import gemma3_engine
+    from conftest import gemma3_engine
 
     engine = gemma3_engine(tokenizer, sliding_window=16)
     prompt = "Numbers like 1234 and 5678 appear in passkeys. " * 5

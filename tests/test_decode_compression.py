@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 import torch
-from conftest import FAMILIES, tiny_engine
+from conftest import FAMILIES, gemma3_engine, tiny_engine
 
 from snapkv_rag.compression import H2O, RandomKeep, SnapKV, StreamingLLM, parse_compression
 from snapkv_rag.compression.decoding import layer_entries
@@ -164,29 +164,7 @@ def test_decode_cuts_compose_with_the_prefix_cache(long_engine):
 
 
 def test_gemma3_sliding_layers_are_left_whole_at_decode_time(tokenizer):
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    from snapkv_rag import Engine
-
-    config = AutoConfig.for_model(
-        "gemma3_text",
-        vocab_size=len(tokenizer),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=1024,
-        sliding_window=16,
-        layer_types=["sliding_attention", "full_attention"],
-        bos_token_id=1,
-        eos_token_id=8,
-        pad_token_id=3,
-    )
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
-    engine = Engine(model, tokenizer, name="tiny-gemma3")
+    engine = gemma3_engine(tokenizer, sliding_window=16, context=1024)
     policy = SnapKV(window_size=8, max_capacity_prompt=24, kernel_size=3, decode_budget=20, decode_interval=8)
     ids = tokenizer(LONG)["input_ids"]
     run, _ = run_tracking_entries(engine, ids, policy, 100)

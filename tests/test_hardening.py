@@ -13,7 +13,7 @@ import time
 
 import pytest
 import torch
-from conftest import FAMILIES, tiny_engine
+from conftest import FAMILIES, gemma3_engine, tiny_engine
 
 from snapkv_rag import (
     InvalidDeviceError,
@@ -183,31 +183,6 @@ def test_astream_break_then_generate(engine):
 
 
 # ----------------------------------------------------------------- 2. sliding-window layers in padded batches
-def gemma3_engine(tokenizer, sliding_window=256):
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    from snapkv_rag import Engine
-
-    config = AutoConfig.for_model(
-        "gemma3_text",
-        vocab_size=len(tokenizer),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=512,
-        sliding_window=sliding_window,
-        layer_types=["sliding_attention", "full_attention"],
-        bos_token_id=1,
-        eos_token_id=8,
-        pad_token_id=3,
-    )
-    torch.manual_seed(0)
-    return Engine(AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval(), tokenizer, name="tiny-gemma3")
-
-
 BATCH = [LONG, "Short prompt here.", LONG.replace("fox", "cat") + " Tell me."]
 
 

@@ -240,7 +240,7 @@ def test_disabled_prefix_cache(tokenizer):
 
 
 def test_sliding_window_models_do_not_reuse(tokenizer):
-    from test_hardening import gemma3_engine
+    from conftest import gemma3_engine
 
     engine = gemma3_engine(tokenizer)
     policy = POLICIES["snapkv"]

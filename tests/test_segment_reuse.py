@@ -13,7 +13,7 @@ import os
 
 import pytest
 import torch
-from conftest import FAMILIES, build_tokenizer, tiny_engine
+from conftest import FAMILIES, build_tokenizer, gemma3_engine, tiny_engine
 
 from snapkv_rag.blending import (
     RopeShift,
@@ -119,35 +119,15 @@ def test_spans_leave_out_tokens_that_straddle_a_boundary(tok):
 
 
 def test_models_that_cannot_move_keys_are_refused(tok):
-    from transformers import (
-        AutoConfig,
-        AutoModelForCausalLM,
-        GPT2Config,
-        GPT2LMHeadModel,
-    )
+    from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(0)
     gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=len(tok), n_embd=32, n_layer=1, n_head=2, n_positions=128)).eval()
     with pytest.raises(SegmentReuseUnsupported, match="rotary"):
         RopeShift(gpt2)
-    config = AutoConfig.for_model(
-        "gemma3_text",
-        vocab_size=len(tok),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        sliding_window=16,
-        layer_types=["sliding_attention", "full_attention"],
-    )
-    gemma3 = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
+    engine = gemma3_engine(tok, sliding_window=16)
     with pytest.raises(SegmentReuseUnsupported, match="sliding"):
-        RopeShift(gemma3)
-    from snapkv_rag import Engine
-
-    engine = Engine(gemma3, tok, name="tiny-gemma3")
+        RopeShift(engine.model)
     result = engine.generate(prompt_for([0, 1, 2]), max_new_tokens=2, reuse_segments=DOCS)
     assert result.stats.segment_reuse.startswith("refused: sliding") and result.stats.reused_prompt_tokens == 0
 

@@ -225,7 +225,8 @@ async def test_an_async_stream_left_early_stops_generating(tiny_engine):
                 if seen == 2:
                     break
         at_exit = len(forwards)
-        await asyncio.sleep(0.5)
-        assert len(forwards) == at_exit and at_exit < 50
+        await asyncio.sleep(1.0)
+        # the cancel lands at the next step boundary: a step already running may finish; 250 without the close
+        assert len(forwards) <= at_exit + 2 and len(forwards) < 50
     finally:
         hook.remove()
