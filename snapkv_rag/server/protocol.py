@@ -7,8 +7,10 @@ fields that only label a request (``user``, ``metadata``, ``store`` ...) are acc
 ignored. Extensions: ``compression``, a policy spec (``"snapkv:budget=512"``, ``"full"``)
 that overrides the server's default for this request; ``reuse_segments``, texts of the
 prompt (the documents a client stuffed) whose K/V the server stores once and reuses at any
-position later, with ``recompute`` (0-1) the share recomputed (see :mod:`snapkv_rag.blending`).
-Every response carries the engine's stats for it under ``snapkv``.
+position later, with ``recompute`` (0-1) the share recomputed (see :mod:`snapkv_rag.blending`);
+vLLM's ``ignore_eos`` and ``min_tokens``. Field types and ranges are declared as pydantic
+models (:class:`CompletionFields`, :class:`ChatFields`); the first violation is one 400 naming
+its field. Every response carries the engine's stats for it under ``snapkv``.
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, ValidationError, field_validator, model_validator
 
 from ..errors import (
     EmptyPromptError,
@@ -113,19 +117,6 @@ def _check_fields(body: Mapping[str, Any], accepted: set[str]) -> None:
         raise invalid(f"Unrecognized request argument supplied: {key}", key, "unrecognized_argument")
 
 
-def _optional(body: Mapping[str, Any], key: str, kinds: tuple[type, ...], what: str) -> Any:
-    value = body.get(key)
-    if value is None:
-        return None
-    if isinstance(value, bool) and bool not in kinds or not isinstance(value, kinds):
-        raise invalid(f"{key} must be {what}, got {value!r}", key)
-    return value
-
-
-def _flag(body: Mapping[str, Any], key: str) -> bool:
-    return bool(_optional(body, key, (bool,), "true or false"))
-
-
 @dataclass
 class ParsedRequest:
     """What a completion request asks the engine for."""
@@ -165,68 +156,103 @@ CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "tools", "tool_cho
 COMPLETION_FIELDS = _COMMON | {"prompt"}
 
 
-def _common(body: Any, kind: str, accepted: set[str]) -> ParsedRequest:
+# --------------------------------------------------------------------------- request models
+Number = StrictFloat  # ints are accepted, booleans and strings are not
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    include_usage: StrictBool | None = None
+    include_obfuscation: StrictBool | None = None
+
+
+class CompletionFields(BaseModel):
+    """The fields of ``/v1/completions`` (and, with :class:`ChatFields`, of chat): OpenAI's, this
+    server's extensions (``compression``, ``reuse_segments``, ``recompute``) and vLLM's
+    (``ignore_eos``, ``min_tokens``). Unknown and unsupported fields are refused before this
+    (:func:`_check_fields`), with OpenAI's codes."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: StrictStr = Field(min_length=1)
+    stream: StrictBool | None = None
+    stream_options: StreamOptions | None = None
+    max_tokens: StrictInt | None = Field(default=None, ge=1)
+    temperature: Number | None = Field(default=None, ge=0, le=2)
+    top_p: Number | None = Field(default=None, gt=0, le=1)
+    stop: StrictStr | list[StrictStr] | None = None
+    seed: StrictInt | None = None
+    compression: StrictStr | None = None  # a policy spec such as 'snapkv:budget=1024' or 'full'
+    reuse_segments: list[StrictStr] | None = Field(default=None, max_length=MAX_REUSE_SEGMENTS)
+    recompute: Number | None = Field(default=None, ge=0, le=1)
+    ignore_eos: StrictBool | None = None
+    min_tokens: StrictInt | None = Field(default=None, ge=0)
+
+    @field_validator("stop")
+    @classmethod
+    def _stops(cls, stop: str | list[str] | None) -> list[str] | None:
+        stops = [stop] if isinstance(stop, str) else stop
+        if stops is not None and (not all(stops) or len(stops) > 4):
+            raise ValueError("stop must be a non-empty string or a list of at most 4 of them")
+        return stops
+
+    @model_validator(mode="after")
+    def _stream_options_need_stream(self):
+        if self.stream_options is not None and not self.stream:
+            raise invalid("stream_options is only allowed with stream=true", "stream_options")
+        return self
+
+    def sampling(self) -> dict[str, Any]:
+        """The engine's sampling keywords this request sets."""
+        out: dict[str, Any] = {}
+        for key in ("temperature", "top_p", "recompute"):
+            if getattr(self, key) is not None:
+                out[key] = float(getattr(self, key))
+        for key in ("stop", "seed", "reuse_segments"):
+            if getattr(self, key) is not None:
+                out[key] = getattr(self, key)
+        if self.ignore_eos:
+            out["ignore_eos"] = True
+        if self.min_tokens is not None:
+            out["min_new_tokens"] = self.min_tokens
+        return out
+
+
+class ChatFields(CompletionFields):
+    messages: Any = None  # checked by chat_messages (roles, ids, tool results) for OpenAI-shaped errors
+    max_completion_tokens: StrictInt | None = Field(default=None, ge=1)
+    tools: Any = None  # checked by the engine's tool validation (typed errors, param "tools")
+    tool_choice: Any = None
+    response_format: Any = None
+    parallel_tool_calls: StrictBool | None = None
+
+
+_HINTS = {"model": " (GET /v1/models lists what this server serves)"}
+_UNION_TAGS = {"str", "int", "float", "bool", "list[str]"}
+
+
+def _validated(model: type[CompletionFields], body: Mapping[str, Any]) -> Any:
+    """``body`` as ``model``; the first violation as one 400 naming its field."""
+    try:
+        return model.model_validate(body)
+    except ValidationError as exc:
+        error = exc.errors(include_url=False)[0]
+        field = str(error["loc"][0]) if error["loc"] else None
+        # the path to the value (list indices, unknown keys), without the union member tried ("str", "list[str]")
+        where = ".".join(str(part) for i, part in enumerate(error["loc"]) if i == 0 or isinstance(part, int) or part not in _UNION_TAGS)
+        message = error["msg"].removeprefix("Value error, ")
+        raise invalid(f"{where}: {message}" + _HINTS.get(field or "", ""), field) from None
+
+
+def _common(body: Any, kind: str, accepted: set[str]) -> tuple[ParsedRequest, Any]:
     if not isinstance(body, Mapping):
         raise invalid("the request body must be a JSON object")
     _check_fields(body, accepted)
-    model = body.get("model")
-    if not isinstance(model, str) or not model:
-        raise invalid("model is required (GET /v1/models lists what this server serves)", "model")
-    stream = _flag(body, "stream")
-    options = _optional(body, "stream_options", (dict,), "an object")
-    if options is not None and not stream:
-        raise invalid("stream_options is only allowed with stream=true", "stream_options")
-    options = options or {}
-    unknown = set(options) - {"include_usage", "include_obfuscation"}
-    if unknown:
-        raise invalid(f"stream_options has unknown keys {sorted(unknown)}", "stream_options")
-    include_usage = _flag(options, "include_usage")
-    sampling: dict[str, Any] = {}
-    for key, low, high in (("temperature", 0.0, 2.0), ("top_p", 0.0, 1.0)):
-        value = _optional(body, key, (int, float), "a number")
-        if value is not None:
-            if not low <= value <= high or (key == "top_p" and value == 0):
-                raise invalid(f"{key} must be {'between 0 and 2' if key == 'temperature' else 'in (0, 1]'}, got {value!r}", key)
-            sampling[key] = float(value)
-    stop = body.get("stop")
-    if stop is not None:
-        if isinstance(stop, str):
-            stop = [stop]
-        if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop) or len(stop) > 4:
-            raise invalid("stop must be a non-empty string or a list of at most 4 of them", "stop")
-        sampling["stop"] = stop
-    seed = _optional(body, "seed", (int,), "an integer")
-    if seed is not None:
-        sampling["seed"] = seed
-    if _flag(body, "ignore_eos"):
-        sampling["ignore_eos"] = True
-    min_tokens = _optional(body, "min_tokens", (int,), "a non-negative integer")
-    if min_tokens is not None:
-        if min_tokens < 0:
-            raise invalid(f"min_tokens must be at least 0, got {min_tokens}", "min_tokens")
-        sampling["min_new_tokens"] = min_tokens
-    segments = _optional(body, "reuse_segments", (list,), "a list of strings (texts of the prompt to reuse)")
-    if segments is not None:
-        if len(segments) > MAX_REUSE_SEGMENTS or not all(isinstance(t, str) for t in segments):
-            raise invalid(f"reuse_segments must be a list of at most {MAX_REUSE_SEGMENTS} strings", "reuse_segments")
-        sampling["reuse_segments"] = segments
-    recompute = _optional(body, "recompute", (int, float), "a number in [0, 1]")
-    if recompute is not None:
-        if not 0 <= recompute <= 1:
-            raise invalid(f"recompute must be a number in [0, 1], got {recompute!r}", "recompute")
-        sampling["recompute"] = float(recompute)
-    compression = _optional(body, "compression", (str,), "a policy spec such as 'snapkv:budget=1024' or 'full'")
-    return ParsedRequest(kind, model, None, stream, include_usage, sampling, compression=compression)
-
-
-def _max_tokens(body: Mapping[str, Any], *keys: str) -> int | None:
-    for key in keys:
-        value = _optional(body, key, (int,), "a positive integer")
-        if value is not None:
-            if value < 1:
-                raise invalid(f"{key} must be at least 1, got {value}", key)
-            return value
-    return None
+    fields = _validated(ChatFields if kind == "chat" else CompletionFields, body)
+    include_usage = bool(fields.stream_options is not None and fields.stream_options.include_usage)
+    request = ParsedRequest(kind, fields.model, None, bool(fields.stream), include_usage, fields.sampling(), compression=fields.compression)
+    return request, fields
 
 
 def _text_content(content: Any, where: str) -> str | None:
@@ -287,30 +313,30 @@ def chat_messages(messages: Any) -> list[dict[str, Any]]:
 
 
 def parse_chat_request(body: Any) -> ParsedRequest:
-    request = _common(body, "chat", CHAT_FIELDS)
-    request.prompt = chat_messages(body.get("messages"))
-    request.max_tokens = _max_tokens(body, "max_completion_tokens", "max_tokens")
+    request, fields = _common(body, "chat", CHAT_FIELDS)
+    request.prompt = chat_messages(fields.messages)
+    request.max_tokens = fields.max_completion_tokens if fields.max_completion_tokens is not None else fields.max_tokens
     for key in ("tools", "tool_choice", "response_format"):
-        if body.get(key) is not None:
-            request.constraints[key] = body[key]
+        if getattr(fields, key) is not None:
+            request.constraints[key] = getattr(fields, key)
     if "tool_choice" in request.constraints and not request.constraints.get("tools"):
         raise invalid("tool_choice is only allowed when tools are given", "tool_choice")
-    if body.get("parallel_tool_calls") is not None:
-        request.constraints["parallel_tool_calls"] = _flag(body, "parallel_tool_calls")
+    if fields.parallel_tool_calls is not None:
+        request.constraints["parallel_tool_calls"] = fields.parallel_tool_calls
     if request.constraints.get("response_format") == {"type": "text"}:
         del request.constraints["response_format"]
     return request
 
 
 def parse_completion_request(body: Any) -> ParsedRequest:
-    request = _common(body, "completion", COMPLETION_FIELDS)
+    request, fields = _common(body, "completion", COMPLETION_FIELDS)
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
         prompt = prompt[0]
     if not isinstance(prompt, str):
         raise invalid("prompt must be a string (or a list of one string); token-id prompts and several prompts per request are not supported", "prompt")
     request.prompt = prompt
-    request.max_tokens = _max_tokens(body, "max_tokens")
+    request.max_tokens = fields.max_tokens
     return request
 
 
