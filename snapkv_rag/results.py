@@ -32,8 +32,10 @@ class GenerationStats:
     """Measurements of one engine call, for one row (one prompt).
 
     Token and byte counts are the row's own: its real prompt tokens, never the padding of
-    a batch. Timings, ``prompt_tokens_padded``, ``batch_prompt_kv_bytes``, ``kv_bytes_final``
-    and peak memory describe the whole (bucketed) batch the row ran in.
+    a batch. Timings, ``prompt_tokens_padded``, ``batch_prompt_kv_bytes``, ``kv_bytes_final``,
+    peak memory and the counts in ``policy_stats`` (decode-time cuts, folded entries; not
+    ``low_rank_state_bytes``/``_tokens``, which are the row's) describe the whole (bucketed)
+    batch the row ran in.
     """
 
     prefill_seconds: float

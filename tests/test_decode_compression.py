@@ -51,10 +51,10 @@ def test_decode_settings_parse_round_trip_and_stay_out_of_plain_specs():
 @pytest.mark.parametrize(
     "spec, message",
     [
-        ("snapkv:budget=256,window=32,decode_budget=32", "decode_budget=32"),
+        ("snapkv:budget=256,window=32,decode_budget=32", r"decode_budget \(32\)"),
         ("snapkv:budget=256,window=question,decode_budget=64", "max_window"),
-        ("streamingllm:budget=256,sinks=8,decode_budget=8", "decode_budget=8"),
-        ("h2o:budget=256,recent=64,decode_budget=64", "decode_budget=64"),
+        ("streamingllm:budget=256,sinks=8,decode_budget=8", r"decode_budget \(8\)"),
+        ("h2o:budget=256,recent=64,decode_budget=64", r"decode_budget \(64\)"),
         ("random:budget=256,decode_budget=0", "decode_budget must be an integer >= 1"),
         ("snapkv:budget=256,decode_budget=128,decode_interval=0", "decode_interval must be an integer >= 1"),
     ],
@@ -77,7 +77,7 @@ def test_a_1200_token_generation_keeps_the_cache_within_its_bound(long_engine, p
     # the peak is measured inside the step (after its forward, before the cut): one more than a caller ever sees
     assert stats["decode_cache_entries_max"] == max(largest) + 1 <= bound
     assert stats["decode_compactions"] >= (1200 - policy.decode_interval) // policy.decode_interval - 1
-    _, grown = run_tracking_entries(long_engine, ids, dataclasses.replace(policy, decode_budget=None), 200)
+    _, grown = run_tracking_entries(long_engine, ids, dataclasses.replace(policy, decode_budget=None, decode_interval=None), 200)
     assert max(grown) > 200  # without decode_budget the same run grows with every token
 
 
@@ -109,7 +109,7 @@ def test_a_decode_cut_keeps_exactly_the_policy_entries_at_their_true_positions(t
     assert run.policy_stats()["decode_compactions"] == 1  # after the 8th decode forward: 24 + 8 entries cut to 16
 
     # the same prefill without decode cuts, then the 8 decoded tokens: 32 entries per layer
-    uncut = DecodeRun(engine.model, [ids], GenerationParams(max_new_tokens=9), dataclasses.replace(policy, decode_budget=None), engine._pad_id)
+    uncut = DecodeRun(engine.model, [ids], GenerationParams(max_new_tokens=9), dataclasses.replace(policy, decode_budget=None, decode_interval=None), engine._pad_id)
     uncut_logits = uncut.teacher_force(continuation[:9])
     torch.testing.assert_close(uncut_logits[:9], logits[:9])  # identical up to the cut
     kept = torch.tensor(list(range(4)) + list(range(32 - 12, 32)))
@@ -173,3 +173,13 @@ def test_gemma3_sliding_layers_are_left_whole_at_decode_time(tokenizer):
     batch = engine.generate_batch([LONG, "Short prompt here."], max_new_tokens=40, ignore_eos=True, compression=policy, chat=False)
     singles = [engine.generate(p, max_new_tokens=40, ignore_eos=True, compression=policy, chat=False) for p in (LONG, "Short prompt here.")]
     assert [r.token_ids for r in batch] == [r.token_ids for r in singles]
+
+
+def test_decode_errors_speak_of_what_the_user_set():
+    with pytest.raises(InvalidCompressionError, match=r"decode_interval applies only together with decode_budget"):
+        parse_compression("snapkv:budget=256,decode_interval=32")
+    with pytest.raises(InvalidCompressionError) as info:
+        parse_compression("snapkv:budget=256,decode_budget=16")
+    message = str(info.value)
+    assert "decode_budget (16)" in message and "max_capacity_prompt (16)" not in message and "raise decode_budget" in message
+    assert parse_compression("snapkv:budget=256,decode_budget=128").decode_every == 64  # the default interval

@@ -282,7 +282,8 @@ def test_a_call_cut_short_mid_stream_ends_with_an_error_event(base_url):
         assert response.status_code == 200
         events = [line.removeprefix("data: ") for line in response.iter_lines() if line.startswith("data: ")]
     last = json.loads(events[-1])
-    assert "max_new_tokens" in last["error"]["message"] and "[DONE]" not in events
+    message = last["error"]["message"]
+    assert "raise max_tokens" in message and "max_new_tokens" not in message and "[DONE]" not in events  # the name the client sent
     plain = httpx.post(base_url + "/v1/chat/completions", json={**body, "stream": False}, timeout=60)
     assert plain.status_code == 400 and plain.json()["error"]["code"] == "structured_output_error"
 

@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     from .decoding import PolicyState
 
 DECODE_FIELDS = ("decode_budget", "decode_interval")
+DEFAULT_DECODE_INTERVAL = 64
 
 
 def check_positive_int(owner: str, name: str, value: Any, minimum: int = 1) -> None:
@@ -88,22 +89,34 @@ class CompressionPolicy(ABC):
 
     # ------------------------------------------------------------ after the prefill
     decode_budget: int | None = None  # sparse policies declare both as dataclass fields
-    decode_interval: int = 64
+    decode_interval: int | None = None
+
+    @property
+    def decode_every(self) -> int:
+        """Generated tokens between two decode-time cuts."""
+        return self.decode_interval if self.decode_interval is not None else DEFAULT_DECODE_INTERVAL
 
     def for_decode(self) -> CompressionPolicy:
         """The policy that cuts the cache at decode time: this one at budget ``decode_budget``."""
-        return dataclasses.replace(self, max_capacity_prompt=self.decode_budget, decode_budget=None)
+        return dataclasses.replace(self, max_capacity_prompt=self.decode_budget, decode_budget=None, decode_interval=None)
 
     def check_decode_budget(self) -> None:
         """Validate ``decode_budget``/``decode_interval`` (call from ``__post_init__``)."""
+        owner = type(self).__name__
         if self.decode_budget is None:
+            if self.decode_interval is not None:
+                raise InvalidCompressionError(f"{owner}: decode_interval applies only together with decode_budget (the entries to cut back to)")
             return
-        check_positive_int(type(self).__name__, "decode_budget", self.decode_budget)
-        check_positive_int(type(self).__name__, "decode_interval", self.decode_interval)
+        check_positive_int(owner, "decode_budget", self.decode_budget)
+        if self.decode_interval is not None:
+            check_positive_int(owner, "decode_interval", self.decode_interval)
         try:
             self.for_decode()
         except InvalidCompressionError as exc:
-            raise InvalidCompressionError(f"{exc} (at decode time the budget is decode_budget={self.decode_budget})") from None
+            # the decode-time policy's own complaint, told in the terms the user set
+            reason = str(exc).replace(f"max_capacity_prompt ({self.decode_budget})", f"decode_budget ({self.decode_budget})")
+            reason = reason.replace("raise the budget", "raise decode_budget")
+            raise InvalidCompressionError(f"{reason} (decode_budget is the budget of the decode-time cuts)") from None
 
     def decode_state(self, model, sliding: list[bool]) -> PolicyState | None:
         """This policy's state for one decode run, or None when nothing happens after the prefill."""
@@ -116,9 +129,9 @@ class CompressionPolicy(ABC):
     def spec_fields(self) -> dict[str, Any]:
         """The dataclass fields that rebuild this policy (decode settings only when set)."""
         fields = dataclasses.asdict(self)
-        if fields.get("decode_budget") is None:
-            for name in DECODE_FIELDS:
-                fields.pop(name, None)
+        for name in DECODE_FIELDS:
+            if name in fields and fields[name] is None:
+                del fields[name]
         return fields
 
     def settings(self) -> dict[str, Any]:

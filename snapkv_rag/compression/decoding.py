@@ -46,7 +46,7 @@ class DecodeCompaction:
         assert policy.decode_budget is not None
         self.policy = policy.for_decode()
         self.budget: int = policy.decode_budget
-        self.interval = policy.decode_interval
+        self.interval = policy.decode_every
         self.sliding = sliding
         window = self.policy.query_window
         # SnapKV votes with its last `window` queries; H2O accumulates over every query since the last cut.

@@ -32,7 +32,7 @@ class H2O(CompressionPolicy):
     gqa_reduce: str = "mean"
     query_chunk: int = 256
     decode_budget: int | None = None  # cut the cache back to this many entries per layer during decoding
-    decode_interval: int = 64  # ... every this many generated tokens
+    decode_interval: int | None = None  # ... every this many generated tokens (None: 64)
 
     def __post_init__(self) -> None:
         check_positive_int("H2O", "max_capacity_prompt", self.max_capacity_prompt)

@@ -63,7 +63,7 @@ class LESS(CompressionPolicy):
         return self.base.decode_budget
 
     @property
-    def decode_interval(self) -> int:  # type: ignore[override]
+    def decode_interval(self) -> int | None:  # type: ignore[override]
         return self.base.decode_interval
 
     def decode_state(self, model, sliding):

@@ -22,7 +22,7 @@ class RandomKeep(CompressionPolicy):
     seed: int = 0
     recent: int = 32
     decode_budget: int | None = None  # cut the cache back to this many entries per layer during decoding
-    decode_interval: int = 64  # ... every this many generated tokens
+    decode_interval: int | None = None  # ... every this many generated tokens (None: 64)
 
     def __post_init__(self) -> None:
         check_positive_int("RandomKeep", "max_capacity_prompt", self.max_capacity_prompt)

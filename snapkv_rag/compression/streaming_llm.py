@@ -22,7 +22,7 @@ class StreamingLLM(CompressionPolicy):
     sink_tokens: int = 4
     max_capacity_prompt: int = 1024
     decode_budget: int | None = None  # cut the cache back to this many entries per layer during decoding
-    decode_interval: int = 64  # ... every this many generated tokens
+    decode_interval: int | None = None  # ... every this many generated tokens (None: 64)
 
     def __post_init__(self) -> None:
         check_positive_int("StreamingLLM", "sink_tokens", self.sink_tokens, minimum=0)

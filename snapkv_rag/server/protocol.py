@@ -68,8 +68,11 @@ def from_engine_error(exc: BaseException, kind: str = "chat") -> APIError:
         return invalid(str(exc), prompt_field)
     if isinstance(exc, SnapKVRagError):
         param = _WIRE_NAMES.get(exc.param, exc.param) if exc.param is not None else None
+        message = str(exc)
+        for engine_name, wire_name in _WIRE_NAMES.items():  # the names the client sent
+            message = message.replace(engine_name, wire_name)
         # an output that failed (cut off by max_tokens) names no field
-        return invalid(str(exc), param, "structured_output_error" if isinstance(exc, StructuredOutputError) else None)
+        return invalid(message, param, "structured_output_error" if isinstance(exc, StructuredOutputError) else None)
     if isinstance(exc, RecursionError):
         return invalid("the request is nested too deeply")
     return APIError(500, f"the server failed: {type(exc).__name__}: {exc}", type="server_error")
@@ -188,6 +191,13 @@ class CompletionFields(BaseModel):
     recompute: Number | None = Field(default=None, ge=0, le=1)
     ignore_eos: StrictBool | None = None
     min_tokens: StrictInt | None = Field(default=None, ge=0)
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stop_shape(cls, stop: Any) -> Any:
+        if stop is not None and not isinstance(stop, (str, list)):
+            raise ValueError("stop must be a non-empty string or a list of at most 4 of them")
+        return stop
 
     @field_validator("stop")
     @classmethod
