@@ -109,7 +109,9 @@ def test_a_decode_cut_keeps_exactly_the_policy_entries_at_their_true_positions(t
     assert run.policy_stats()["decode_compactions"] == 1  # after the 8th decode forward: 24 + 8 entries cut to 16
 
     # the same prefill without decode cuts, then the 8 decoded tokens: 32 entries per layer
-    uncut = DecodeRun(engine.model, [ids], GenerationParams(max_new_tokens=9), dataclasses.replace(policy, decode_budget=None, decode_interval=None), engine._pad_id)
+    uncut = DecodeRun(
+        engine.model, [ids], GenerationParams(max_new_tokens=9), dataclasses.replace(policy, decode_budget=None, decode_interval=None), engine._pad_id
+    )
     uncut_logits = uncut.teacher_force(continuation[:9])
     torch.testing.assert_close(uncut_logits[:9], logits[:9])  # identical up to the cut
     kept = torch.tensor(list(range(4)) + list(range(32 - 12, 32)))
