@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Generator, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
@@ -12,9 +13,8 @@ import torch
 from .blending import DEFAULT_RECOMPUTE, RopeShift, SegmentRequest, SegmentReuseUnsupported, segment_anchor
 from .compression import CompressionPolicy, as_policy
 from .compression.runtime import WRAPPED_IMPLEMENTATIONS, register_attention_functions, wrapped_name
-from .detokenize import SequenceText
 from .errors import EmptyPromptError, InvalidGenerationParameterError, InvalidPromptError, PromptTooLongError, StructuredOutputError
-from .generation import DecodeRun, cache_bytes
+from .generation import DecodeRun
 from .loading import DEFAULT_MODEL, RECOMMENDED_CONTEXT_TOKENS, RECOMMENDED_KV_REUSE, load_model_and_tokenizer
 from .memory import PeakMemory
 from .offered import OFFERED
@@ -23,6 +23,7 @@ from .prompts import PromptLike, question_tail_tokens, render_prompt, segment_sp
 from .requests import Request, length_buckets, output_specs
 from .results import GenerationResult, Usage, row_stats
 from .sampling import GenerationParams
+from .scheduler import Member, Scheduler, SchedulerStats, default_max_batch_size
 from .segment_store import SegmentKVStore, model_signature
 from .streams import AsyncGenerationStream, GenerationStream, StreamPiece, cancellable
 from .tools import (
@@ -65,15 +66,27 @@ class ModelInfo:
 class Engine:
     """A causal LM plus its tokenizer, behind ``generate``/``stream``/``generate_batch`` and async forms.
 
-    Calls are serialized by a lock, so concurrent callers never share a cache or interleave steps.
+    Concurrent calls are batched continuously (:mod:`snapkv_rag.scheduler`): one worker runs the
+    model, each request joins the running decode batch after its own prefill and leaves when done.
     """
 
-    def __init__(self, model, tokenizer, *, name: str = "custom", prefix_cache_bytes: int | None = None, segment_store: SegmentKVStore | None = None):
+    def __init__(
+        self,
+        model,
+        tokenizer,
+        *,
+        name: str = "custom",
+        prefix_cache_bytes: int | None = None,
+        segment_store: SegmentKVStore | None = None,
+        max_batch_size: int | None = None,
+    ):
         """``prefix_cache_bytes``: bound of the prefix cache (uncompressed K/V of recent
         prompts, reused by later prompts that start with the same tokens); None for the
         default (1 GiB on CPU, a tenth of GPU memory within 1-8 GiB on CUDA), 0 disables.
         ``segment_store``: where ``reuse_segments`` K/V live when a call names no store (by
-        default in this process's memory, bounded like the prefix cache)."""
+        default in this process's memory, bounded like the prefix cache). ``max_batch_size``:
+        the most rows decoded together by the continuous batcher (None: 16 on a CPU, 64 on a GPU;
+        see :attr:`max_batch_size`)."""
         register_attention_functions()
         base = model.config._attn_implementation
         if base not in WRAPPED_IMPLEMENTATIONS and base not in {wrapped_name(b) for b in WRAPPED_IMPLEMENTATIONS}:
@@ -87,7 +100,11 @@ class Engine:
         self.recommended_context_tokens: int | None = RECOMMENDED_CONTEXT_TOKENS.get(name)
         # How callers that do not choose reuse prompt K/V ("chunks", "prefix" or "off"; see snapkv_rag.offered)
         self.recommended_kv_reuse: str = RECOMMENDED_KV_REUSE.get(name, "chunks")
-        self._lock = threading.Lock()
+        self._scheduler = Scheduler(self.model, default_max_batch_size(self.device))
+        if max_batch_size is not None:
+            self.max_batch_size = max_batch_size
+        # Async streams and agenerate wait in these threads (one per running request), not in the event loop's small default pool.
+        self._threads = ThreadPoolExecutor(max_workers=1024, thread_name_prefix="snapkv-rag-stream")
         self._eos_ids = self._collect_eos_ids()
         self._parameter_count = sum(p.numel() for p in model.parameters())
         self._pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else next(iter(self._eos_ids), 0)
@@ -245,6 +262,28 @@ class Engine:
         return Request(rows, params, policy, row_policies, tuple(specs), constraint, prefix_cache, segments, note)
 
     @property
+    def max_batch_size(self) -> int:
+        """The most rows decoded together; prefills of further requests wait for room (see :mod:`snapkv_rag.scheduler`)."""
+        return self._scheduler.max_batch_size
+
+    @max_batch_size.setter
+    def max_batch_size(self, value: int) -> None:
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise InvalidGenerationParameterError(f"max_batch_size must be an integer >= 1, got {value!r}", param="max_batch_size")
+        self._scheduler.max_batch_size = value
+
+    def scheduler_stats(self) -> SchedulerStats:
+        """Running requests and rows, waiting prefills, decode steps and rows so far, K/V bytes in use."""
+        return self._scheduler.stats()
+
+    def run_on_model(self, fn: Callable[[], Any]) -> Any:
+        """Run ``fn()`` where the model runs (the scheduler's worker, between decode steps); its result.
+
+        For code that calls the model outside ``generate``/``stream`` (computing chunk K/V, say):
+        it then never runs at the same time as a decode step."""
+        return self._scheduler.call(fn)
+
+    @property
     def signature(self) -> str:
         """Identifies this model's K/V (name, config, dtype, a weight sample): the key space of segment stores."""
         if self._signature is None:
@@ -255,8 +294,7 @@ class Engine:
         """The check-once rotation that moves stored keys; raises :class:`SegmentReuseUnsupported`."""
         if self._rope_shift is None:
             try:
-                with self._lock:
-                    self._rope_shift = RopeShift(self.model)
+                self._rope_shift = self.run_on_model(lambda: RopeShift(self.model))
             except SegmentReuseUnsupported as exc:
                 self._rope_shift = exc
         if isinstance(self._rope_shift, SegmentReuseUnsupported):
@@ -322,30 +360,18 @@ class Engine:
     def _run(self, request: Request, cancel: threading.Event | None = None) -> Iterator[tuple[int, StreamPiece] | list[GenerationResult]]:
         """Yield ``(row, piece)`` as text (or a tool-call delta) is released, then the list of results last.
 
-        The engine's lock is held only while a model step runs (prefill, or one decode
-        step), never across a ``yield``: a paused or abandoned consumer blocks nobody.
+        The prefill and every decode step run in the scheduler's worker (:mod:`snapkv_rag.scheduler`),
+        batched with the other requests running; this generator only reads the request's events,
+        so a paused or abandoned consumer blocks nobody.
         """
-        rows, params = request.rows, request.params
-        eos = frozenset() if params.ignore_eos else self._eos_ids
-        texts = [SequenceText(self.tokenizer, params.stop, eos) for _ in rows]
-        calls = [ToolCallStream() if request.spec(i).calls_tools else None for i in range(len(rows))]
+        cancel = cancel or threading.Event()
+        rows = request.rows
 
-        def pieces(i: int, piece: str) -> Iterator[tuple[int, StreamPiece]]:
-            if not piece:
-                return
-            call = calls[i]
-            if call is None:
-                yield i, piece
-            else:
-                for event in call.feed(piece):
-                    yield i, event
-
-        cancelled = False
-        with PeakMemory(self.device) as peak:
+        def prefill() -> Member:
             run = DecodeRun(
                 self.model,
                 rows,
-                params,
+                request.params,
                 request.row_policies,
                 self._pad_id,
                 request.constraint,
@@ -353,44 +379,39 @@ class Engine:
                 segments=request.segments,
                 eos_ids=self._eos_ids,
             )
-            steps: Generator[torch.Tensor, None, None] = run.steps()
+            run.prefill()
+            member = Member(run, request, self.tokenizer, self._eos_ids, cancel)
+            self._scheduler.join(member)
+            return member
+
+        with PeakMemory(self.device) as peak:
+            member = self._scheduler.call(prefill, rows=len(rows))
             try:
-                while True:
-                    if cancel is not None and cancel.is_set():
-                        cancelled = True
-                        break
-                    with self._lock:
-                        tokens = next(steps, None)
-                    if tokens is None:
-                        break
-                    for i, token in enumerate(tokens.tolist()):
-                        yield from pieces(i, texts[i].add(token))
-                        call = calls[i]
-                        if call is not None and call.duplicate:
-                            texts[i].end()  # a repeated call: the turn's calls are all written
-                    if all(t.finished for t in texts):
-                        break
-            finally:
-                steps.close()
-            for i, t in enumerate(texts):
-                yield from pieces(i, t.finish_for_length() if not cancelled else "")
-                call = calls[i]
+                yield from member.events()
+            except GeneratorExit:
+                cancel.set()  # the consumer dropped the stream: its rows leave the batch
+                raise
+            cancelled = member.cancelled
+            for i, t in enumerate(member.texts):
+                yield from member.pieces(i, t.finish_for_length() if not cancelled else "")
+                call = member.calls[i]
                 for event in call.finish() if call is not None and not cancelled else ():
                     yield i, event
-            kv_final = cache_bytes(run.cache)
+        run = member.run
         total = run.timings.prefill_seconds + sum(run.timings.step_seconds)
         results = []
-        for i, (row, t) in enumerate(zip(rows, texts)):
+        for i, (row, t) in enumerate(zip(rows, member.texts)):
+            stats = row_stats(run, i, request, peak, member.kv_bytes_final, total, self.info(), self.name)
             result = GenerationResult(
                 text=t.text,
                 finish_reason="cancelled" if cancelled and not t.finished else (t.finish_reason or "length"),
                 usage=Usage(prompt_tokens=len(row), completion_tokens=t.generated),
-                stats=row_stats(run, i, request, peak, kv_final, total, self.info(), self.name),
+                stats=replace(stats, decode_batch_rows_max=member.batch_rows_max),
                 token_ids=list(t.token_ids),
             )
             spec = request.spec(i)
             if spec.constrained and result.finish_reason != "cancelled":
-                call = calls[i]
+                call = member.calls[i]
                 assert request.constraint is not None  # a constrained row has a grammar
                 result = self._structured(result, spec, call, i, request.constraint.complete(i) or bool(call and call.duplicate))
             results.append(result)
@@ -605,10 +626,9 @@ class Engine:
         ids = self._check_continuation(continuation)
         (row,) = self._render_within_context([prompt], chat, len(ids))
         policy = self._resolve_policy(as_policy(compression), [prompt], chat, [question])
-        with self._lock:
-            cache = self._prefix_cache_for(prefix_cache)
-            run = DecodeRun(self.model, [row], GenerationParams(max_new_tokens=len(ids)), policy, self._pad_id, prefix_cache=cache)
-            return run.teacher_force(ids).float().cpu()
+        cache = self._prefix_cache_for(prefix_cache)
+        run = DecodeRun(self.model, [row], GenerationParams(max_new_tokens=len(ids)), policy, self._pad_id, prefix_cache=cache)
+        return self.run_on_model(lambda: run.teacher_force(ids).float().cpu())
 
     async def agenerate(self, prompt: PromptLike, **kwargs: Any) -> GenerationResult:
         """:meth:`generate` in a worker thread, so the event loop keeps running.
@@ -616,7 +636,7 @@ class Engine:
         Validation errors are raised at once; cancelling the task stops the generation.
         """
         request = self._prepare_kwargs(prompt, **kwargs)
-        return await cancellable(lambda cancel: self._complete(request, cancel))
+        return await cancellable(lambda cancel: self._complete(request, cancel), self._threads)
 
     async def agenerate_batch(
         self,
@@ -633,7 +653,7 @@ class Engine:
         """:meth:`generate_batch` in a worker thread; validation errors are raised at once, and
         cancelling the task stops it."""
         request, groups = self._prepare_batch(prompts, compression, chat, questions, prefix_cache, bucket, max_batch_size, sampling)
-        return await cancellable(lambda cancel: self._run_batch(request, groups, cancel))
+        return await cancellable(lambda cancel: self._run_batch(request, groups, cancel), self._threads)
 
     def astream(self, prompt: PromptLike, **kwargs: Any) -> AsyncGenerationStream:
         """Async iterator of text pieces; ``.result`` once it is exhausted or closed.
@@ -641,4 +661,4 @@ class Engine:
         Arguments are validated here, at once (as :meth:`stream` does).
         """
         request = self._prepare_kwargs(prompt, **kwargs)
-        return AsyncGenerationStream(lambda cancel: self._stream_request(request, cancel))
+        return AsyncGenerationStream(lambda cancel: self._stream_request(request, cancel), self._threads)

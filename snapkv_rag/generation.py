@@ -81,6 +81,39 @@ class TokenConstraint(Protocol):
     def advance(self, tokens: list[int]) -> None: ...
 
 
+def model_forward(model, cache, input_ids, attention_mask, position_ids, state: PolicyState | None = None, *, last_only: bool = True) -> torch.Tensor:
+    """One forward through ``cache`` at explicit positions; the logits ``[batch, t or 1, vocab]``."""
+    with policy_attention(state):
+        return model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            cache=cache,
+            use_cache=True,
+            logits_to_keep=1 if last_only else 0,
+        ).logits
+
+
+def choose_tokens(
+    logits: torch.Tensor,
+    step: int,
+    params: GenerationParams,
+    generator: torch.Generator | None,
+    eos_ids: list[int],
+    constraint: TokenConstraint | None,
+) -> torch.Tensor:
+    """The next token of every row ``[batch]`` from ``logits [batch, vocab]`` at decode step ``step``:
+    end-of-sequence held back before ``params.min_new_tokens``, the grammar's mask, then sampling."""
+    if step < params.min_new_tokens and eos_ids:
+        logits = logits.index_fill(-1, torch.tensor(eos_ids, device=logits.device), float("-inf"))
+    if constraint is not None:
+        logits = constraint.mask(logits)
+    tokens = select_next_tokens(logits, params, generator)
+    if constraint is not None:
+        constraint.advance(tokens.tolist())
+    return tokens
+
+
 class DecodeRun:
     """Prefill ``rows`` (token id lists) and yield the next token of every row per step.
 
@@ -131,6 +164,7 @@ class DecodeRun:
         self.segment_hits = self.segment_misses = 0
         self.timings = DecodeTimings()
         self.kept_tokens_per_layer: list[int] = []
+        self.token_bytes_per_layer: list[int] = []  # K and V bytes of one cached token, per layer
         self.prompt_kv_bytes_kept = 0
         self.session: PrefillCompression | None = None
         self.last_logits = torch.empty(0)  # [batch, vocab] of the latest forward
@@ -168,15 +202,7 @@ class DecodeRun:
             self.prefix_cache.record_reuse(entry, take)
 
     def _forward(self, input_ids, attention_mask, position_ids, *, last_only: bool = True) -> torch.Tensor:
-        with policy_attention(self.policy_state):
-            logits = self.model(
-                input_ids=input_ids,
-                attention_mask=attention_mask,
-                position_ids=position_ids,
-                cache=self.cache,
-                use_cache=True,
-                logits_to_keep=1 if last_only else 0,
-            ).logits
+        logits = model_forward(self.model, self.cache, input_ids, attention_mask, position_ids, self.policy_state, last_only=last_only)
         self.last_logits = logits[:, -1, :]
         return logits
 
@@ -221,9 +247,18 @@ class DecodeRun:
                 self.session.full_kv = None  # the stored copies are the prefix cache's now
         return self._finish_prefill(start, mask)
 
+    @torch.inference_mode()
+    def prefill(self) -> torch.Tensor:
+        """Run the (compressed) prefill; the last position's logits ``[batch, vocab]``.
+
+        Afterwards the run can decode on its own (:meth:`extend`) or hand its cache to a
+        running batch (:mod:`snapkv_rag.scheduler`)."""
+        return self._prefill()
+
     def _finish_prefill(self, start: float, mask: torch.Tensor) -> torch.Tensor:
         self.timings.prefill_seconds = time.perf_counter() - start
         self.kept_tokens_per_layer = [layer_entries(layer) for layer in self.cache.layers]
+        self.token_bytes_per_layer = [layer_token_bytes(layer) if layer_entries(layer) else 0 for layer in self.cache.layers]
         self.prompt_kv_bytes_kept = cache_bytes(self.cache)
         if self.has_padding:
             compressed = self.session.kept_attention_mask if self.session is not None else None
@@ -275,8 +310,7 @@ class DecodeRun:
     def row_kv_bytes(self, row: int) -> tuple[int, int]:
         """``(kept, full)`` prompt K/V bytes of ``row``'s real tokens."""
         kept = full = 0
-        for layer, k in zip(self.cache.layers, self.kept_tokens_per_layer):
-            per_token = layer_token_bytes(layer)
+        for per_token, k in zip(self.token_bytes_per_layer, self.kept_tokens_per_layer):
             kept += min(self.row_lengths[row], k) * per_token
             full += self.row_lengths[row] * per_token
         return kept, full
@@ -311,21 +345,29 @@ class DecodeRun:
         logits = self._prefill()
         generator = make_generator(self.params, self.device)
         for step in range(self.params.max_new_tokens):
-            if step < self.params.min_new_tokens and self.eos_ids:
-                logits = logits.index_fill(-1, torch.tensor(self.eos_ids, device=logits.device), float("-inf"))
-            if self.constraint is not None:
-                logits = self.constraint.mask(logits)
-            tokens = select_next_tokens(logits, self.params, generator)
-            if self.constraint is not None:
-                self.constraint.advance(tokens.tolist())
+            tokens = choose_tokens(logits, step, self.params, generator, self.eos_ids, self.constraint)
             yield tokens
             if step + 1 == self.params.max_new_tokens:
                 return
             start = time.perf_counter()
-            self._extend(tokens[:, None])
-            logits = self.last_logits
-            self._after_step()
+            logits = self.decode_step(tokens)
             self.timings.step_seconds.append(time.perf_counter() - start)
+
+    def hand_over(self):
+        """Give the prefilled cache to a running batch: ``(cache, mask [batch, entries] or None,
+        last positions [batch, 1])``; this run keeps an empty cache."""
+        from transformers import DynamicCache
+
+        handed = (self.cache, self._kv_mask, self._last_position)
+        self.cache = DynamicCache(config=self.model.config)
+        self._kv_mask = None
+        return handed
+
+    def decode_step(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Append one token per row ``[batch]`` and run the policy's after-step; the next logits ``[batch, vocab]``."""
+        self._extend(tokens[:, None])
+        self._after_step()
+        return self.last_logits
 
     def _after_step(self) -> None:
         if self.policy_state is not None:

@@ -49,7 +49,7 @@ class GenerationStats:
     prompt_kv_bytes_full: int  # this row's prompt K/V without compression
     prompt_kv_bytes_kept: int  # this row's prompt K/V kept (real tokens only)
     batch_prompt_kv_bytes: int  # the batch's prompt cache after compression, padding slots included
-    kv_bytes_final: int  # the batch's cache at the end, generated tokens included
+    kv_bytes_final: int  # this call's cache at the end (all its rows), generated tokens included, other requests' rows and padding not
     peak_memory_bytes: int
     peak_memory_kind: str
     compression: dict[str, Any] | None
@@ -75,6 +75,7 @@ class GenerationStats:
     segment_misses: int = 0  # reuse_segments computed (and stored) by this call
     segment_reuse: str | None = None  # "blended", or why reuse_segments were not applied (None: not asked)
     tool_call_tail_dropped: bool = False  # max_new_tokens ran out inside a call after complete ones; those were returned
+    decode_batch_rows_max: int = 0  # continuous batching: the most rows decoded in one forward with this request's
     duplicate_tool_calls: bool = False  # the model repeated a call of this turn; the repeat was dropped and the turn ended
 
     @property

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections.abc import AsyncIterator, Callable, Iterator
+from concurrent.futures import Executor
 from typing import Any
 
 from .results import GenerationResult
@@ -20,8 +21,9 @@ class GenerationStream:
     Text always arrives as plain ``str``; with ``tools``, tool calls arrive as
     :class:`~snapkv_rag.tools.ToolCallDelta` objects (name first, then argument fragments).
 
-    The stream takes the engine's lock only while it computes a step, so a paused, unread or
-    abandoned stream never blocks other calls. ``close()`` (also on leaving a ``with`` block)
+    The model runs in the engine's scheduler, batched with other requests; the stream only
+    reads this request's events, so a paused, unread or abandoned stream never blocks other
+    calls (generation runs ahead of the reader, up to ``max_new_tokens``). ``close()`` (also on leaving a ``with`` block)
     ends generation with ``finish_reason="cancelled"`` and a usable ``result``.
     """
 
@@ -83,8 +85,9 @@ class AsyncGenerationStream:
     :meth:`GenerationStream.close`.
     """
 
-    def __init__(self, start: Callable[[threading.Event], GenerationStream]):
+    def __init__(self, start: Callable[[threading.Event], GenerationStream], executor: Executor | None = None):
         self._start = start  # begins the generation (in the worker thread) with this stream's cancel event
+        self._executor = executor  # where that thread comes from (None: the event loop's default pool)
         self._cancel = threading.Event()
         self._result: GenerationResult | None = None
         self._iterator: AsyncIterator[str] | None = None
@@ -112,7 +115,7 @@ class AsyncGenerationStream:
             except BaseException as exc:  # re-raised in the consumer
                 loop.call_soon_threadsafe(queue.put_nowait, exc)
 
-        worker = loop.run_in_executor(None, produce)
+        worker = loop.run_in_executor(self._executor, produce)
         try:
             while True:
                 item = await queue.get()
@@ -143,11 +146,11 @@ class AsyncGenerationStream:
         return self._result
 
 
-async def cancellable(work: Callable[[threading.Event], Any]) -> Any:
+async def cancellable(work: Callable[[threading.Event], Any], executor: Executor | None = None) -> Any:
     """Run ``work(cancel_event)`` in a thread; if the awaiting task is cancelled, set the event
     (the generation stops before its next step) and wait for the thread to finish."""
     cancel = threading.Event()
-    future = asyncio.get_running_loop().run_in_executor(None, work, cancel)
+    future = asyncio.get_running_loop().run_in_executor(executor, work, cancel)
     try:
         return await asyncio.shield(future)
     except asyncio.CancelledError:

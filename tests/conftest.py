@@ -201,3 +201,36 @@ def running(config):
     finally:
         server.should_exit = True
         thread.join(10)
+
+
+class ForwardProbe:
+    """Counts model forwards and the most that ever ran at once (with a short sleep inside)."""
+
+    def __init__(self, model, sleep_s: float = 0.0):
+        self.model = model
+        self.original = model.forward
+        self.calls = 0
+        self.active = 0
+        self.max_active = 0
+        self.sleep_s = sleep_s
+        self._guard = threading.Lock()
+
+    def __enter__(self):
+        def forward(*args, **kwargs):
+            with self._guard:
+                self.calls += 1
+                self.active += 1
+                self.max_active = max(self.max_active, self.active)
+            try:
+                if self.sleep_s:
+                    time.sleep(self.sleep_s)
+                return self.original(*args, **kwargs)
+            finally:
+                with self._guard:
+                    self.active -= 1
+
+        self.model.forward = forward
+        return self
+
+    def __exit__(self, *exc):
+        del self.model.forward

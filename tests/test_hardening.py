@@ -9,11 +9,10 @@ import asyncio
 import subprocess
 import sys
 import threading
-import time
 
 import pytest
 import torch
-from conftest import FAMILIES, gemma3_engine, tiny_engine
+from conftest import FAMILIES, ForwardProbe, gemma3_engine, tiny_engine
 
 from snapkv_rag import (
     InvalidDeviceError,
@@ -93,39 +92,6 @@ def test_stream_as_context_manager(engine):
     with engine.stream("Hello world", max_new_tokens=4, ignore_eos=True) as stream:
         text = "".join(stream)
     assert stream.result.finish_reason == "length" and stream.result.text == text
-
-
-class ForwardProbe:
-    """Counts model forwards and the most that ever ran at once (with a short sleep inside)."""
-
-    def __init__(self, model, sleep_s: float = 0.0):
-        self.model = model
-        self.original = model.forward
-        self.calls = 0
-        self.active = 0
-        self.max_active = 0
-        self.sleep_s = sleep_s
-        self._guard = threading.Lock()
-
-    def __enter__(self):
-        def forward(*args, **kwargs):
-            with self._guard:
-                self.calls += 1
-                self.active += 1
-                self.max_active = max(self.max_active, self.active)
-            try:
-                if self.sleep_s:
-                    time.sleep(self.sleep_s)
-                return self.original(*args, **kwargs)
-            finally:
-                with self._guard:
-                    self.active -= 1
-
-        self.model.forward = forward
-        return self
-
-    def __exit__(self, *exc):
-        del self.model.forward
 
 
 def test_cancelling_agenerate_stops_generation(tokenizer):

@@ -11,6 +11,7 @@ tokens (the engine's in-memory prefix cache); ``"off"`` prefills every prompt wh
 
 from __future__ import annotations
 
+from functools import partial
 from pathlib import Path
 
 from ..offered import KV_REUSE_MODES, check_kv_reuse, resolve_kv_reuse, reuse_kwargs, segment_store_at  # noqa: F401 (re-exported)
@@ -58,8 +59,8 @@ def precompute_chunk_kv(engine, chunks: list[StoredChunk], kv_store: SegmentKVSt
         spans = segment_spans(engine.tokenizer, messages, [chunk_segment(chunk)], len(row))
         if not spans:
             continue
-        with engine._lock:
-            _, hit = stored_or_computed(engine.model, kv_store, engine.signature, row[spans[0][0] : spans[0][1]], segment_anchor(row))
+        tokens, anchor = row[spans[0][0] : spans[0][1]], segment_anchor(row)
+        _, hit = engine.run_on_model(partial(stored_or_computed, engine.model, kv_store, engine.signature, tokens, anchor))
         stored += hit
         computed += not hit
     return computed, stored

@@ -3,9 +3,9 @@
 ``POST /v1/chat/completions`` (streaming, tools, JSON output), ``POST /v1/completions``,
 ``POST /v1/embeddings`` (the RAG embedder), ``GET /v1/models`` and ``GET /health``. Every
 request goes through the engine's own ``astream``: the same decode loop,
-compression policies, prefix cache and grammar as the API and CLI. Concurrent requests
-interleave step by step (the engine's lock is taken per step); a client that disconnects
-stops its generation.
+compression policies, prefix cache and grammar as the API and CLI. Concurrent requests are
+batched continuously by the engine's scheduler (each joins the running decode batch after its
+prefill, with its own compression); a client that disconnects stops its generation.
 """
 
 from __future__ import annotations

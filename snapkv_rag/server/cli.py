@@ -52,6 +52,12 @@ def add_serve_parser(sub) -> None:
         default=DEFAULT_MAX_QUEUE,
         help=f"completion requests admitted at once, waiting or generating; more get 429 with Retry-After (default {DEFAULT_MAX_QUEUE})",
     )
+    p.add_argument(
+        "--max-batch-size",
+        type=int,
+        default=None,
+        help="requests' rows decoded together by continuous batching; further prefills wait for room (default: 16 on a CPU, 64 on a GPU)",
+    )
     p.set_defaults(func=cmd_serve)
 
 
@@ -80,6 +86,8 @@ def build_config(args: argparse.Namespace):
         raise SnapKVRagError(f"--default-max-tokens must be at least 1, got {args.default_max_tokens}")
     if args.max_queue < 1:
         raise SnapKVRagError(f"--max-queue must be at least 1, got {args.max_queue}")
+    if args.max_batch_size is not None and args.max_batch_size < 1:
+        raise SnapKVRagError(f"--max-batch-size must be at least 1, got {args.max_batch_size}")
     if args.max_request_bytes < 1024:
         raise SnapKVRagError(f"--max-request-bytes must be at least 1024, got {args.max_request_bytes}")
     embedder, embedder_id = None, "all-MiniLM-L6-v2"
@@ -90,6 +98,8 @@ def build_config(args: argparse.Namespace):
         if args.embedder != "default":
             embedder_id = os.path.basename(os.path.normpath(args.embedder))
     engine = load_engine(args, prefix_cache_bytes=args.prefix_cache_bytes)
+    if args.max_batch_size is not None:
+        engine.max_batch_size = args.max_batch_size
     if args.kv_dir is not None:
         from ..offered import segment_store_at
 

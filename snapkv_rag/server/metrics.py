@@ -41,6 +41,24 @@ class ServerMetrics:
             lambda: _ratio(engine.segment_store.stats.hits, engine.segment_store.stats.hits + engine.segment_store.stats.misses)
         )
 
+        # continuous batching (snapkv_rag.scheduler), read at scrape time
+        Gauge("snapkv_batch_rows", "Rows decoding in the running batch now", registry=r).set_function(lambda: engine.scheduler_stats().running_rows)
+        Gauge("snapkv_requests_running", "Requests decoding now (prefilled, not finished)", registry=r).set_function(
+            lambda: engine.scheduler_stats().running_requests
+        )
+        Gauge("snapkv_prefills_waiting", "Model tasks (mostly prefills) waiting for the worker or for room in the batch", registry=r).set_function(
+            lambda: engine.scheduler_stats().waiting_tasks
+        )
+        Gauge("snapkv_kv_bytes_in_use", "K/V bytes held by running requests (after compression, padding included)", registry=r).set_function(
+            lambda: engine.scheduler_stats().kv_bytes
+        )
+        Gauge("snapkv_decode_steps", "Decode forwards so far (one per step of each batch)", registry=r).set_function(
+            lambda: engine.scheduler_stats().decode_steps
+        )
+        Gauge("snapkv_decoded_rows", "Rows those forwards decoded: divided by snapkv_decode_steps, the mean batch size", registry=r).set_function(
+            lambda: engine.scheduler_stats().decoded_rows
+        )
+
     def exposition(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
 

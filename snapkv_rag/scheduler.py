@@ -1,0 +1,423 @@
+"""Continuous batching: one worker thread owns the model; requests join the running decode
+batch after their prefill and leave it when they finish.
+
+Every engine call goes through :class:`Scheduler`. Work on the model runs only in its worker,
+in this order, over and over: at most one queued task (a request's prefill, a ``score``, a
+chunk's K/V), then one decode step of every running request. So a new request waits for at
+most one step before its prefill starts, and running streams wait for at most one prefill
+between two tokens (prefills are not chunked yet; see ``docs/design/batching.md``).
+
+A request's prefill is the engine's own (:class:`~snapkv_rag.generation.DecodeRun`: prefix
+cache, chunk K/V reuse, layer-wise compression with its own policy and budget). Afterwards:
+
+- **Shared group.** A request whose cache is plain K/V (no decode-time policy state, no
+  sliding-window layers) joins the shared group: its compressed cache is left-padded into the
+  group's ``[rows, kv_heads, width, head_dim]`` per layer with a 2-D mask row and its own next
+  positions, and every step is one forward for all rows. Finished and cancelled requests
+  leave with ``index_select``; columns that are padding in every remaining row are dropped.
+- **Solo group.** A request whose policy keeps state while decoding (LESS's folded state,
+  decode-time cuts) or a model with sliding-window layers decodes on its own cache, one forward
+  per step, interleaved with the shared group's.
+
+Each request samples with its own parameters, grammar and seed, and its text and tool-call
+streams are fed here, so a stop string ends its rows at once. Events go to the request's
+outbox; a consumer that reads slowly or not at all never holds the worker back.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from .compression.decoding import layer_entries
+from .detokenize import SequenceText
+from .generation import cache_bytes, choose_tokens, model_forward
+from .sampling import make_generator
+from .tools import ToolCallStream
+
+if TYPE_CHECKING:
+    from .generation import DecodeRun
+    from .requests import Request
+    from .streams import StreamPiece
+
+DONE = object()  # the last event of a member's outbox
+IDLE_SECONDS = 10.0  # the worker thread exits after this long with nothing to do (a new call starts another)
+
+
+def default_max_batch_size(device: torch.device) -> int:
+    """Rows decoded together by default: on a CPU a step's cost grows with the rows once the
+    weights stop dominating (measured in eval/RESULTS.md, "Continuous batching"); a GPU takes many more."""
+    return 64 if device.type == "cuda" else 16
+
+
+class Member:
+    """One request's rows while they decode: the prefilled run, sampling and text state, an outbox."""
+
+    def __init__(self, run: DecodeRun, request: Request, tokenizer, eos_ids: frozenset[int], cancel: threading.Event):
+        self.run = run
+        self.params = request.params
+        stop_ids = frozenset() if self.params.ignore_eos else eos_ids
+        self.texts = [SequenceText(tokenizer, self.params.stop, stop_ids) for _ in request.rows]
+        self.calls = [ToolCallStream() if request.spec(i).calls_tools else None for i in range(len(request.rows))]
+        self.cancel = cancel
+        self.outbox: queue.SimpleQueue = queue.SimpleQueue()
+        self.generator = make_generator(self.params, run.device)
+        self.logits = run.last_logits  # [rows, vocab] the next tokens are chosen from
+        self.steps = 0
+        self.cancelled = False
+        self.batch_rows_max = 0  # the most rows decoded in one forward with this request's
+        self.kv_bytes_final = 0
+
+    @property
+    def rows(self) -> int:
+        return self.run.batch_size
+
+    @property
+    def done(self) -> bool:
+        return self.steps >= self.params.max_new_tokens or all(t.finished for t in self.texts)
+
+    def pieces(self, row: int, piece: str) -> Iterator[tuple[int, StreamPiece]]:
+        """``(row, piece)`` events for released text: plain text, or tool-call deltas with tools."""
+        if not piece:
+            return
+        call = self.calls[row]
+        if call is None:
+            yield row, piece
+        else:
+            for event in call.feed(piece):
+                yield row, event
+
+    def advance(self) -> torch.Tensor:
+        """Choose every row's next token, feed the text streams and post what they release."""
+        run = self.run
+        tokens = choose_tokens(self.logits, self.steps, self.params, self.generator, run.eos_ids, run.constraint)
+        self.steps += 1
+        for i, token in enumerate(tokens.tolist()):
+            for event in self.pieces(i, self.texts[i].add(token)):
+                self.outbox.put(event)
+            call = self.calls[i]
+            if call is not None and call.duplicate:
+                self.texts[i].end()  # a repeated call: the turn's calls are all written
+        return tokens
+
+    def events(self) -> Iterator[tuple[int, StreamPiece]]:
+        """The outbox until the scheduler lets go of this member (re-raises its error)."""
+        while True:
+            event = self.outbox.get()
+            if event is DONE:
+                return
+            if isinstance(event, BaseException):
+                raise event
+            yield event
+
+
+def _pad_left(tensor: torch.Tensor, width: int, dim: int) -> torch.Tensor:
+    missing = width - tensor.shape[dim]
+    if missing == 0:
+        return tensor
+    shape = list(tensor.shape)
+    shape[dim] = missing
+    return torch.cat([tensor.new_zeros(shape), tensor], dim=dim)
+
+
+class SharedGroup:
+    """Requests with plain K/V caches, decoding as one left-padded batch."""
+
+    def __init__(self, model):
+        self.model = model
+        self.members: list[Member] = []
+        self.cache: Any = None
+        self.mask: torch.Tensor | None = None  # [rows, width]: 1 = a real entry; None = no padding
+        self.positions: torch.Tensor | None = None  # [rows, 1]: each row's latest position
+
+    @staticmethod
+    def accepts(run: DecodeRun) -> bool:
+        return run.policy_state is None and not any(run.sliding) and len(set(run.kept_tokens_per_layer)) == 1
+
+    @property
+    def rows(self) -> int:
+        return sum(m.rows for m in self.members)
+
+    @property
+    def width(self) -> int:
+        return layer_entries(self.cache.layers[0]) if self.cache is not None else 0
+
+    def add(self, member: Member) -> None:
+        cache, mask, positions = member.run.hand_over()
+        if not self.members:
+            self.cache, self.mask, self.positions = cache, mask, positions
+        else:
+            assert self.positions is not None
+            rows, width = self.rows, max(self.width, layer_entries(cache.layers[0]))
+            mine = self.mask if self.mask is not None else self.positions.new_ones(rows, self.width)
+            theirs = mask if mask is not None else positions.new_ones(member.rows, layer_entries(cache.layers[0]))
+            self.mask = torch.cat([_pad_left(mine, width, 1), _pad_left(theirs, width, 1)])
+            for layer, joining in zip(self.cache.layers, cache.layers):
+                layer.keys = torch.cat([_pad_left(layer.keys, width, 2), _pad_left(joining.keys, width, 2)])
+                layer.values = torch.cat([_pad_left(layer.values, width, 2), _pad_left(joining.values, width, 2)])
+            self.positions = torch.cat([self.positions, positions])
+            self._drop_dead_columns()
+        self.members.append(member)
+
+    def _row_slices(self) -> dict[int, slice]:
+        slices, start = {}, 0
+        for m in self.members:
+            slices[id(m)] = slice(start, start + m.rows)
+            start += m.rows
+        return slices
+
+    def kv_bytes(self, member: Member) -> int:
+        """The member's real cached entries (padding excluded), all layers."""
+        rows = self._row_slices()[id(member)]
+        entries = int(self.mask[rows].sum()) if self.mask is not None else member.rows * self.width
+        return entries * sum(member.run.token_bytes_per_layer)
+
+    def remove(self, gone: list[Member]) -> None:
+        slices = self._row_slices()
+        staying = [m for m in self.members if m not in gone]
+        if not staying:
+            self.members, self.cache, self.mask, self.positions = [], None, None, None
+            return
+        assert self.positions is not None
+        rows = torch.tensor([r for m in staying for r in range(slices[id(m)].start, slices[id(m)].stop)], device=self.positions.device)
+        for layer in self.cache.layers:
+            layer.keys = layer.keys.index_select(0, rows)
+            layer.values = layer.values.index_select(0, rows)
+        self.positions = self.positions.index_select(0, rows)
+        self.mask = self.mask.index_select(0, rows) if self.mask is not None else None
+        self.members = staying
+        self._drop_dead_columns()
+
+    def _drop_dead_columns(self) -> None:
+        """Drop cache columns that no row attends to (padding everywhere); no mask when none is left."""
+        if self.mask is None:
+            return
+        live = self.mask.bool().any(0)
+        if not bool(live.all()):
+            columns = live.nonzero().squeeze(-1)
+            for layer in self.cache.layers:
+                layer.keys = layer.keys.index_select(2, columns)
+                layer.values = layer.values.index_select(2, columns)
+            self.mask = self.mask.index_select(1, columns)
+        if bool(self.mask.bool().all()):
+            self.mask = None
+
+    def step(self, tokens: list[torch.Tensor]) -> None:
+        """One forward for every row; ``tokens`` per member, in member order."""
+        assert self.positions is not None
+        self.positions = self.positions + 1
+        if self.mask is not None:
+            self.mask = torch.cat([self.mask, self.mask.new_ones(self.rows, 1)], dim=-1)
+        logits = model_forward(self.model, self.cache, torch.cat(tokens)[:, None], self.mask, self.positions)[:, -1]
+        for m, part in zip(self.members, logits.split([m.rows for m in self.members])):
+            m.logits = part
+
+
+class SoloGroup:
+    """One request decoding on its own cache (its policy keeps state between steps, or the
+    model has sliding-window layers)."""
+
+    def __init__(self, member: Member):
+        self.members = [member]
+
+    @property
+    def rows(self) -> int:
+        return sum(m.rows for m in self.members)
+
+    def kv_bytes(self, member: Member) -> int:
+        return cache_bytes(member.run.cache)
+
+    def remove(self, gone: list[Member]) -> None:
+        self.members = [m for m in self.members if m not in gone]
+
+    def step(self, tokens: list[torch.Tensor]) -> None:
+        (member,) = self.members
+        member.logits = member.run.decode_step(tokens[0])
+
+
+Group = SharedGroup | SoloGroup
+
+
+@dataclass
+class _Task:
+    fn: Callable[[], Any]
+    rows: int  # decode rows the task adds (a prefill); 0 for other model work
+    context: contextvars.Context
+    done: threading.Event = field(default_factory=threading.Event)
+    result: Any = None
+    error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            self.result = self.context.run(self.fn)
+        except BaseException as exc:  # re-raised in the caller's thread
+            self.error = exc
+        finally:
+            self.done.set()
+
+
+@dataclass
+class SchedulerStats:
+    running_requests: int
+    running_rows: int
+    waiting_tasks: int
+    decode_steps: int  # forwards of decode steps so far (each group's counts once)
+    decoded_rows: int  # rows those forwards decoded: decoded_rows / decode_steps is the mean batch
+    kv_bytes: int  # K/V held by running requests (padding included)
+
+
+class Scheduler:
+    """The engine's model worker: tasks and decode steps, in one thread (see the module doc)."""
+
+    def __init__(self, model, max_batch_size: int):
+        self.max_batch_size = max_batch_size
+        self._model = model
+        self._cv = threading.Condition()
+        self._tasks: deque[_Task] = deque()
+        self._groups: list[Group] = []
+        self._shared: SharedGroup | None = None
+        self._worker: threading.Thread | None = None
+        self._decode_steps = 0
+        self._decoded_rows = 0
+
+    # ----------------------------------------------------------------- callers' side
+    def call(self, fn: Callable[[], Any], *, rows: int = 0) -> Any:
+        """Run ``fn()`` in the worker, between decode steps, in the caller's context; its result.
+
+        ``rows``: decode rows ``fn`` will add (a prefill that joins); it waits until the running
+        rows plus these fit in ``max_batch_size`` (or nothing runs).
+        """
+        if threading.current_thread() is self._worker:
+            return fn()
+        task = _Task(fn, rows, contextvars.copy_context())
+        with self._cv:
+            self._tasks.append(task)
+            if self._worker is None:
+                self._worker = threading.Thread(target=self._loop, name="snapkv-rag-model", daemon=True)
+                self._worker.start()
+            self._cv.notify()
+        task.done.wait()
+        if task.error is not None:
+            raise task.error
+        return task.result
+
+    def join(self, member: Member) -> None:
+        """Start decoding ``member`` (from inside a task, in the worker)."""
+        assert threading.current_thread() is self._worker, "join() is called by a task, in the worker"
+        if SharedGroup.accepts(member.run):
+            if self._shared is None:
+                self._shared = SharedGroup(self._model)
+                self._groups.append(self._shared)
+            self._shared.add(member)
+        else:
+            self._groups.append(SoloGroup(member))
+
+    def stats(self) -> SchedulerStats:
+        groups = list(self._groups)  # read from other threads: a snapshot, exact between steps
+        members = [m for g in groups for m in g.members]
+        kv = 0
+        for g in groups:
+            try:
+                kv += cache_bytes(g.cache) if isinstance(g, SharedGroup) and g.cache is not None else sum(cache_bytes(m.run.cache) for m in g.members)
+            except (AttributeError, RuntimeError):  # changed under us mid-step
+                pass
+        return SchedulerStats(len(members), sum(m.rows for m in members), len(self._tasks), self._decode_steps, self._decoded_rows, kv)
+
+    # ----------------------------------------------------------------- the worker
+    def _running_rows(self) -> int:
+        return sum(g.rows for g in self._groups)
+
+    def _next_task(self) -> _Task | None:
+        """FIFO, except that model work adding no rows never waits behind a prefill that does not fit."""
+        running = self._running_rows()
+        for task in self._tasks:
+            if task.rows == 0 or running == 0 or running + task.rows <= self.max_batch_size:
+                self._tasks.remove(task)
+                return task
+            if task.rows:
+                break
+        return None
+
+    def _loop(self) -> None:
+        with torch.inference_mode():
+            while True:
+                with self._cv:
+                    if not self._tasks and not self._groups:
+                        self._cv.wait(IDLE_SECONDS)
+                        if not self._tasks and not self._groups:
+                            self._worker = None
+                            return
+                    task = self._next_task()
+                if task is not None:
+                    task.run()
+                if self._groups:
+                    try:
+                        self._step()
+                    except BaseException as exc:  # a bug: every running request gets it, none hangs
+                        for group in self._groups:
+                            self._leave(group, list(group.members), exc)
+                        self._groups, self._shared = [], None
+
+    def _step(self) -> None:
+        for group in list(self._groups):
+            leaving: list[Member] = []
+            tokens: list[torch.Tensor] = []
+            for member in group.members:
+                if member.cancel.is_set():
+                    member.cancelled = True
+                    leaving.append(member)
+                    continue
+                try:
+                    chosen = member.advance()
+                except Exception as exc:  # its grammar or stop handling failed: this request alone ends
+                    self._leave(group, [member], exc)
+                    leaving.append(member)
+                    continue
+                if member.done:
+                    leaving.append(member)
+                else:
+                    tokens.append(chosen)
+            self._leave(group, [m for m in leaving if m in group.members])
+            if group.members:
+                self._forward(group, tokens)
+            if not group.members:
+                self._groups.remove(group)
+                if group is self._shared:
+                    self._shared = None
+
+    def _forward(self, group: Group, tokens: list[torch.Tensor]) -> None:
+        start = time.perf_counter()
+        try:
+            group.step(tokens)
+        except Exception as exc:  # out of memory, say: this group's requests end with the error
+            self._leave(group, list(group.members), exc)
+            return
+        seconds = time.perf_counter() - start
+        rows = group.rows
+        self._decode_steps += 1
+        self._decoded_rows += rows
+        for member in group.members:
+            member.run.timings.step_seconds.append(seconds)
+            member.batch_rows_max = max(member.batch_rows_max, rows)
+
+    def _leave(self, group: Group, members: list[Member], error: BaseException | None = None) -> None:
+        if not members:
+            return
+        for member in members:
+            try:
+                member.kv_bytes_final = group.kv_bytes(member)
+            except Exception:  # the group's cache is what failed
+                member.kv_bytes_final = 0
+        group.remove(members)
+        for member in members:
+            if error is not None:
+                member.outbox.put(error)
+            member.outbox.put(DONE)

@@ -1,0 +1,210 @@
+"""Continuous batching (snapkv_rag.scheduler): requests join the running decode batch and leave
+it when done; every answer equals the same request run alone (greedy, fp32 tiny models)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+from conftest import ForwardProbe, gemma3_engine, terse_bias, tiny_engine, tiny_tool_engine
+
+from snapkv_rag.errors import InvalidGenerationParameterError
+
+PROMPTS = [
+    "Hello world",
+    "The quick brown fox jumps over the lazy dog. The capital of France is Paris.",
+    "Numbers like 1234 and 5678 appear in passkeys.",
+    "Long documents need compressed caches; SnapKV keeps what the question looks at. " * 3,
+    "Paris",
+]
+SNAP = "snapkv:budget=24,window=8,kernel=3"
+
+
+def run_together(engine, calls, *, slow_s: float = 0.005):
+    """Start every ``(prompt, kwargs)`` at once from its own thread; results in order, and the forward count.
+
+    Forwards sleep ``slow_s`` so that requests are still running when the others arrive."""
+    results: list = [None] * len(calls)
+    errors: list = []
+    barrier = threading.Barrier(len(calls))
+
+    def worker(i, prompt, kwargs):
+        barrier.wait()
+        try:
+            results[i] = engine.generate(prompt, **kwargs)
+        except BaseException as exc:
+            errors.append(exc)
+
+    with ForwardProbe(engine.model, sleep_s=slow_s) as probe:
+        threads = [threading.Thread(target=worker, args=(i, p, k)) for i, (p, k) in enumerate(calls)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+    assert not errors, errors
+    return results, probe
+
+
+@pytest.fixture(scope="module")
+def batch_engine(tokenizer):
+    return tiny_engine("llama", tokenizer, seed=5)
+
+
+def test_concurrent_requests_share_decode_steps_and_equal_lone_runs(batch_engine):
+    calls = [(p, {"max_new_tokens": 24, "ignore_eos": True}) for p in PROMPTS[:4]]
+    alone = [batch_engine.generate(p, **k) for p, k in calls]
+    together, probe = run_together(batch_engine, calls)
+    for a, t in zip(alone, together):
+        assert t.token_ids == a.token_ids
+        assert t.stats.decode_steps == a.stats.decode_steps == 23
+    # 4 prefills + ~24 shared steps (joins stagger a little), against 4 + 4 * 23 run one by one
+    assert probe.calls <= 4 + 23 + 8, probe.calls
+    assert max(t.stats.decode_batch_rows_max for t in together) >= 3
+    assert all(a.stats.decode_batch_rows_max == 1 for a in alone)
+
+
+def test_mixed_policies_sampling_stops_and_lengths(batch_engine):
+    calls = [
+        (PROMPTS[0], {"max_new_tokens": 30, "ignore_eos": True}),
+        (PROMPTS[3], {"max_new_tokens": 12, "compression": SNAP, "ignore_eos": True}),
+        (PROMPTS[1], {"max_new_tokens": 20, "temperature": 0.9, "seed": 7, "ignore_eos": True}),
+        (PROMPTS[2], {"max_new_tokens": 40, "compression": "streaming:budget=20,sinks=4", "ignore_eos": True}),
+        (PROMPTS[4], {"max_new_tokens": 5}),
+    ]
+    alone = [batch_engine.generate(p, **k) for p, k in calls]
+    # a stop string the lone run produces ends that request early, in the batch too
+    stop_text = alone[0].text[len(alone[0].text) // 2 :][:3]
+    calls.append((PROMPTS[0], {"max_new_tokens": 30, "ignore_eos": True, "stop": [stop_text]}))
+    alone.append(batch_engine.generate(PROMPTS[0], **calls[-1][1]))
+    together, _ = run_together(batch_engine, calls)
+    for a, t in zip(alone, together):
+        assert (t.token_ids, t.text, t.finish_reason) == (a.token_ids, a.text, a.finish_reason)
+        assert t.stats.kept_tokens_per_layer == a.stats.kept_tokens_per_layer
+    assert together[-1].finish_reason == "stop" and len(together[-1].token_ids) < 30
+
+
+def test_padded_batch_calls_join_single_requests(batch_engine):
+    """generate_batch rows and single requests decode in one batch; each row equals its lone run."""
+    prompts = PROMPTS[:3]
+    alone = [batch_engine.generate(p, max_new_tokens=16, ignore_eos=True, compression=SNAP) for p in prompts]
+    box: dict = {}
+
+    def batch():
+        box["batch"] = batch_engine.generate_batch(prompts, max_new_tokens=16, ignore_eos=True, compression=SNAP, bucket=False)
+
+    with ForwardProbe(batch_engine.model, sleep_s=0.005):
+        thread = threading.Thread(target=batch)
+        thread.start()
+        single = batch_engine.generate(PROMPTS[3], max_new_tokens=16, ignore_eos=True, compression=SNAP)
+        thread.join(60)
+    assert [r.token_ids for r in box["batch"]] == [a.token_ids for a in alone]
+    assert single.token_ids == batch_engine.generate(PROMPTS[3], max_new_tokens=16, ignore_eos=True, compression=SNAP).token_ids
+
+
+def test_tool_calls_and_json_rows_keep_their_own_grammar(smollm_tokenizer):
+    engine = tiny_tool_engine(smollm_tokenizer, bias=terse_bias(smollm_tokenizer))
+    tools = [{"type": "function", "function": {"name": "lookup", "parameters": {"type": "object", "properties": {"q": {"type": "string"}}, "required": ["q"]}}}]
+    calls = [
+        ("Look it up.", {"max_new_tokens": 80, "tools": tools, "tool_choice": "required"}),
+        ("Answer in JSON.", {"max_new_tokens": 80, "response_format": {"type": "json_object"}}),
+        ("Say something.", {"max_new_tokens": 20, "ignore_eos": True}),
+        ("Look it up, maybe.", {"max_new_tokens": 80, "tools": tools, "temperature": 1.0, "seed": 3}),
+    ]
+    alone = [engine.generate(p, **k) for p, k in calls]
+    together, _ = run_together(engine, calls)
+    assert together[0].tool_calls and together[0].tool_calls[0].name == "lookup"
+    assert isinstance(together[1].parsed, dict)
+    for a, t in zip(alone, together):
+        calls_of = lambda r: [(c.name, c.arguments) for c in r.tool_calls]  # noqa: E731 (ids are random)
+        assert (t.token_ids, t.finish_reason, calls_of(t), t.parsed) == (a.token_ids, a.finish_reason, calls_of(a), a.parsed)
+
+
+def test_decode_state_policies_run_beside_the_shared_batch(batch_engine):
+    """Decode-time cuts keep state per request: such a request decodes in its own group while others batch."""
+    cut = "snapkv:budget=16,window=4,kernel=3,decode_budget=20,decode_interval=8"
+    calls = [
+        (PROMPTS[3], {"max_new_tokens": 40, "compression": cut, "ignore_eos": True}),
+        (PROMPTS[0], {"max_new_tokens": 30, "ignore_eos": True}),
+        (PROMPTS[1], {"max_new_tokens": 30, "ignore_eos": True}),
+    ]
+    alone = [batch_engine.generate(p, **k) for p, k in calls]
+    together, _ = run_together(batch_engine, calls)
+    for a, t in zip(alone, together):
+        assert t.token_ids == a.token_ids
+    assert together[0].stats.policy_stats["decode_compactions"] == alone[0].stats.policy_stats["decode_compactions"] > 0
+    assert together[0].stats.decode_batch_rows_max == 1
+    assert max(t.stats.decode_batch_rows_max for t in together[1:]) == 2
+
+
+def test_sliding_window_model_requests_interleave_and_equal_lone_runs(tokenizer):
+    engine = gemma3_engine(tokenizer, sliding_window=8, context=256)
+    calls = [(p, {"max_new_tokens": 20, "ignore_eos": True, "compression": SNAP}) for p in PROMPTS[:3]]
+    alone = [engine.generate(p, **k) for p, k in calls]
+    together, _ = run_together(engine, calls)
+    assert [t.token_ids for t in together] == [a.token_ids for a in alone]
+
+
+def test_cancelled_request_leaves_and_the_others_finish_unchanged(batch_engine):
+    alone = [batch_engine.generate(p, max_new_tokens=30, ignore_eos=True) for p in PROMPTS[:2]]
+    with ForwardProbe(batch_engine.model, sleep_s=0.005):
+        streams = [batch_engine.stream(p, max_new_tokens=30, ignore_eos=True) for p in PROMPTS[:3]]
+        next(iter(streams[2]))
+        streams[2].close()
+        for s in streams[:2]:
+            for _ in s:
+                pass
+    assert streams[2].result.finish_reason == "cancelled" and streams[2].result.usage.completion_tokens < 30
+    assert [s.result.token_ids for s in streams[:2]] == [a.token_ids for a in alone]
+
+
+def test_max_batch_size_bounds_the_rows_decoded_together(tokenizer):
+    engine = tiny_engine("llama", tokenizer, seed=5)
+    engine.max_batch_size = 2
+    calls = [(p, {"max_new_tokens": 12, "ignore_eos": True}) for p in PROMPTS]
+    together, _ = run_together(engine, calls)
+    assert all(r.usage.completion_tokens == 12 for r in together)
+    assert max(r.stats.decode_batch_rows_max for r in together) == 2
+    with pytest.raises(InvalidGenerationParameterError, match="max_batch_size"):
+        engine.max_batch_size = 0
+
+
+def test_a_failing_forward_ends_the_running_requests_with_the_error_and_the_engine_recovers(tokenizer):
+    engine = tiny_engine("llama", tokenizer, seed=5)
+    original = engine.model.forward
+    calls = {"n": 0}
+
+    def flaky(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 4:  # a decode step, after the prefill
+            raise RuntimeError("simulated out of memory")
+        return original(*args, **kwargs)
+
+    engine.model.forward = flaky
+    try:
+        with pytest.raises(RuntimeError, match="simulated out of memory"):
+            engine.generate("Hello world", max_new_tokens=10, ignore_eos=True)
+    finally:
+        del engine.model.forward
+    assert engine.generate("Hello world", max_new_tokens=4, ignore_eos=True).usage.completion_tokens == 4
+    assert engine.scheduler_stats().running_requests == 0
+
+
+def test_async_streams_are_not_limited_by_the_default_thread_pool(batch_engine):
+    """Twelve concurrent astreams (more than asyncio's default pool of cpu+4 threads here) all decode together."""
+
+    async def main():
+        async def one(prompt):
+            stream = batch_engine.astream(prompt, max_new_tokens=16, ignore_eos=True)
+            async for _ in stream:
+                pass
+            return stream.result
+
+        return await asyncio.gather(*(one(PROMPTS[i % len(PROMPTS)]) for i in range(12)))
+
+    with ForwardProbe(batch_engine.model, sleep_s=0.01):
+        results = asyncio.run(main())
+    assert all(r.usage.completion_tokens == 16 for r in results)
+    assert max(r.stats.decode_batch_rows_max for r in results) >= 9
+    stats = batch_engine.scheduler_stats()
+    assert stats.running_requests == 0 and stats.decoded_rows > stats.decode_steps
