@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, replace
 from typing import Any
@@ -79,6 +79,7 @@ class Engine:
         prefix_cache_bytes: int | None = None,
         segment_store: SegmentKVStore | None = None,
         max_batch_size: int | None = None,
+        prefill_chunk_tokens: int | None = None,
     ):
         """``prefix_cache_bytes``: bound of the prefix cache (uncompressed K/V of recent
         prompts, reused by later prompts that start with the same tokens); None for the
@@ -86,7 +87,9 @@ class Engine:
         ``segment_store``: where ``reuse_segments`` K/V live when a call names no store (by
         default in this process's memory, bounded like the prefix cache). ``max_batch_size``:
         the most rows decoded together by the continuous batcher (None: 16 on a CPU, 64 on a GPU;
-        see :attr:`max_batch_size`)."""
+        see :attr:`max_batch_size`). ``prefill_chunk_tokens``: a prompt that arrives while others
+        decode is prefilled in chunks of this many tokens, a decode step between two (default 512
+        on a CPU, 2048 on a GPU; 0: whole prompts, which stalls running streams for as long)."""
         register_attention_functions()
         base = model.config._attn_implementation
         if base not in WRAPPED_IMPLEMENTATIONS and base not in {wrapped_name(b) for b in WRAPPED_IMPLEMENTATIONS}:
@@ -103,6 +106,11 @@ class Engine:
         self._scheduler = Scheduler(self.model, default_max_batch_size(self.device))
         if max_batch_size is not None:
             self.max_batch_size = max_batch_size
+        if prefill_chunk_tokens is None:
+            prefill_chunk_tokens = 2048 if self.device.type == "cuda" else 512
+        if isinstance(prefill_chunk_tokens, bool) or not isinstance(prefill_chunk_tokens, int) or not (prefill_chunk_tokens == 0 or prefill_chunk_tokens >= 16):
+            raise ValueError(f"prefill_chunk_tokens must be 0 (whole prompts) or an integer >= 16, got {prefill_chunk_tokens!r}")
+        self.prefill_chunk_tokens = prefill_chunk_tokens
         # Async streams and agenerate wait in these threads (one per running request), not in the event loop's small default pool.
         self._threads = ThreadPoolExecutor(max_workers=1024, thread_name_prefix="snapkv-rag-stream")
         self._eos_ids = self._collect_eos_ids()
@@ -367,7 +375,7 @@ class Engine:
         cancel = cancel or threading.Event()
         rows = request.rows
 
-        def prefill() -> Member:
+        def prefill() -> Generator[None, None, Member]:
             run = DecodeRun(
                 self.model,
                 rows,
@@ -379,7 +387,8 @@ class Engine:
                 segments=request.segments,
                 eos_ids=self._eos_ids,
             )
-            run.prefill()
+            # Chunked while others decode, so their next tokens wait one chunk, not the whole prompt.
+            yield from run.prefill_steps(self.prefill_chunk_tokens if self._scheduler.decoding and self.prefill_chunk_tokens else None)
             member = Member(run, request, self.tokenizer, self._eos_ids, cancel)
             self._scheduler.join(member)
             return member

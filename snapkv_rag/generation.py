@@ -207,13 +207,28 @@ class DecodeRun:
         return logits
 
     def _prefill(self) -> torch.Tensor:
-        """Run the (compressed) prefill; returns the last position's logits ``[batch, vocab]``.
+        """Run the whole (compressed) prefill at once; the last position's logits ``[batch, vocab]``."""
+        steps = self.prefill_steps(None)
+        while True:
+            try:
+                next(steps)
+            except StopIteration as done:
+                return done.value
+
+    def prefill_steps(self, chunk_tokens: int | None) -> Generator[None, None, torch.Tensor]:
+        """Run the (compressed) prefill, yielding between chunks of ``chunk_tokens`` prompt tokens
+        (None: one forward); returns the last position's logits ``[batch, vocab]``.
 
         With a prefix cache, each row's longest stored token prefix (minus the tail its
         policy's window needs, see :mod:`snapkv_rag.prefix_cache`) is placed in the cache
         first and only the rest is run through the model; the policy then selects over the
         reused plus the new keys, as after a full prefill. Every row's full prompt K/V is
         stored back before compression shrinks the cache.
+
+        Chunks (see :meth:`_chunk_starts` for when a prompt is chunked) run uncompressed; the
+        last one, at least the policy's observation window long, runs with the policy, which then
+        selects over every chunk's keys with the window's queries, as after one forward. Until
+        then every layer holds its full K/V (a whole prefill holds one layer's at a time).
         """
         start = time.perf_counter()
         plan = self._plan_reuse() if self.prefix_cache is not None else None
@@ -222,7 +237,7 @@ class DecodeRun:
             self.segment_note = "an exact stored prefix covered more of the prompt than the segments"
         if self.segments is not None:
             self._blended_prefill()
-            return self._finish_prefill(start, self.attention_mask)
+            return self._finish_prefill(time.perf_counter() - start, self.attention_mask)
         if plan is not None and any(take for _, take in plan):
             self._layout_with_reuse(plan)
         mask = self.attention_mask
@@ -234,8 +249,16 @@ class DecodeRun:
             self.session = PrefillCompression(self.policy, self.cache, padding_mask, self.sliding, self.policy_state)
             if self.prefix_cache is not None:
                 self.session.full_kv = {}
+        seconds = 0.0
+        starts = self._chunk_starts(chunk_tokens)
+        for a, b in zip(starts, starts[1:]):
+            self._forward(self.input_ids[:, a:b], None, positions[:, a:b])
+            seconds += time.perf_counter() - start
+            yield
+            start = time.perf_counter()
+        last = starts[-1]
         with compressing(self.session):
-            self._forward(self.input_ids, padding_mask, positions)
+            self._forward(self.input_ids[:, last:], padding_mask, positions[:, last:])
         if self.prefix_cache is not None:
             if self.session is not None and self.session.full_kv is not None:
                 full_kv = self.session.full_kv
@@ -245,18 +268,34 @@ class DecodeRun:
             store_prompts(self.prefix_cache, self.rows, full_kv)
             if self.session is not None:
                 self.session.full_kv = None  # the stored copies are the prefix cache's now
-        return self._finish_prefill(start, mask)
+        return self._finish_prefill(seconds + time.perf_counter() - start, mask)
+
+    def _chunk_starts(self, chunk_tokens: int | None) -> list[int]:
+        """Where the prefill's chunks start in ``input_ids`` (``[0]``: one forward).
+
+        Chunked: one unpadded prompt on a model without sliding-window layers, with no policy or
+        a policy that votes with a window of last queries (H2O needs every query), longer than a
+        chunk. The last chunk is at least the window long (it may be longer than a chunk)."""
+        n = self.input_ids.shape[1]
+        policy = self._row_policy(0)
+        window = 0 if policy is None else policy.query_window
+        if chunk_tokens is None or self.batch_size != 1 or self.has_padding or any(self.sliding) or window is None or n <= chunk_tokens:
+            return [0]
+        starts = list(range(0, n, chunk_tokens))
+        while len(starts) > 1 and n - starts[-1] < window:
+            starts.pop()  # the last chunk holds the whole window
+        return starts
 
     @torch.inference_mode()
     def prefill(self) -> torch.Tensor:
-        """Run the (compressed) prefill; the last position's logits ``[batch, vocab]``.
+        """Run the whole (compressed) prefill; the last position's logits ``[batch, vocab]``.
 
-        Afterwards the run can decode on its own (:meth:`extend`) or hand its cache to a
+        Afterwards the run can decode on its own (:meth:`decode_step`) or hand its cache to a
         running batch (:mod:`snapkv_rag.scheduler`)."""
         return self._prefill()
 
-    def _finish_prefill(self, start: float, mask: torch.Tensor) -> torch.Tensor:
-        self.timings.prefill_seconds = time.perf_counter() - start
+    def _finish_prefill(self, seconds: float, mask: torch.Tensor) -> torch.Tensor:
+        self.timings.prefill_seconds = seconds
         self.kept_tokens_per_layer = [layer_entries(layer) for layer in self.cache.layers]
         self.token_bytes_per_layer = [layer_token_bytes(layer) if layer_entries(layer) else 0 for layer in self.cache.layers]
         self.prompt_kv_bytes_kept = cache_bytes(self.cache)

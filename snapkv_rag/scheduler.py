@@ -2,10 +2,11 @@
 batch after their prefill and leave it when they finish.
 
 Every engine call goes through :class:`Scheduler`. Work on the model runs only in its worker,
-in this order, over and over: at most one queued task (a request's prefill, a ``score``, a
-chunk's K/V), then one decode step of every running request. So a new request waits for at
-most one step before its prefill starts, and running streams wait for at most one prefill
-between two tokens (prefills are not chunked yet; see ``docs/design/batching.md``).
+in this order, over and over: one queued task or one chunk of it (a request's prefill, a
+``score``, a chunk's K/V), then one decode step of every running request. A prefill that
+starts while requests are decoding runs in chunks of ``prefill_chunk_tokens`` (see
+:meth:`~snapkv_rag.generation.DecodeRun.prefill_steps`), so running streams wait at most one
+chunk between two tokens, and a new request waits at most one step and one chunk to start.
 
 A request's prefill is the engine's own (:class:`~snapkv_rag.generation.DecodeRun`: prefix
 cache, chunk K/V reuse, layer-wise compression with its own policy and budget). Afterwards:
@@ -27,13 +28,14 @@ outbox; a consumer that reads slowly or not at all never holds the worker back.
 from __future__ import annotations
 
 import contextvars
+import inspect
 import queue
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
@@ -248,20 +250,33 @@ Group = SharedGroup | SoloGroup
 
 @dataclass
 class _Task:
-    fn: Callable[[], Any]
+    fn: Callable[[], Any]  # returns the result, or a generator that yields between chunks and returns it
     rows: int  # decode rows the task adds (a prefill); 0 for other model work
     context: contextvars.Context
     done: threading.Event = field(default_factory=threading.Event)
     result: Any = None
     error: BaseException | None = None
+    steps: Generator[Any, None, Any] | None = None
 
-    def run(self) -> None:
+    def advance(self) -> bool:
+        """Run the task, or its next chunk, in the caller's context; True once it has finished."""
         try:
-            self.result = self.context.run(self.fn)
+            if self.steps is None:
+                out = self.context.run(self.fn)
+                if not inspect.isgenerator(out):
+                    self.result = out
+                    self.done.set()
+                    return True
+                self.steps = cast(Generator[Any, None, Any], out)
+            steps = self.steps
+            self.context.run(lambda: next(steps))
+            return False
+        except StopIteration as stop:
+            self.result = stop.value
         except BaseException as exc:  # re-raised in the caller's thread
             self.error = exc
-        finally:
-            self.done.set()
+        self.done.set()
+        return True
 
 
 @dataclass
@@ -282,6 +297,7 @@ class Scheduler:
         self._model = model
         self._cv = threading.Condition()
         self._tasks: deque[_Task] = deque()
+        self._active: _Task | None = None  # a chunked task between two of its chunks
         self._groups: list[Group] = []
         self._shared: SharedGroup | None = None
         self._worker: threading.Thread | None = None
@@ -292,11 +308,18 @@ class Scheduler:
     def call(self, fn: Callable[[], Any], *, rows: int = 0) -> Any:
         """Run ``fn()`` in the worker, between decode steps, in the caller's context; its result.
 
+        ``fn`` may return a generator instead: the worker then advances it once per iteration
+        (a chunk of a prefill), with a decode step between, and its return value is the result.
         ``rows``: decode rows ``fn`` will add (a prefill that joins); it waits until the running
         rows plus these fit in ``max_batch_size`` (or nothing runs).
         """
-        if threading.current_thread() is self._worker:
-            return fn()
+        if threading.current_thread() is self._worker:  # model work inside a task: run it now, whole
+            task = _Task(fn, rows, contextvars.copy_context())
+            while not task.advance():
+                pass
+            if task.error is not None:
+                raise task.error
+            return task.result
         task = _Task(fn, rows, contextvars.copy_context())
         with self._cv:
             self._tasks.append(task)
@@ -319,6 +342,11 @@ class Scheduler:
             self._shared.add(member)
         else:
             self._groups.append(SoloGroup(member))
+
+    @property
+    def decoding(self) -> bool:
+        """Whether requests are decoding now (a new prefill then goes in chunks)."""
+        return bool(self._groups)
 
     def stats(self) -> SchedulerStats:
         groups = list(self._groups)  # read from other threads: a snapshot, exact between steps
@@ -350,14 +378,14 @@ class Scheduler:
         with torch.inference_mode():
             while True:
                 with self._cv:
-                    if not self._tasks and not self._groups:
+                    if not self._tasks and not self._groups and self._active is None:
                         self._cv.wait(IDLE_SECONDS)
                         if not self._tasks and not self._groups:
                             self._worker = None
                             return
-                    task = self._next_task()
+                    task = self._active or self._next_task()
                 if task is not None:
-                    task.run()
+                    self._active = None if task.advance() else task
                 if self._groups:
                     try:
                         self._step()

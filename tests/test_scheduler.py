@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 
 import pytest
+import torch
 from conftest import ForwardProbe, gemma3_engine, terse_bias, tiny_engine, tiny_tool_engine
 
 from snapkv_rag.errors import InvalidGenerationParameterError
@@ -208,3 +210,68 @@ def test_async_streams_are_not_limited_by_the_default_thread_pool(batch_engine):
     assert max(r.stats.decode_batch_rows_max for r in results) >= 9
     stats = batch_engine.scheduler_stats()
     assert stats.running_requests == 0 and stats.decoded_rows > stats.decode_steps
+
+
+def test_a_prompt_arriving_mid_stream_is_prefilled_in_chunks_between_decode_steps(batch_engine):
+    long_prompt = PROMPTS[1] * 4
+    options = {"ignore_eos": True, "prefix_cache": False}  # every prompt token runs through the model
+    lone_stream = batch_engine.generate(PROMPTS[0], max_new_tokens=60, **options)
+    lone_long = batch_engine.generate(long_prompt, max_new_tokens=8, compression=SNAP, **options)
+    n = lone_long.usage.prompt_tokens
+    assert n > 4 * 16
+    widths: list[int] = []
+    original = batch_engine.model.forward
+
+    def recording(*args, **kwargs):
+        widths.append(kwargs["input_ids"].shape[1])
+        time.sleep(0.003)
+        return original(*args, **kwargs)
+
+    batch_engine.model.forward = recording
+    batch_engine.prefill_chunk_tokens = 16
+    box: dict = {}
+    try:
+        stream = batch_engine.stream(PROMPTS[0], max_new_tokens=60, **options)
+        next(iter(stream))
+        thread = threading.Thread(target=lambda: box.update(long=batch_engine.generate(long_prompt, max_new_tokens=8, compression=SNAP, **options)))
+        thread.start()
+        text = "".join(stream)
+        thread.join(60)
+    finally:
+        del batch_engine.model.forward
+        batch_engine.prefill_chunk_tokens = 512
+    chunks = [i for i, w in enumerate(widths) if w > 1][1:]  # the first is the stream's own prefill
+    assert sum(widths[i] for i in chunks) == n and all(widths[i] == 16 for i in chunks[:-1]) and widths[chunks[-1]] >= 8  # SNAP's window
+    assert all(b - a == 2 for a, b in zip(chunks, chunks[1:])), widths  # one decode step between two chunks
+    assert box["long"].token_ids == lone_long.token_ids
+    assert box["long"].stats.kept_tokens_per_layer == lone_long.stats.kept_tokens_per_layer
+    assert stream.result.token_ids == lone_stream.token_ids and text
+
+
+def test_chunked_prefill_keeps_what_a_whole_prefill_keeps(batch_engine):
+    """DecodeRun.prefill_steps: chunks then a compressed last chunk select the same entries and logits."""
+    from snapkv_rag.compression import as_policy
+    from snapkv_rag.generation import DecodeRun
+    from snapkv_rag.sampling import GenerationParams
+
+    row = batch_engine.tokenizer(PROMPTS[1] * 4)["input_ids"]
+    for spec in (SNAP, "snapkv:budget=24,window=20,kernel=3", None):
+        runs = []
+        for chunk in (None, 16):
+            run = DecodeRun(batch_engine.model, [row], GenerationParams(max_new_tokens=4), as_policy(spec), batch_engine._pad_id)
+            steps = run.prefill_steps(chunk)
+            chunks = 0
+            with torch.inference_mode():
+                while True:
+                    try:
+                        next(steps)
+                        chunks += 1
+                    except StopIteration as done:
+                        runs.append((done.value, run, chunks))
+                        break
+        (whole, run_whole, none), (chunked, run_chunked, some) = runs
+        assert none == 0 and some >= 3
+        torch.testing.assert_close(chunked, whole, rtol=1e-4, atol=1e-4)
+        assert run_chunked.kept_tokens_per_layer == run_whole.kept_tokens_per_layer
+        for a, b in zip(run_whole.cache.layers, run_chunked.cache.layers):
+            torch.testing.assert_close(a.keys, b.keys, rtol=1e-4, atol=1e-4)
