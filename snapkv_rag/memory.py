@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import resource
 import threading
+import time
 
 import torch
 
@@ -19,35 +20,61 @@ def current_rss_bytes() -> int:
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
+class _RssSampler:
+    """One thread samples the resident set size for every open :class:`PeakMemory` (concurrent
+    requests share it rather than each waking a thread every few milliseconds)."""
+
+    def __init__(self, interval_s: float):
+        self.interval_s = interval_s
+        self._open: set[PeakMemory] = set()
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+
+    def add(self, peak: PeakMemory) -> None:
+        with self._lock:
+            self._open.add(peak)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="snapkv-rag-rss", daemon=True)
+                self._thread.start()
+
+    def remove(self, peak: PeakMemory) -> None:
+        with self._lock:
+            self._open.discard(peak)
+
+    def _run(self) -> None:
+        while True:
+            time.sleep(self.interval_s)
+            rss = current_rss_bytes()
+            with self._lock:
+                if not self._open:
+                    self._thread = None
+                    return
+                for peak in self._open:
+                    peak.peak_bytes = max(peak.peak_bytes, rss)
+
+
+_SAMPLER = _RssSampler(0.005)
+
+
 class PeakMemory:
     """Context manager; after exit ``peak_bytes`` and ``kind`` describe the block's peak."""
 
-    def __init__(self, device: torch.device, interval_s: float = 0.005):
+    def __init__(self, device: torch.device):
         self.device = device
-        self.interval_s = interval_s
         self.peak_bytes = 0
         self.kind = "cuda_max_allocated" if device.type == "cuda" else "cpu_rss_sampled"
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-
-    def _sample(self) -> None:
-        while not self._stop.wait(self.interval_s):
-            self.peak_bytes = max(self.peak_bytes, current_rss_bytes())
 
     def __enter__(self) -> PeakMemory:
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
         else:
             self.peak_bytes = current_rss_bytes()
-            self._thread = threading.Thread(target=self._sample, daemon=True)
-            self._thread.start()
+            _SAMPLER.add(self)
         return self
 
     def __exit__(self, *exc) -> None:
         if self.device.type == "cuda":
             self.peak_bytes = int(torch.cuda.max_memory_allocated(self.device))
         else:
-            self._stop.set()
-            if self._thread is not None:
-                self._thread.join()
+            _SAMPLER.remove(self)
             self.peak_bytes = max(self.peak_bytes, current_rss_bytes())

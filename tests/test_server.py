@@ -389,6 +389,10 @@ def test_serve_cli_checks_its_settings_before_loading_a_model(capsys):
     assert main(["serve", "--compression", "zip:budget=3"]) == 2
     assert "compression" in capsys.readouterr().err
     assert main(["serve", "--default-max-tokens", "0"]) == 2
+    assert main(["serve", "--max-batch-size", "0"]) == 2
+    assert "--max-batch-size" in capsys.readouterr().err
+    assert main(["serve", "--prefill-chunk-tokens", "8"]) == 2
+    assert "--prefill-chunk-tokens" in capsys.readouterr().err
     assert served_model_name("default") == "SmolLM2-135M-Instruct"
     assert served_model_name("HuggingFaceTB/SmolLM2-360M-Instruct") == "HuggingFaceTB/SmolLM2-360M-Instruct"
 

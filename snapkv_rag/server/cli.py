@@ -58,6 +58,12 @@ def add_serve_parser(sub) -> None:
         default=None,
         help="requests' rows decoded together by continuous batching; further prefills wait for room (default: 16 on a CPU, 64 on a GPU)",
     )
+    p.add_argument(
+        "--prefill-chunk-tokens",
+        type=int,
+        default=None,
+        help="a prompt that arrives while others decode is prefilled in chunks of this many tokens (default: 512 on a CPU, 2048 on a GPU; 0: whole)",
+    )
     p.set_defaults(func=cmd_serve)
 
 
@@ -88,6 +94,8 @@ def build_config(args: argparse.Namespace):
         raise SnapKVRagError(f"--max-queue must be at least 1, got {args.max_queue}")
     if args.max_batch_size is not None and args.max_batch_size < 1:
         raise SnapKVRagError(f"--max-batch-size must be at least 1, got {args.max_batch_size}")
+    if args.prefill_chunk_tokens is not None and not (args.prefill_chunk_tokens == 0 or args.prefill_chunk_tokens >= 16):
+        raise SnapKVRagError(f"--prefill-chunk-tokens must be 0 (whole prompts) or at least 16, got {args.prefill_chunk_tokens}")
     if args.max_request_bytes < 1024:
         raise SnapKVRagError(f"--max-request-bytes must be at least 1024, got {args.max_request_bytes}")
     embedder, embedder_id = None, "all-MiniLM-L6-v2"
@@ -100,6 +108,8 @@ def build_config(args: argparse.Namespace):
     engine = load_engine(args, prefix_cache_bytes=args.prefix_cache_bytes)
     if args.max_batch_size is not None:
         engine.max_batch_size = args.max_batch_size
+    if args.prefill_chunk_tokens is not None:
+        engine.prefill_chunk_tokens = args.prefill_chunk_tokens
     if args.kv_dir is not None:
         from ..offered import segment_store_at
 
