@@ -27,6 +27,8 @@ for task in "${tasks[@]}"; do
     # where the remaining gap sits: learned vs exact mass and value of the evicted entries, per layer (8x at 2K and at 4K)
     less-gap) for b in 256 512; do .venv/bin/snapkv-rag less gap --compression less:base=snapkv,budget=$b --lengths 2048,4096 --prompts-per-length 3 --no-progress --out $OUT/less_gap_b$b; done ;;
     fidelity) $CLI fidelity --lengths 2000,4000 --seeds 0,1 --budgets 256,512,1024 --methods snapkv streamingllm h2o random --out $OUT/fidelity ;;
+    # continuous batching through the HTTP server: tokens/s and TTFT at 1-16 clients (5 min; not in the default list)
+    batching) .venv/bin/python eval/batching_throughput.py --tokens 128 --out $OUT/batching ;;
     *) echo "unknown task $task" >&2; exit 2 ;;
   esac
 done

@@ -84,6 +84,7 @@ def test_thirty_two_clients_mixed_traffic(engine):
     rng = random.Random(0)
     outcomes: list[tuple[str, dict, tuple]] = []
     statuses: list[int] = []
+    disconnects: list[bool] = []
 
     async def client(base: str, deadline: float, seed: int) -> None:
         local = random.Random(seed)
@@ -94,6 +95,7 @@ def test_thirty_two_clients_mixed_traffic(engine):
                 if kind in ("stream", "disconnect"):
                     got = await stream_answer(http, base, body, disconnect=kind == "disconnect")
                     statuses.append(200)
+                    disconnects.append(kind == "disconnect")
                     if got is not None:
                         outcomes.append((kind, body, got))
                     continue
@@ -113,6 +115,7 @@ def test_thirty_two_clients_mixed_traffic(engine):
             deadline = time.monotonic() + SOAK_SECONDS
             await asyncio.gather(*(client(base, deadline, rng.random()) for _ in range(CLIENTS)))
             growth = current_rss_bytes() - rss_warm
+            print(f"\nsoak: {SOAK_SECONDS:.0f} s, {len(statuses)} requests, RSS {rss_warm / 2**20:.0f} MiB after warm-up, grew {growth / 2**20:+.0f} MiB")
             assert growth < 400 * 2**20, f"resident memory grew by {growth / 2**20:.0f} MiB"
             async with httpx.AsyncClient() as http:
                 return (await http.get(f"{base}/metrics")).text
@@ -131,6 +134,8 @@ def test_thirty_two_clients_mixed_traffic(engine):
         assert got == lone[key], (kind, body["messages"][0]["content"][:20])
     steps = float(re.search(r"^snapkv_decode_steps (\S+)$", metrics, re.M).group(1))
     rows = float(re.search(r"^snapkv_decoded_rows (\S+)$", metrics, re.M).group(1))
+    counts = {k: sum(1 for kind, _, _ in outcomes if kind == k) for k in sorted(kinds)}
+    print(f"soak: completed {counts}, {sum(disconnects)} disconnected mid-stream, {statuses.count(429)} got 429, mean decode batch {rows / steps:.1f}")
     assert rows / steps > 2, (rows, steps)  # requests really decoded together
     assert re.search(r'^snapkv_requests_total\{endpoint="chat",status="200"\} ', metrics, re.M)
     assert engine.scheduler_stats().running_requests == 0
