@@ -309,6 +309,17 @@ class Engine:
             raise self._rope_shift
         return self._rope_shift
 
+    def _prefill_chunk(self, rows: list[list[int]]) -> int | None:
+        """Chunk size for a prefill starting now: chunked while others decode (their next tokens then
+        wait one chunk, not the whole prompt), unless the prompt's full K/V, which chunking holds for
+        every layer until the last chunk, is over the prefix cache's bound (1 GiB on a CPU)."""
+        if not self.prefill_chunk_tokens or not self._scheduler.decoding:
+            return None
+        bound = self.prefix_cache.max_bytes or default_prefix_cache_bytes(self.device)
+        if max(len(r) for r in rows) * self.info().kv_bytes_per_token > bound:
+            return None
+        return self.prefill_chunk_tokens
+
     def _segment_request(
         self, prompt: PromptLike, row: list[int], chat: bool | None, spec: OutputSpec, policy: CompressionPolicy | None, options: dict[str, Any]
     ) -> tuple[SegmentRequest | None, str | None]:
@@ -387,18 +398,29 @@ class Engine:
                 segments=request.segments,
                 eos_ids=self._eos_ids,
             )
-            # Chunked while others decode, so their next tokens wait one chunk, not the whole prompt.
-            yield from run.prefill_steps(self.prefill_chunk_tokens if self._scheduler.decoding and self.prefill_chunk_tokens else None)
             member = Member(run, request, self.tokenizer, self._eos_ids, cancel)
-            self._scheduler.join(member)
+            steps = run.prefill_steps(self._prefill_chunk(rows))
+            while not cancel.is_set():  # cancelled before or between chunks: no more prefill work
+                try:
+                    next(steps)
+                except StopIteration:
+                    break
+                yield
+            if cancel.is_set():
+                steps.close()
+                member.abandon()
+            else:
+                self._scheduler.join(member)
             return member
 
+        if self._scheduler.on_worker():
+            raise RuntimeError("generate/stream cannot run inside run_on_model(): the model's worker would wait for itself")
         with PeakMemory(self.device) as peak:
-            member = self._scheduler.call(prefill, rows=len(rows))
             try:
+                member = self._scheduler.call(prefill, rows=len(rows))
                 yield from member.events()
-            except GeneratorExit:
-                cancel.set()  # the consumer dropped the stream: its rows leave the batch
+            except BaseException:
+                cancel.set()  # dropped stream, Ctrl-C, a failure: this request's rows leave the batch
                 raise
             cancelled = member.cancelled
             for i, t in enumerate(member.texts):

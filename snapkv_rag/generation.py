@@ -34,6 +34,17 @@ def left_pad(rows: list[list[int]], pad_id: int, device: torch.device) -> tuple[
     return ids.to(device), mask.to(device)
 
 
+def plain_cache(model, cache):
+    """A ``DynamicCache`` holding ``cache``'s layer tensors (no copy)."""
+    from transformers import DynamicCache
+
+    plain = DynamicCache(config=model.config)
+    for layer, source in zip(plain.layers, cache.layers):
+        layer.lazy_initialization(source.keys, source.values)
+        layer.keys, layer.values = source.keys, source.values
+    return plain
+
+
 def cache_bytes(cache) -> int:
     return sum(
         layer.keys.numel() * layer.keys.element_size() + layer.values.numel() * layer.values.element_size()
@@ -252,7 +263,8 @@ class DecodeRun:
         seconds = 0.0
         starts = self._chunk_starts(chunk_tokens)
         for a, b in zip(starts, starts[1:]):
-            self._forward(self.input_ids[:, a:b], None, positions[:, a:b])
+            # the policy's decode-time state must not hear the prompt's chunks (it would record their queries)
+            model_forward(self.model, self.cache, self.input_ids[:, a:b], None, positions[:, a:b])
             seconds += time.perf_counter() - start
             yield
             start = time.perf_counter()
@@ -332,7 +344,9 @@ class DecodeRun:
         self.session = PrefillCompression(self.policy, self.cache, None, self.sliding, self.policy_state) if self.policy is not None else None
         with compressing(self.session):
             self._forward(self.input_ids[:, positions], blended_mask(positions, n, self.device), positions[None])
-        cache.scatter = None
+        self.cache = plain_cache(self.model, cache)  # the blending cache's closure holds the placed segments
+        if self.session is not None:
+            self.session.cache = self.cache
 
     def policy_stats(self) -> dict:
         """The policy state's own measurements (empty without one); byte counts are the whole batch's."""

@@ -72,7 +72,7 @@ class Member:
         self.cancel = cancel
         self.outbox: queue.SimpleQueue = queue.SimpleQueue()
         self.generator = make_generator(self.params, run.device)
-        self.logits = run.last_logits  # [rows, vocab] the next tokens are chosen from
+        self.logits = run.last_logits  # [rows, vocab] the next tokens are chosen from (the prefill's, on joining)
         self.steps = 0
         self.cancelled = False
         self.batch_rows_max = 0  # the most rows decoded in one forward with this request's
@@ -109,6 +109,17 @@ class Member:
             if call is not None and call.duplicate:
                 self.texts[i].end()  # a repeated call: the turn's calls are all written
         return tokens
+
+    def finish(self, error: BaseException | None = None) -> None:
+        """Tell the reader that this member is done (with ``error`` when it failed)."""
+        if error is not None:
+            self.outbox.put(error)
+        self.outbox.put(DONE)
+
+    def abandon(self) -> None:
+        """End a member whose request was cancelled before it could join the batch."""
+        self.cancelled = True
+        self.finish()
 
     def events(self) -> Iterator[tuple[int, StreamPiece]]:
         """The outbox until the scheduler lets go of this member (re-raises its error)."""
@@ -152,6 +163,15 @@ class SharedGroup:
     def width(self) -> int:
         return layer_entries(self.cache.layers[0]) if self.cache is not None else 0
 
+    def fits(self, run: DecodeRun) -> bool:
+        """Whether ``run``'s rows should join: widths within 2x (+64) of each other, so that
+        padding every row to the widest stays cheap (a full 32K-token cache beside 256-entry
+        SnapKV rows gets a group of its own)."""
+        if not self.members:
+            return True
+        a, b = sorted((self.width, run.kept_tokens_per_layer[0]))
+        return b <= 2 * a + 64
+
     def add(self, member: Member) -> None:
         cache, mask, positions = member.run.hand_over()
         if not self.members:
@@ -161,11 +181,19 @@ class SharedGroup:
             rows, width = self.rows, max(self.width, layer_entries(cache.layers[0]))
             mine = self.mask if self.mask is not None else self.positions.new_ones(rows, self.width)
             theirs = mask if mask is not None else positions.new_ones(member.rows, layer_entries(cache.layers[0]))
-            self.mask = torch.cat([_pad_left(mine, width, 1), _pad_left(theirs, width, 1)])
-            for layer, joining in zip(self.cache.layers, cache.layers):
-                layer.keys = torch.cat([_pad_left(layer.keys, width, 2), _pad_left(joining.keys, width, 2)])
-                layer.values = torch.cat([_pad_left(layer.values, width, 2), _pad_left(joining.values, width, 2)])
-            self.positions = torch.cat([self.positions, positions])
+            # built aside and committed at once: running out of memory here leaves the group as it was
+            new_mask = torch.cat([_pad_left(mine, width, 1), _pad_left(theirs, width, 1)])
+            layers = [
+                (
+                    torch.cat([_pad_left(layer.keys, width, 2), _pad_left(joining.keys, width, 2)]),
+                    torch.cat([_pad_left(layer.values, width, 2), _pad_left(joining.values, width, 2)]),
+                )
+                for layer, joining in zip(self.cache.layers, cache.layers)
+            ]
+            new_positions = torch.cat([self.positions, positions])
+            for layer, (keys, values) in zip(self.cache.layers, layers):
+                layer.keys, layer.values = keys, values
+            self.mask, self.positions = new_mask, new_positions
             self._drop_dead_columns()
         self.members.append(member)
 
@@ -299,7 +327,6 @@ class Scheduler:
         self._tasks: deque[_Task] = deque()
         self._active: _Task | None = None  # a chunked task between two of its chunks
         self._groups: list[Group] = []
-        self._shared: SharedGroup | None = None
         self._worker: threading.Thread | None = None
         self._decode_steps = 0
         self._decoded_rows = 0
@@ -313,7 +340,7 @@ class Scheduler:
         ``rows``: decode rows ``fn`` will add (a prefill that joins); it waits until the running
         rows plus these fit in ``max_batch_size`` (or nothing runs).
         """
-        if threading.current_thread() is self._worker:  # model work inside a task: run it now, whole
+        if self.on_worker():  # model work inside a task: run it now, whole
             task = _Task(fn, rows, contextvars.copy_context())
             while not task.advance():
                 pass
@@ -334,14 +361,24 @@ class Scheduler:
 
     def join(self, member: Member) -> None:
         """Start decoding ``member`` (from inside a task, in the worker)."""
-        assert threading.current_thread() is self._worker, "join() is called by a task, in the worker"
-        if SharedGroup.accepts(member.run):
-            if self._shared is None:
-                self._shared = SharedGroup(self._model)
-                self._groups.append(self._shared)
-            self._shared.add(member)
-        else:
+        assert self.on_worker(), "join() is called by a task, in the worker"
+        member.logits = member.run.last_logits
+        if not SharedGroup.accepts(member.run):
             self._groups.append(SoloGroup(member))
+            return
+        group = next((g for g in self._groups if isinstance(g, SharedGroup) and g.fits(member.run)), None)
+        if group is None:
+            group = SharedGroup(self._model)
+            self._groups.append(group)
+        try:
+            group.add(member)
+        except Exception as exc:  # out of memory joining: this request ends with the error, the others go on
+            if not group.members:
+                self._groups.remove(group)
+            member.finish(exc)
+
+    def on_worker(self) -> bool:
+        return threading.current_thread() is self._worker
 
     @property
     def decoding(self) -> bool:
@@ -366,33 +403,59 @@ class Scheduler:
     def _next_task(self) -> _Task | None:
         """FIFO, except that model work adding no rows never waits behind a prefill that does not fit."""
         running = self._running_rows()
+        blocked = False  # a prefill waits for room: later prefills wait behind it (FIFO)
         for task in self._tasks:
-            if task.rows == 0 or running == 0 or running + task.rows <= self.max_batch_size:
+            if task.rows == 0 or (not blocked and (running == 0 or running + task.rows <= self.max_batch_size)):
                 self._tasks.remove(task)
                 return task
-            if task.rows:
-                break
+            blocked = True
         return None
 
     def _loop(self) -> None:
-        with torch.inference_mode():
-            while True:
-                with self._cv:
-                    if not self._tasks and not self._groups and self._active is None:
-                        self._cv.wait(IDLE_SECONDS)
-                        if not self._tasks and not self._groups:
-                            self._worker = None
-                            return
-                    task = self._active or self._next_task()
-                if task is not None:
-                    self._active = None if task.advance() else task
-                if self._groups:
-                    try:
-                        self._step()
-                    except BaseException as exc:  # a bug: every running request gets it, none hangs
-                        for group in self._groups:
-                            self._leave(group, list(group.members), exc)
-                        self._groups, self._shared = [], None
+        try:
+            with torch.inference_mode():
+                while self._iterate():
+                    pass
+        except BaseException as exc:  # the worker itself failed: nobody may wait for it forever
+            self._fail_everything(exc)
+            raise
+
+    def _iterate(self) -> bool:
+        """One task (or chunk) and one decode step; False when the worker should exit (idle)."""
+        with self._cv:
+            if not self._tasks and not self._groups and self._active is None:
+                self._cv.wait(IDLE_SECONDS)
+                if not self._tasks and not self._groups:
+                    self._worker = None
+                    return False
+            task = self._active or self._next_task()
+        if task is not None:
+            self._active = None if task.advance() else task
+            task = None  # hold no finished task (its closure, its member) through an idle wait
+        if self._groups:
+            try:
+                self._step()
+            except BaseException as exc:  # a bug: every running request gets it, none hangs
+                groups, self._groups = self._groups, []
+                for group in groups:
+                    for member in group.members:
+                        member.finish(exc)
+        return True
+
+    def _fail_everything(self, exc: BaseException) -> None:
+        with self._cv:
+            self._worker = None
+            tasks, self._tasks = list(self._tasks), deque()
+            if self._active is not None:
+                tasks.append(self._active)
+            self._active = None
+            groups, self._groups = self._groups, []
+        for task in tasks:
+            task.error = exc
+            task.done.set()
+        for group in groups:
+            for member in group.members:
+                member.finish(exc)
 
     def _step(self) -> None:
         for group in list(self._groups):
@@ -418,8 +481,6 @@ class Scheduler:
                 self._forward(group, tokens)
             if not group.members:
                 self._groups.remove(group)
-                if group is self._shared:
-                    self._shared = None
 
     def _forward(self, group: Group, tokens: list[torch.Tensor]) -> None:
         start = time.perf_counter()
@@ -439,13 +500,13 @@ class Scheduler:
     def _leave(self, group: Group, members: list[Member], error: BaseException | None = None) -> None:
         if not members:
             return
-        for member in members:
-            try:
-                member.kv_bytes_final = group.kv_bytes(member)
-            except Exception:  # the group's cache is what failed
-                member.kv_bytes_final = 0
-        group.remove(members)
-        for member in members:
-            if error is not None:
-                member.outbox.put(error)
-            member.outbox.put(DONE)
+        try:
+            for member in members:
+                try:
+                    member.kv_bytes_final = group.kv_bytes(member)
+                except Exception:  # the group's cache is what failed
+                    member.kv_bytes_final = 0
+            group.remove(members)
+        finally:  # whatever removing them costs or raises, their readers hear of the end
+            for member in members:
+                member.finish(error)

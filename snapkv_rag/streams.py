@@ -62,7 +62,9 @@ class GenerationStream:
         return self._result
 
     def close(self) -> None:
-        """Stop generating (no further model step runs); ``result`` then says ``cancelled``."""
+        """Stop generating (this request's rows leave the batch at the next step); ``result``
+        then says ``cancelled``, unless the generation had already finished (it runs ahead of
+        the reader). A cancelled result's text is all that was generated, read or not."""
         if self._result is not None:
             return
         self._cancel.set()

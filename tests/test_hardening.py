@@ -73,19 +73,21 @@ def test_unread_and_abandoned_streams_do_not_block(engine):
 
 
 def test_close_gives_a_cancelled_usable_result(engine):
-    stream = engine.stream("Hello world", max_new_tokens=30, ignore_eos=True)
-    first = next(iter(stream))
-    stream.close()
+    # generation runs ahead of the reader: slow forwards keep it running when close() comes
+    with ForwardProbe(engine.model, sleep_s=0.01):
+        stream = engine.stream("Hello world", max_new_tokens=200, ignore_eos=True)
+        first = next(iter(stream))
+        stream.close()
     result = stream.result
     assert result.finish_reason == "cancelled"
     assert result.text.startswith(first) or first == ""
-    assert 1 <= result.usage.completion_tokens < 30
+    assert 1 <= result.usage.completion_tokens < 200
     assert list(stream) == []  # exhausted after close
     in_thread(lambda: engine.generate("Paris", max_new_tokens=2))
 
 
 def test_stream_as_context_manager(engine):
-    with engine.stream("Hello world", max_new_tokens=30, ignore_eos=True) as stream:
+    with ForwardProbe(engine.model, sleep_s=0.01), engine.stream("Hello world", max_new_tokens=200, ignore_eos=True) as stream:
         for _ in stream:
             break
     assert stream.result.finish_reason == "cancelled"

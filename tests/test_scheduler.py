@@ -212,11 +212,14 @@ def test_async_streams_are_not_limited_by_the_default_thread_pool(batch_engine):
     assert stats.running_requests == 0 and stats.decoded_rows > stats.decode_steps
 
 
-def test_a_prompt_arriving_mid_stream_is_prefilled_in_chunks_between_decode_steps(batch_engine):
+@pytest.mark.parametrize("compression", [SNAP, "snapkv:budget=24,window=20,kernel=3,decode_budget=30,decode_interval=4"])
+def test_a_prompt_arriving_mid_stream_is_prefilled_in_chunks_between_decode_steps(batch_engine, compression):
+    """Also with decode-time cuts whose window (20) outlasts their interval (4): the chunks must
+    not reach the policy's decode state, or the first cut would vote with prompt queries."""
     long_prompt = PROMPTS[1] * 4
     options = {"ignore_eos": True, "prefix_cache": False}  # every prompt token runs through the model
     lone_stream = batch_engine.generate(PROMPTS[0], max_new_tokens=60, **options)
-    lone_long = batch_engine.generate(long_prompt, max_new_tokens=8, compression=SNAP, **options)
+    lone_long = batch_engine.generate(long_prompt, max_new_tokens=8, compression=compression, **options)
     n = lone_long.usage.prompt_tokens
     assert n > 4 * 16
     widths: list[int] = []
@@ -233,7 +236,7 @@ def test_a_prompt_arriving_mid_stream_is_prefilled_in_chunks_between_decode_step
     try:
         stream = batch_engine.stream(PROMPTS[0], max_new_tokens=60, **options)
         next(iter(stream))
-        thread = threading.Thread(target=lambda: box.update(long=batch_engine.generate(long_prompt, max_new_tokens=8, compression=SNAP, **options)))
+        thread = threading.Thread(target=lambda: box.update(long=batch_engine.generate(long_prompt, max_new_tokens=8, compression=compression, **options)))
         thread.start()
         text = "".join(stream)
         thread.join(60)
@@ -275,3 +278,53 @@ def test_chunked_prefill_keeps_what_a_whole_prefill_keeps(batch_engine):
         assert run_chunked.kept_tokens_per_layer == run_whole.kept_tokens_per_layer
         for a, b in zip(run_whole.cache.layers, run_chunked.cache.layers):
             torch.testing.assert_close(a.keys, b.keys, rtol=1e-4, atol=1e-4)
+
+
+def test_a_request_cancelled_before_its_prefill_does_no_model_work(batch_engine):
+    import threading as _threading
+
+    request = batch_engine._prepare_kwargs("Hello world", max_new_tokens=10)
+    cancel = _threading.Event()
+    cancel.set()
+    with ForwardProbe(batch_engine.model) as probe:
+        result = batch_engine._complete(request, cancel)
+    assert result.finish_reason == "cancelled" and result.usage.completion_tokens == 0 and probe.calls == 0
+
+
+def test_generate_inside_run_on_model_is_refused_not_a_deadlock(batch_engine):
+    with pytest.raises(RuntimeError, match="run_on_model"):
+        batch_engine.run_on_model(lambda: batch_engine.generate("Hello", max_new_tokens=2))
+    assert batch_engine.generate("Hello", max_new_tokens=2).usage.completion_tokens == 2
+
+
+def test_model_work_without_rows_does_not_wait_behind_a_prefill_waiting_for_room(tokenizer):
+    engine = tiny_engine("llama", tokenizer, seed=5)
+    engine.max_batch_size = 1
+    with ForwardProbe(engine.model, sleep_s=0.01):
+        running = engine.stream(PROMPTS[0], max_new_tokens=300, ignore_eos=True)
+        next(iter(running))
+        waiting = threading.Thread(target=engine.generate, args=(PROMPTS[1],), kwargs={"max_new_tokens": 2})
+        waiting.start()
+        time.sleep(0.1)  # the second prefill now waits for room
+        start = time.perf_counter()
+        engine.score("Hello world", [5, 6, 7])
+        seconds = time.perf_counter() - start
+        assert not running.finished
+        running.close()
+        waiting.join(30)
+    assert seconds < 1.5, seconds  # the running stream still had about 3 s to go
+
+
+def test_rows_of_very_different_widths_decode_in_separate_groups(batch_engine):
+    long_prompt = PROMPTS[3] * 3
+    calls = [
+        (long_prompt, {"max_new_tokens": 20, "ignore_eos": True}),  # full cache: every prompt token
+        (PROMPTS[1], {"max_new_tokens": 20, "ignore_eos": True, "compression": SNAP}),
+        (PROMPTS[2], {"max_new_tokens": 20, "ignore_eos": True, "compression": SNAP}),
+    ]
+    alone = [batch_engine.generate(p, **k) for p, k in calls]
+    assert alone[0].usage.prompt_tokens > 2 * 24 + 64
+    together, _ = run_together(batch_engine, calls)
+    assert [t.token_ids for t in together] == [a.token_ids for a in alone]
+    assert together[0].stats.decode_batch_rows_max == 1
+    assert together[1].stats.decode_batch_rows_max == together[2].stats.decode_batch_rows_max == 2
