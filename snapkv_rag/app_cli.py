@@ -22,6 +22,7 @@ def add_app_parser(sub) -> None:
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
     p.add_argument("--dtype", default=None, help="float32, bfloat16, float16")
     p.add_argument("--store", default=None, help="embedded Chroma directory (default ~/.cache/snapkv-rag/chroma)")
+    p.add_argument("--chroma-url", default=None, help="a Chroma server instead of the embedded store, e.g. http://chroma:8000 (env SNAPKV_RAG_APP_CHROMA_URL)")
     p.add_argument("--uploads", default=None, help="where uploaded files are kept (default ~/.cache/snapkv-rag/uploads)")
     p.add_argument("--collection", default=None, help="collection selected at start (default 'documents')")
     p.add_argument(
@@ -62,7 +63,7 @@ def app_command(args: argparse.Namespace) -> list[str]:
         "--model",
         args.model,
     ]
-    for option in ("device", "dtype", "store", "uploads", "collection", "allow_folder_root"):
+    for option in ("device", "dtype", "store", "chroma_url", "uploads", "collection", "allow_folder_root"):
         value = getattr(args, option, None)
         if value is not None:
             command += [f"--{option.replace('_', '-')}", str(value)]

@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import contextlib
 import os
+import socket
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -234,3 +238,37 @@ class ForwardProbe:
 
     def __exit__(self, *exc):
         del self.model.forward
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture()
+def chroma_server(tmp_path):
+    chroma = Path(sys.executable).parent / "chroma"
+    port = free_port()
+    log = open(tmp_path / "chroma.log", "wb")
+    proc = subprocess.Popen(
+        [str(chroma), "run", "--path", str(tmp_path / "server-data"), "--host", "127.0.0.1", "--port", str(port)],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    url = f"http://127.0.0.1:{port}"
+    import urllib.request
+
+    deadline = time.time() + 60
+    while True:
+        try:
+            urllib.request.urlopen(f"{url}/api/v2/heartbeat", timeout=2)
+            break
+        except OSError:
+            if proc.poll() is not None or time.time() > deadline:
+                raise RuntimeError(f"chroma run did not start: {(tmp_path / 'chroma.log').read_text()[-2000:]}") from None
+            time.sleep(0.3)
+    yield url
+    proc.terminate()
+    proc.wait(timeout=30)
+    log.close()

@@ -109,6 +109,17 @@ def test_upload_shows_summary_skipped_files_and_the_collection(app_env):
     assert at.selectbox(key="collection_choice").value == "notes"
 
 
+def test_documents_go_to_a_chroma_server_when_one_is_given(app_env, monkeypatch, chroma_server):
+    """docker/compose.yaml runs the app against a Chroma server (SNAPKV_RAG_APP_CHROMA_URL)."""
+    monkeypatch.setenv("SNAPKV_RAG_APP_CHROMA_URL", chroma_server)
+    at = upload(start(), {"ferry.txt": DOCS["ferry.txt"].encode()})
+    assert "Documents in notes: 1 file," in at.expander[0].label
+    from snapkv_rag.rag.store import make_client
+
+    assert [c if isinstance(c, str) else c.name for c in make_client(url=chroma_server).list_collections()] == ["notes"]
+    assert not (app_env / "chroma").exists()  # nothing went to the embedded store
+
+
 def test_folder_ingest_and_a_path_that_is_not_a_folder(app_env, monkeypatch):
     monkeypatch.setenv("SNAPKV_RAG_APP_FOLDER_ROOT", str(app_env))
     folder = app_env / "folder"

@@ -5,14 +5,12 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
-from conftest import tiny_engine
+from conftest import free_port, tiny_engine
 
 from snapkv_rag.compression import SnapKV
 from snapkv_rag.errors import EmptyPromptError
@@ -283,40 +281,6 @@ def test_collection_names_and_embedder_mismatch(tmp_path, embedder):
 
 
 # ----------------------------------------------------------------------------- chroma server
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@pytest.fixture()
-def chroma_server(tmp_path):
-    chroma = Path(sys.executable).parent / "chroma"
-    port = free_port()
-    log = open(tmp_path / "chroma.log", "wb")
-    proc = subprocess.Popen(
-        [str(chroma), "run", "--path", str(tmp_path / "server-data"), "--host", "127.0.0.1", "--port", str(port)],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-    )
-    url = f"http://127.0.0.1:{port}"
-    import urllib.request
-
-    deadline = time.time() + 60
-    while True:
-        try:
-            urllib.request.urlopen(f"{url}/api/v2/heartbeat", timeout=2)
-            break
-        except OSError:
-            if proc.poll() is not None or time.time() > deadline:
-                raise RuntimeError(f"chroma run did not start: {(tmp_path / 'chroma.log').read_text()[-2000:]}") from None
-            time.sleep(0.3)
-    yield url
-    proc.terminate()
-    proc.wait(timeout=30)
-    log.close()
-
-
 def test_chroma_server_mode(tmp_path, corpus, embedder, chroma_server):
     store = DocumentStore("served", url=chroma_server, embedder=embedder)
     report = store.ingest([corpus], chunk_tokens=64, overlap=8)

@@ -57,7 +57,7 @@ def main() -> None:
     try:
         with st.spinner("Loading the embedder and the document store…"):
             embedder = load_embedder()
-            client = chroma_client(cfg.store)
+            client = chroma_client(cfg.store, cfg.chroma_url)
     except Exception as exc:
         st.error(f"The document store could not be opened: {exc}")
         st.stop()

@@ -52,6 +52,7 @@ class AppConfig:
     collection: str
     folder_root: str | None = None  # folder ingest reads only under this folder; None: off
     password: str | None = None  # asked for before anything is shown; None: no gate
+    chroma_url: str | None = None  # a Chroma server instead of the embedded store (shared with other processes)
 
 
 def app_config(argv: list[str] | None = None) -> AppConfig:
@@ -65,6 +66,7 @@ def app_config(argv: list[str] | None = None) -> AppConfig:
     p.add_argument("--uploads", default=env("SNAPKV_RAG_APP_UPLOADS") or str(cache_root() / "uploads"))
     p.add_argument("--collection", default=env("SNAPKV_RAG_APP_COLLECTION", "documents"))
     p.add_argument("--allow-folder-root", default=env("SNAPKV_RAG_APP_FOLDER_ROOT") or None)
+    p.add_argument("--chroma-url", default=env("SNAPKV_RAG_APP_CHROMA_URL") or None)
     args, _ = p.parse_known_args(argv)
     return AppConfig(
         args.model,
@@ -75,6 +77,7 @@ def app_config(argv: list[str] | None = None) -> AppConfig:
         args.collection,
         folder_root=args.allow_folder_root,
         password=env("SNAPKV_RAG_APP_PASSWORD") or None,
+        chroma_url=args.chroma_url,
     )
 
 
@@ -96,8 +99,9 @@ def load_embedder() -> Embedder:
 
 
 @st.cache_resource(show_spinner=False)
-def chroma_client(path: str):
-    return make_client(path=path)
+def chroma_client(path: str, url: str | None = None):
+    """The Chroma server at ``url``, else the embedded store at ``path``."""
+    return make_client(url=url) if url else make_client(path=path)
 
 
 @st.cache_resource(show_spinner=False)

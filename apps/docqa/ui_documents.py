@@ -19,6 +19,8 @@ from snapkv_rag.rag.store import validate_collection_name
 
 
 def open_store(client, embedder: Embedder, cfg: AppConfig, name: str, *, create: bool) -> DocumentStore:
+    if cfg.chroma_url:
+        return DocumentStore(name, client=client, embedder=embedder, url=cfg.chroma_url, create=create)
     return DocumentStore(name, client=client, embedder=embedder, path=cfg.store, create=create)
 
 
