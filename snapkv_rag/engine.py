@@ -142,10 +142,13 @@ class Engine:
         attn_implementation: str = "sdpa",
         trust_remote_code: bool = False,
         prefix_cache_bytes: int | None = None,
+        max_batch_size: int | None = None,
+        prefill_chunk_tokens: int | None = None,
     ) -> Engine:
         """A hub id, a local model directory, a ``.gguf`` file, or ``"default"``.
 
-        ``prefix_cache_bytes`` as in :class:`Engine` (None: default, 0: no prefix cache)."""
+        ``prefix_cache_bytes``, ``max_batch_size`` and ``prefill_chunk_tokens`` as in :class:`Engine`
+        (None: their defaults)."""
         if attn_implementation not in WRAPPED_IMPLEMENTATIONS:
             raise ValueError(f"attn_implementation must be one of {WRAPPED_IMPLEMENTATIONS}, got {attn_implementation!r}")
         model, tokenizer, _ = load_model_and_tokenizer(
@@ -155,7 +158,9 @@ class Engine:
             attn_implementation=attn_implementation,
             trust_remote_code=trust_remote_code,
         )
-        return cls(model, tokenizer, name=name_or_path, prefix_cache_bytes=prefix_cache_bytes)
+        return cls(
+            model, tokenizer, name=name_or_path, prefix_cache_bytes=prefix_cache_bytes, max_batch_size=max_batch_size, prefill_chunk_tokens=prefill_chunk_tokens
+        )
 
     # ----------------------------------------------------------------- introspection
     @property

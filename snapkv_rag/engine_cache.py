@@ -4,7 +4,8 @@ Framework wrappers are cheap to construct and often constructed many times (one 
 engine, per chain, per agent, per test); loading weights each time would be slow and would
 split the prefix cache. :func:`shared_engine` loads an :class:`~snapkv_rag.Engine` once per
 ``(model, device, dtype, options)`` and hands the same object back afterwards. Engines
-serialize their model steps with a lock, so sharing one is safe across threads and tasks.
+run the model in one worker (concurrent calls decode in one batch), so sharing one is safe
+across threads and tasks.
 The options (for example the prefix-cache bound) are part of the key because they belong to
 the engine: two callers asking for different bounds get different engines rather than one
 silently ignoring its setting.

@@ -328,3 +328,17 @@ def test_rows_of_very_different_widths_decode_in_separate_groups(batch_engine):
     assert [t.token_ids for t in together] == [a.token_ids for a in alone]
     assert together[0].stats.decode_batch_rows_max == 1
     assert together[1].stats.decode_batch_rows_max == together[2].stats.decode_batch_rows_max == 2
+
+
+def test_batching_settings_through_from_pretrained_and_their_checks(tmp_path, tokenizer):
+    from snapkv_rag import Engine
+
+    tiny_engine("llama", tokenizer).model.save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    engine = Engine.from_pretrained(str(tmp_path), max_batch_size=3, prefill_chunk_tokens=0)
+    assert engine.max_batch_size == 3 and engine.prefill_chunk_tokens == 0
+    assert Engine.from_pretrained(str(tmp_path)).prefill_chunk_tokens == 512  # the CPU default
+    with pytest.raises(ValueError, match="prefill_chunk_tokens"):
+        Engine.from_pretrained(str(tmp_path), prefill_chunk_tokens=8)
+    with pytest.raises(InvalidGenerationParameterError, match="max_batch_size"):
+        Engine.from_pretrained(str(tmp_path), max_batch_size=True)

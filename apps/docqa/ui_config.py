@@ -83,7 +83,7 @@ def app_config(argv: list[str] | None = None) -> AppConfig:
 
 @st.cache_resource(show_spinner=False)
 def load_engine(model: str, device: str | None, dtype: str | None) -> Engine:
-    """The engine, loaded once per process and shared by every session (its calls are serialized)."""
+    """The engine, loaded once per process and shared by every session (concurrent calls decode in one batch)."""
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
