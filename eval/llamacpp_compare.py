@@ -5,11 +5,13 @@ Not a test. Needs the optional extra (it compiles llama.cpp, about 10 minutes on
     .venv/bin/pip install -e ".[llamacpp]"
     .venv/bin/python eval/llamacpp_compare.py --out eval/results/llamacpp
 
-Rows: llama.cpp on the shipped Q4_1 GGUF (flash attention on), llama.cpp on the same weights
-in bf16 (converted from the engine's de-quantized copy with llama.cpp's own converter when
-``--bf16-gguf`` names a file or the converter is found; skipped otherwise), and the engine with
-its defaults (bf16 where the CPU has it), full cache and SnapKV 1024 with the question window.
-Each prompt is rendered once by the engine's chat template; llama.cpp gets the same ids.
+Rows: llama.cpp on the shipped Q4_1 GGUF (flash attention on), llama.cpp on another GGUF of the
+same model when ``--bf16-gguf`` names one (llama.cpp's ``convert_hf_to_gguf.py --outtype bf16``
+on the engine's de-quantized copy; its vocabulary detection fell back to sentencepiece here, so
+that row was not produced), and the engine with its defaults (bf16 where the CPU has it), full
+cache and SnapKV 1024 with the question window.
+Each prompt is rendered once by the engine's chat template; llama.cpp gets the same ids, in a
+child process of its own (in one process its OpenMP threads slowed the engine).
 Prefill: seconds for the whole prompt. Decode: median ms per token over ``--tokens`` greedy
 steps right after the prompt. Configurations are interleaved over ``--rounds``; the medians
 over rounds are reported.
@@ -18,8 +20,10 @@ over rounds are reported.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -46,6 +50,21 @@ def corpus_prompt(tokenizer, tokens: int) -> str:
     return tokenizer.decode(ids) + "\n\nQuestion: what time does the first ferry leave on weekdays?"
 
 
+def llama_cpp_worker(gguf: str, ids_file: str, tokens: int, threads: int) -> None:
+    """Child process: load ``gguf``, prefill the ids in ``ids_file``, decode; print the timings as JSON.
+
+    llama.cpp runs in its own process: its OpenMP runtime and spinning worker threads slowed the
+    engine's steps about 1.5x when both lived in one process."""
+    import json
+
+    from llama_cpp import Llama
+
+    model = Llama(gguf, n_ctx=8192, n_threads=threads, n_batch=512, flash_attn=True, verbose=False)
+    ids = json.loads(Path(ids_file).read_text())
+    prefill, steps = llama_cpp_run(model, ids, tokens)
+    print(json.dumps({"prefill_s": prefill, "decode_ms": statistics.median(steps) * 1000}))
+
+
 def llama_cpp_run(model, ids: list[int], tokens: int) -> tuple[float, list[float]]:
     """Prefill ``ids`` and decode ``tokens`` greedy steps; (prefill seconds, step seconds)."""
     import numpy as np
@@ -63,53 +82,34 @@ def llama_cpp_run(model, ids: list[int], tokens: int) -> tuple[float, list[float
     return prefill, steps
 
 
-def bf16_gguf(engine_dir: Path, out: Path) -> Path | None:
-    """llama.cpp's converter (vendored in the llama-cpp-python source) on the engine's de-quantized weights."""
-    import subprocess
-
-    import llama_cpp
-
-    candidates = [Path(llama_cpp.__file__).parent / "vendor" / "llama.cpp" / "convert_hf_to_gguf.py", *Path("/tmp").glob("**/convert_hf_to_gguf.py")]
-    script = next((c for c in candidates if c.is_file()), None)
-    if script is None:
-        return None
-    target = out / "smollm2-135m-bf16.gguf"
-    if not target.exists():
-        result = subprocess.run([sys.executable, str(script), str(engine_dir), "--outtype", "bf16", "--outfile", str(target)], capture_output=True, text=True)
-        if result.returncode != 0:
-            print(f"bf16 conversion failed, row skipped: {result.stderr[-500:]}", flush=True)
-            return None
-    return target
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--lengths", default="512,7800", help="prompt tokens")
     parser.add_argument("--tokens", type=int, default=32, help="decode steps measured")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--bf16-gguf", type=Path, default=None, help="a bf16 GGUF of the same model (default: convert one)")
+    parser.add_argument("--bf16-gguf", type=Path, default=None, help="a bf16 GGUF of the same model, compared too")
     parser.add_argument("--out", type=Path, default=ROOT / "eval" / "results" / "llamacpp")
+    parser.add_argument("--worker", nargs=2, metavar=("GGUF", "IDS_JSON"), help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.worker:
+        return llama_cpp_worker(args.worker[0], args.worker[1], args.tokens, args.threads)
     try:
-        from llama_cpp import Llama
+        import llama_cpp  # noqa: F401
     except ImportError:
         sys.exit('llama-cpp-python is not installed: .venv/bin/pip install -e ".[llamacpp]" (compiles llama.cpp, ~10 minutes)')
 
     from snapkv_rag import Engine
-    from snapkv_rag.loading import converted_gguf_dir, embedded_gguf_path
+    from snapkv_rag.loading import embedded_gguf_path
     from snapkv_rag.prompts import render_prompt
 
     torch.set_num_threads(args.threads)
     args.out.mkdir(parents=True, exist_ok=True)
     engine = Engine.default()
     gguf = embedded_gguf_path()
-    runners = {"llama.cpp, shipped Q4_1 GGUF, flash-attn": Llama(str(gguf), n_ctx=8192, n_threads=args.threads, n_batch=512, flash_attn=True, verbose=False)}
-    bf16 = args.bf16_gguf or bf16_gguf(converted_gguf_dir(gguf), args.out)
-    if bf16 is not None:
-        runners["llama.cpp, same weights in bf16, flash-attn"] = Llama(
-            str(bf16), n_ctx=8192, n_threads=args.threads, n_batch=512, flash_attn=True, verbose=False
-        )
+    runners = {"llama.cpp, shipped Q4_1 GGUF, flash-attn": str(gguf)}
+    if args.bf16_gguf is not None:
+        runners["llama.cpp, same weights in bf16, flash-attn"] = str(args.bf16_gguf)
 
     lengths = [int(n) for n in args.lengths.split(",")]
     prompts = {n: corpus_prompt(engine.tokenizer, n) for n in lengths}
@@ -117,19 +117,13 @@ def main() -> None:
     records = []
     for round_ in range(args.rounds):
         for n in lengths:
-            for label, model in runners.items():
-                prefill, steps = llama_cpp_run(model, ids[n], args.tokens)
-                records.append(
-                    {
-                        "round": round_,
-                        "length": n,
-                        "prompt_tokens": len(ids[n]),
-                        "runner": label,
-                        "prefill_s": prefill,
-                        "decode_ms": statistics.median(steps) * 1000,
-                    }
-                )
-                print(f"{n:>5} {label}: prefill {prefill:.1f} s, decode {records[-1]['decode_ms']:.1f} ms", flush=True)
+            ids_file = args.out / f"ids-{n}.json"  # for the child process; removed at the end
+            ids_file.write_text(json.dumps(ids[n]))
+            for label, path in runners.items():
+                command = [sys.executable, __file__, "--worker", path, str(ids_file), "--tokens", str(args.tokens), "--threads", str(args.threads)]
+                timing = json.loads(subprocess.run(command, check=True, capture_output=True, text=True).stdout.strip().splitlines()[-1])
+                records.append({"round": round_, "length": n, "prompt_tokens": len(ids[n]), "runner": label, **timing})
+                print(f"{n:>5} {label}: prefill {timing['prefill_s']:.1f} s, decode {timing['decode_ms']:.1f} ms", flush=True)
             for label, spec in ENGINE_METHODS:
                 result = engine.generate(prompts[n], compression=spec, max_new_tokens=args.tokens + 1, ignore_eos=True, prefix_cache=False)
                 assert result.usage.prompt_tokens == len(ids[n])
@@ -149,6 +143,8 @@ def main() -> None:
                 )
             write_records(args.out, records)
 
+    for n in lengths:
+        (args.out / f"ids-{n}.json").unlink(missing_ok=True)
     runner_names = list(dict.fromkeys(r["runner"] for r in records))
     header = "| | " + " | ".join(f"prefill {n:,} tokens | decode at {n:,}" for n in lengths) + " |"
     lines = [
