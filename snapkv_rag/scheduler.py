@@ -63,7 +63,7 @@ def default_max_batch_size(device: torch.device) -> int:
 class Member:
     """One request's rows while they decode: the prefilled run, sampling and text state, an outbox."""
 
-    def __init__(self, run: DecodeRun, request: Request, tokenizer, eos_ids: frozenset[int], cancel: threading.Event):
+    def __init__(self, run: DecodeRun, request: Request, tokenizer, eos_ids: frozenset[int], cancel: threading.Event) -> None:
         self.run = run
         self.params = request.params
         stop_ids = frozenset() if self.params.ignore_eos else eos_ids
@@ -144,7 +144,7 @@ def _pad_left(tensor: torch.Tensor, width: int, dim: int) -> torch.Tensor:
 class SharedGroup:
     """Requests with plain K/V caches, decoding as one left-padded batch."""
 
-    def __init__(self, model):
+    def __init__(self, model) -> None:
         self.model = model
         self.members: list[Member] = []
         self.cache: Any = None
@@ -320,7 +320,7 @@ class SchedulerStats:
 class Scheduler:
     """The engine's model worker: tasks and decode steps, in one thread (see the module doc)."""
 
-    def __init__(self, model, max_batch_size: int):
+    def __init__(self, model, max_batch_size: int) -> None:
         self.max_batch_size = max_batch_size
         self._model = model
         self._cv = threading.Condition()
