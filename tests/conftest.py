@@ -57,28 +57,27 @@ def tokenizer():
 FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "gemma", "phi3"]
 
 
+# Sizes and special ids every tiny test model shares (the test tokenizer's BOS, EOS and PAD).
+TINY_SIZES = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    bos_token_id=1,
+    eos_token_id=8,
+    pad_token_id=3,
+)
+
+
 def tiny_config(family: str, vocab_size: int, *, context: int = 512):
     from transformers import AutoConfig
 
-    common = dict(
-        vocab_size=vocab_size,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=context,
-        bos_token_id=1,
-        eos_token_id=8,
-        pad_token_id=3,
-        tie_word_embeddings=False,
-    )
+    common = dict(vocab_size=vocab_size, max_position_embeddings=context, tie_word_embeddings=False, **TINY_SIZES)
     if family in ("llama", "mistral", "qwen2", "qwen3", "gemma"):
         common["head_dim"] = 16
     if family in ("mistral", "qwen2", "qwen3"):
         common["sliding_window"] = None
-    if family == "phi3":
-        common["pad_token_id"] = 3
     return AutoConfig.for_model(family, **common)
 
 
@@ -167,18 +166,11 @@ def gemma3_engine(tokenizer, sliding_window=256, context=512):
     config = AutoConfig.for_model(
         "gemma3_text",
         vocab_size=len(tokenizer),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
         head_dim=16,
         max_position_embeddings=context,
         sliding_window=sliding_window,
         layer_types=["sliding_attention", "full_attention"],
-        bos_token_id=1,
-        eos_token_id=8,
-        pad_token_id=3,
+        **TINY_SIZES,
     )
     torch.manual_seed(0)
     return Engine(AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval(), tokenizer, name="tiny-gemma3")

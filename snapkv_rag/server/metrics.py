@@ -10,6 +10,7 @@ import time
 from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
 
 # Seconds: a first token within 50 ms (a reused prompt on a GPU) to minutes (a long CPU prefill).
 TTFT_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32, 64, 128)
@@ -33,31 +34,13 @@ class ServerMetrics:
         )
         # read from the engine at each scrape (the CLI may swap the segment store after start)
         Gauge("snapkv_prefix_cache_bytes", "Bytes of stored prompt K/V in the prefix cache", registry=r).set_function(lambda: engine.prefix_cache.nbytes)
-        Gauge("snapkv_prefix_cache_hit_ratio", "Prefix-cache lookups that reused something", registry=r).set_function(
-            lambda: _ratio(engine.prefix_cache.stats().hits, engine.prefix_cache.stats().lookups)
-        )
+        Gauge("snapkv_prefix_cache_hit_ratio", "Prefix-cache lookups that reused something", registry=r).set_function(lambda: _prefix_hit_ratio(engine))
         Gauge("snapkv_chunk_kv_bytes", "Bytes of stored chunk K/V (the engine's segment store)", registry=r).set_function(lambda: engine.segment_store.nbytes)
         Gauge("snapkv_chunk_kv_hit_ratio", "Chunk K/V lookups found in the store", registry=r).set_function(
             lambda: _ratio(engine.segment_store.stats.hits, engine.segment_store.stats.hits + engine.segment_store.stats.misses)
         )
 
-        # continuous batching (snapkv_rag.scheduler), read at scrape time
-        Gauge("snapkv_batch_rows", "Rows decoding in the running batch now", registry=r).set_function(lambda: engine.scheduler_stats().running_rows)
-        Gauge("snapkv_requests_running", "Requests decoding now (prefilled, not finished)", registry=r).set_function(
-            lambda: engine.scheduler_stats().running_requests
-        )
-        Gauge("snapkv_prefills_waiting", "Model tasks (mostly prefills) waiting for the worker or for room in the batch", registry=r).set_function(
-            lambda: engine.scheduler_stats().waiting_tasks
-        )
-        Gauge("snapkv_kv_bytes_in_use", "K/V bytes held by running requests (after compression, padding included)", registry=r).set_function(
-            lambda: engine.scheduler_stats().kv_bytes
-        )
-        Gauge("snapkv_decode_steps", "Decode forwards so far (one per step of each batch)", registry=r).set_function(
-            lambda: engine.scheduler_stats().decode_steps
-        )
-        Gauge("snapkv_decoded_rows", "Rows those forwards decoded: divided by snapkv_decode_steps, the mean batch size", registry=r).set_function(
-            lambda: engine.scheduler_stats().decoded_rows
-        )
+        r.register(SchedulerCollector(engine))
 
     def exposition(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
@@ -69,6 +52,27 @@ class ServerMetrics:
             self.completion_tokens.inc(result.usage.completion_tokens)
             self.reused_tokens.inc(result.stats.reused_prompt_tokens)
             self.kv_kept.observe(result.stats.prompt_kv_bytes_kept)
+
+
+class SchedulerCollector:
+    """The continuous batcher's gauges (:mod:`snapkv_rag.scheduler`), from one snapshot per scrape."""
+
+    GAUGES = (
+        ("snapkv_batch_rows", "running_rows", "Rows decoding in the running batch now"),
+        ("snapkv_requests_running", "running_requests", "Requests decoding now (prefilled, not finished)"),
+        ("snapkv_prefills_waiting", "waiting_tasks", "Model tasks (mostly prefills) waiting for the worker or for room in the batch"),
+        ("snapkv_kv_bytes_in_use", "kv_bytes", "K/V bytes held by running requests (after compression, padding included)"),
+        ("snapkv_decode_steps", "decode_steps", "Decode forwards so far (one per step of each batch)"),
+        ("snapkv_decoded_rows", "decoded_rows", "Rows those forwards decoded: divided by snapkv_decode_steps, the mean batch size"),
+    )
+
+    def __init__(self, engine: Any):
+        self.engine = engine
+
+    def collect(self):
+        stats = self.engine.scheduler_stats()
+        for name, field, documentation in self.GAUGES:
+            yield GaugeMetricFamily(name, documentation, value=getattr(stats, field))
 
 
 class PieceClock:
@@ -86,6 +90,11 @@ class PieceClock:
         else:
             self.metrics.itl.observe(now - self.last)
         self.last = now
+
+
+def _prefix_hit_ratio(engine: Any) -> float:
+    stats = engine.prefix_cache.stats()
+    return _ratio(stats.hits, stats.lookups)
 
 
 def _ratio(part: int, whole: int) -> float:
