@@ -64,12 +64,16 @@ class ServerConfig:
         max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
         allow_origins: tuple[str, ...] = (),
         max_queue: int = DEFAULT_MAX_QUEUE,
+        backend=None,
     ):
         if isinstance(default_max_tokens, bool) or not isinstance(default_max_tokens, int) or default_max_tokens < 1:
             raise ValueError(f"default_max_tokens must be a positive integer, got {default_max_tokens!r}")
         if isinstance(max_queue, bool) or not isinstance(max_queue, int) or max_queue < 1:
             raise ValueError(f"max_queue must be a positive integer, got {max_queue!r}")
-        self.engine = engine
+        if engine is None and (backend is None or model_id is None):
+            raise ValueError("ServerConfig needs an engine, or a backend and a model_id")
+        self.engine = engine  # None when the engines run elsewhere (Ray Serve replicas)
+        self.backend = backend or InProcess(engine)
         self.model_id = model_id or engine.name
         self.aliases = {self.model_id, *aliases}  # ids a request may name for the model
         self.compression_spec = compression or "full"
@@ -135,23 +139,42 @@ def _check_model(model: str, served: str, accepted: set[str]) -> None:
         raise APIError(404, f"the model {model!r} does not exist on this server; it serves {served!r}", param="model", code="model_not_found")
 
 
-def _open_stream(config: ServerConfig, request: ParsedRequest):
-    """The engine's stream for ``request``, with the request's compression or the server's and
-    ``max_new_tokens`` (the request's, else the room left in the context up to the server's
-    cap). Run off the event loop: rendering and tokenizing a long prompt takes a while."""
-    engine = config.engine
-    compression = as_policy(request.compression) if request.compression is not None else config.compression
+def open_engine_stream(engine, request: ParsedRequest, compression, default_max_tokens: int):
+    """The engine's stream for ``request``, with the request's compression or ``compression``
+    (the server's policy) and ``max_new_tokens`` (the request's, else the room left in the
+    context up to ``default_max_tokens``). Blocking: rendering and tokenizing a long prompt
+    takes a while, so callers run it off the event loop."""
+    if request.compression is not None:
+        compression = as_policy(request.compression)
     max_new = request.max_tokens
     if max_new is None:
         tools = request.constraints.get("tools") if request.constraints.get("tool_choice") != "none" else None
         prompt_tokens = engine.count_tokens(request.prompt, chat=False if request.kind == "completion" else None, tools=tools)
         context = engine.context_length
-        room = (context - prompt_tokens) if context else config.default_max_tokens
+        room = (context - prompt_tokens) if context else default_max_tokens
         if room < 1:
             field = "messages" if request.kind == "chat" else "prompt"
             raise invalid(f"the prompt has {prompt_tokens} tokens and fills the model's {context}-token context; shorten it", field, "context_length_exceeded")
-        max_new = min(room, config.default_max_tokens)
+        max_new = min(room, default_max_tokens)
     return engine.astream(request.prompt, **request.engine_kwargs(max_new, compression))
+
+
+class InProcess:
+    """Where requests run when the engine is in this process (``snapkv-rag serve`` without
+    replicas). :mod:`.ray_serve` has the other backend, engines on Ray Serve replicas; both
+    give the app an async stream of pieces with a ``result`` at its end."""
+
+    def __init__(self, engine):
+        self.engine = engine
+
+    async def open(self, config: ServerConfig, request: ParsedRequest):
+        """The request's stream; prompt errors (too long, bad tools) raise here, before a streamed 200."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(None, open_engine_stream, self.engine, request, config.compression, config.default_max_tokens)
+
+    async def health(self) -> dict[str, Any]:
+        info = self.engine.info()
+        return {"context_length": info.context_length, "device": info.device, "replicas": 1}
 
 
 async def _finish(stream, clock: PieceClock):
@@ -183,6 +206,12 @@ class Admission:
             self.held = False
             self.state.in_flight -= 1
             self.state.metrics.in_flight.dec()
+
+
+def _served_by(stream) -> dict[str, str]:
+    """``X-SnapKV-Replica``: the Ray Serve replica that ran the request (none in process)."""
+    replica = getattr(stream, "replica", None)
+    return {"X-SnapKV-Replica": replica} if replica else {}
 
 
 def _queue_full(config: ServerConfig) -> JSONResponse:
@@ -246,7 +275,7 @@ def _completions(kind: str):
             _check_model(parsed.model, config.model_id, config.aliases)
             request_id = new_id(kind)
             try:  # prompt errors (too long, bad tools) are found here, before a streamed 200 is sent
-                stream = await asyncio.get_running_loop().run_in_executor(None, _open_stream, config, parsed)
+                stream = await config.backend.open(config, parsed)
             except APIError:
                 raise
             except Exception as exc:
@@ -254,7 +283,7 @@ def _completions(kind: str):
             if parsed.stream:
                 events = _stream(config, request_id, parsed, stream, clock, admission.release)
                 admission = None  # the stream releases it when it ends
-                return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+                return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache", **_served_by(stream)})
             try:
                 result = await _until_disconnect(request, _finish(stream, clock))
             except asyncio.CancelledError:
@@ -265,7 +294,7 @@ def _completions(kind: str):
                 raise from_engine_error(exc, kind) from None
             _log(config, request_id, parsed, result)
             metrics.finished(kind, 200, result)
-            return JSONResponse(completion_response(parsed, request_id, int(time.time()), config.model_id, result))
+            return JSONResponse(completion_response(parsed, request_id, int(time.time()), config.model_id, result), headers=_served_by(stream))
         except APIError as exc:
             metrics.finished(kind, exc.status)
             return _error_response(exc)
@@ -371,10 +400,9 @@ async def prometheus_metrics(request: Request):
 
 async def health(request: Request):
     config: ServerConfig = request.app.state.config
-    info = config.engine.info()
-    return JSONResponse(
-        {"status": "ok", "model": config.model_id, "context_length": info.context_length, "compression": config.compression_spec, "device": info.device}
-    )
+    serving = await config.backend.health()
+    body = {"status": "ok" if serving["replicas"] else "unavailable", "model": config.model_id, "compression": config.compression_spec, **serving}
+    return JSONResponse(body, status_code=200 if serving["replicas"] else 503)
 
 
 async def not_found(request: Request, exc: Exception):
@@ -411,6 +439,6 @@ def create_app(config: ServerConfig) -> Starlette:
         middleware=middleware,
     )
     app.state.config = config
-    app.state.metrics = ServerMetrics(config.engine)
+    app.state.metrics = ServerMetrics(config.engine)  # without an engine here (Ray Serve), request metrics only
     app.state.in_flight = 0  # completion requests admitted and not finished (the event loop's own count)
     return app

@@ -64,6 +64,26 @@ def add_serve_parser(sub) -> None:
         default=None,
         help="a prompt that arrives while others decode is prefilled in chunks of this many tokens (default: 512 on a CPU, 2048 on a GPU; 0: whole)",
     )
+    p.add_argument(
+        "--replicas",
+        type=int,
+        default=1,
+        help="engine replicas on Ray Serve, with cache-affinity routing (default 1: one engine in this process, no Ray; needs the 'ray' extra)",
+    )
+    p.add_argument(
+        "--ray-address",
+        default=None,
+        help="join this Ray cluster (e.g. auto, or ray://head:10001) instead of starting a local Ray instance; 'local': a new local one even for 1 replica",
+    )
+    p.add_argument(
+        "--threads", type=int, default=None, help="torch threads per engine (default: all cores for one engine in this process; cores / replicas on Ray)"
+    )
+    p.add_argument(
+        "--routing",
+        choices=("affinity", "round-robin"),
+        default="affinity",
+        help="how Ray Serve picks a replica: the one that holds the request's prompt prefix or chunks (default), or in turn",
+    )
     p.set_defaults(func=cmd_serve)
 
 
@@ -79,13 +99,11 @@ def served_model_name(model: str) -> str:
     return model
 
 
-def build_config(args: argparse.Namespace):
-    """The server's configuration from the command line; the engine is loaded here."""
-    from ..cli_common import load_engine
+def check_args(args: argparse.Namespace) -> None:
+    """Bad options fail here, before a model loads or Ray starts."""
     from ..compression import as_policy
-    from .app import ServerConfig
 
-    as_policy(args.compression)  # a bad spec fails before the model loads
+    as_policy(args.compression)
     if args.port < 0 or args.port > 65535:
         raise SnapKVRagError(f"--port must be 0-65535, got {args.port}")
     if args.default_max_tokens < 1:
@@ -98,13 +116,20 @@ def build_config(args: argparse.Namespace):
         raise SnapKVRagError(f"--prefill-chunk-tokens must be 0 (whole prompts) or at least 16, got {args.prefill_chunk_tokens}")
     if args.max_request_bytes < 1024:
         raise SnapKVRagError(f"--max-request-bytes must be at least 1024, got {args.max_request_bytes}")
-    embedder, embedder_id = None, "all-MiniLM-L6-v2"
-    if args.embedder != "none":
-        from ..rag.embeddings import Embedder
+    if args.replicas < 1:
+        raise SnapKVRagError(f"--replicas must be at least 1, got {args.replicas}")
+    if args.threads is not None and args.threads < 1:
+        raise SnapKVRagError(f"--threads must be at least 1, got {args.threads}")
 
-        embedder = Embedder(args.embedder)
-        if args.embedder != "default":
-            embedder_id = os.path.basename(os.path.normpath(args.embedder))
+
+def load_served_engine(args: argparse.Namespace):
+    """The engine the options name, with its serving settings (batch size, chunked prefill, chunk store)."""
+    from ..cli_common import load_engine
+
+    if args.threads is not None:
+        import torch
+
+        torch.set_num_threads(args.threads)
     engine = load_engine(args, prefix_cache_bytes=args.prefix_cache_bytes)
     if args.max_batch_size is not None:
         engine.max_batch_size = args.max_batch_size
@@ -114,6 +139,24 @@ def build_config(args: argparse.Namespace):
         from ..offered import segment_store_at
 
         engine.segment_store = segment_store_at(args.kv_dir, args.kv_cache_bytes)
+    return engine
+
+
+def build_config(args: argparse.Namespace, engine=None, backend=None):
+    """The server's configuration from the command line. Without ``backend`` the engine is
+    loaded here (unless given); with one (Ray Serve) the engines live in its replicas."""
+    from .app import ServerConfig
+
+    check_args(args)
+    embedder, embedder_id = None, "all-MiniLM-L6-v2"
+    if args.embedder != "none":
+        from ..rag.embeddings import Embedder
+
+        embedder = Embedder(args.embedder)
+        if args.embedder != "default":
+            embedder_id = os.path.basename(os.path.normpath(args.embedder))
+    if engine is None and backend is None:
+        engine = load_served_engine(args)
     return ServerConfig(
         engine,
         model_id=args.served_model_name or served_model_name(args.model),
@@ -126,6 +169,7 @@ def build_config(args: argparse.Namespace):
         max_request_bytes=args.max_request_bytes,
         allow_origins=tuple(args.allow_origin or ()),
         max_queue=args.max_queue,
+        backend=backend,
     )
 
 
@@ -134,6 +178,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     from .app import create_app
 
+    check_args(args)
+    if args.replicas > 1 or args.ray_address is not None:
+        try:
+            from .ray_serve import serve_on_ray
+        except ImportError as exc:
+            raise SnapKVRagError(f"--replicas and --ray-address need Ray Serve ({exc}): pip install 'snapkv-rag[ray]'") from None
+        return serve_on_ray(args)
     config = build_config(args)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     models = config.model_id + (f", {config.embedder_id}" if config.embedder is not None else "")

@@ -32,6 +32,11 @@ class ServerMetrics:
         self.kv_kept = Histogram(
             "snapkv_prompt_kv_bytes_kept", "Prompt K/V bytes one request kept after compression", buckets=[2**k for k in range(16, 36, 2)], registry=r
         )
+        if engine is not None:  # None: the engines are Ray Serve replicas in other processes
+            self._engine_gauges(engine)
+
+    def _engine_gauges(self, engine: Any) -> None:
+        r = self.registry
         # read from the engine at each scrape (the CLI may swap the segment store after start)
         Gauge("snapkv_prefix_cache_bytes", "Bytes of stored prompt K/V in the prefix cache", registry=r).set_function(lambda: engine.prefix_cache.nbytes)
         Gauge("snapkv_prefix_cache_hit_ratio", "Prefix-cache lookups that reused something", registry=r).set_function(lambda: _prefix_hit_ratio(engine))

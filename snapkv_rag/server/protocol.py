@@ -61,6 +61,8 @@ _WIRE_NAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens"}
 def from_engine_error(exc: BaseException, kind: str = "chat") -> APIError:
     """The engine's own input errors, as 400s naming the field at fault (the error's ``param``);
     anything else is a 500."""
+    if isinstance(exc, APIError):  # already the answer (from a Ray Serve replica, say)
+        return exc
     prompt_field = "messages" if kind == "chat" else "prompt"
     if isinstance(exc, PromptTooLongError):
         return invalid(str(exc), prompt_field, "context_length_exceeded")
