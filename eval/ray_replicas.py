@@ -25,6 +25,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -36,6 +37,7 @@ from results_io import write_records, write_table  # noqa: E402
 # name, replicas, threads per engine, routing; "1 engine" is the plain single-process server
 SETTINGS = [
     ("1 engine x 2 threads (no Ray)", 1, 2, None),
+    ("1 replica x 2 threads on Ray", 1, 2, "affinity"),
     ("2 replicas x 1 thread, affinity", 2, 1, "affinity"),
     ("2 replicas x 1 thread, round-robin", 2, 1, "round-robin"),
 ]
@@ -148,10 +150,10 @@ def stop_server(process: subprocess.Popen) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--clients", type=int, default=3)
+    parser.add_argument("--clients", type=int, default=4)
     parser.add_argument("--conversations", type=int, default=2, help="conversations per client, taking turns")
     parser.add_argument("--opening", type=int, default=1200, help="document tokens in each conversation's opening")
-    parser.add_argument("--follow-ups", type=int, default=3)
+    parser.add_argument("--follow-ups", type=int, default=5)
     parser.add_argument("--tokens", type=int, default=24, help="new tokens per turn (ignore_eos)")
     parser.add_argument("--out", type=Path, default=ROOT / "eval" / "results" / "ray_replicas")
     args = parser.parse_args()
@@ -162,7 +164,7 @@ def main() -> None:
     for name, replicas, threads, routing in SETTINGS:
         port = free_port()
         base = f"http://127.0.0.1:{port}"
-        process = start_server(replicas, threads, routing, port, args.out / f"serve-{len(walls)}.log")
+        process = start_server(replicas, threads, routing, port, Path(tempfile.gettempdir()) / f"snapkv-ray-replicas-{len(walls)}.log")
         try:
             wait_ready(base, replicas, process)
             mine: list[dict] = []

@@ -29,6 +29,8 @@ for task in "${tasks[@]}"; do
     fidelity) $CLI fidelity --lengths 2000,4000 --seeds 0,1 --budgets 256,512,1024 --methods snapkv streamingllm h2o random --out $OUT/fidelity ;;
     # continuous batching through the HTTP server: tokens/s and TTFT at 1-16 clients (5 min; not in the default list)
     batching) .venv/bin/python eval/batching_throughput.py --tokens 128 --out $OUT/batching ;;
+    # engine replicas on Ray Serve: 1x2 threads against 2x1, affinity against round-robin routing (5 min; not in the default list)
+    ray-replicas) .venv/bin/python eval/ray_replicas.py --out $OUT/ray_replicas ;;
     *) echo "unknown task $task" >&2; exit 2 ;;
   esac
 done

@@ -73,6 +73,75 @@ def test_the_table_forgets_the_least_recently_used_keys():
     assert table.best([bytes([29])], [], {"r1"})[0] == "r1" and table.best([bytes([0])], [], {"r0", "r1"}) == (None, 0.0)
 
 
+# --------------------------------------------------------------------------- the router's policy
+
+
+class FakeReplica:
+    def __init__(self, name: str):
+        self.replica_id = type("ReplicaID", (), {"unique_id": name, "__repr__": lambda self: name})()
+
+
+class QueueLengths(dict):
+    def get(self, replica_id, default=None):  # the router reads Ray's queue-length cache by replica id
+        return super().get(replica_id.unique_id, default)
+
+
+def router(mode: str = "affinity", imbalance: int = 2):
+    from ray.serve.request_router import PendingRequest  # noqa: F401 (Ray must import for the router's module)
+
+    from snapkv_rag.server.ray_serve import CacheAffinityRouter
+
+    r = CacheAffinityRouter.__new__(CacheAffinityRouter)  # the policy alone: Ray's own state is not needed
+    r.initialize_state(mode=mode, imbalance=imbalance)
+    r._replica_queue_len_cache = QueueLengths()
+    return r
+
+
+def pending(messages: list[dict]):
+    from snapkv_rag.server.protocol import ParsedRequest
+
+    request = ParsedRequest(kind="chat", model="m", prompt=messages, stream=False, include_usage=False)
+    return type("Pending", (), {"args": [request], "metadata": None})()
+
+
+def route(r, replicas, messages) -> str:
+    import asyncio
+
+    ranks = asyncio.run(r.choose_replicas(replicas, pending(messages)))
+    chosen = ranks[0][0]
+    r.on_request_routed(pending(messages), chosen.replica_id, None)
+    return chosen.replica_id.unique_id
+
+
+def test_the_router_keeps_conversations_on_their_replica_until_the_load_is_too_uneven():
+    r, replicas = router(imbalance=2), [FakeReplica("a"), FakeReplica("b")]
+    first = {name: route(r, replicas, conversation(name * 3000, 0)) for name in "xy"}
+    assert sorted(first.values()) == ["a", "b"]  # new conversations spread
+    assert route(r, replicas, conversation("x" * 3000, 1)) == first["x"]
+    r._replica_queue_len_cache.update({first["x"]: 2, first["y"]: 0})  # 2 more in flight: still affinity
+    assert route(r, replicas, conversation("x" * 3000, 2)) == first["x"]
+    r._replica_queue_len_cache.update({first["x"]: 3})  # 3 more: the least loaded replica
+    assert route(r, replicas, conversation("x" * 3000, 3)) == first["y"]
+    assert route(r, [FakeReplica(first["y"])], conversation("x" * 3000, 1)) == first["y"]  # its replica is gone
+
+
+def test_round_robin_ignores_the_caches():
+    r, replicas = router("round_robin"), [FakeReplica("a"), FakeReplica("b")]
+    assert [route(r, replicas, conversation("x" * 3000, turn)) for turn in range(4)] in (["a", "b", "a", "b"], ["b", "a", "b", "a"])
+
+
+def test_bad_replica_options_fail_before_ray_starts(capsys):
+    from snapkv_rag.cli import main
+
+    assert main(["serve", "--replicas", "0"]) == 2
+    assert "--replicas must be at least 1" in capsys.readouterr().err
+    assert main(["serve", "--replicas", "2", "--threads", "0"]) == 2
+    assert main(["serve", "--replicas", "2", "--routing-imbalance", "-1"]) == 2
+    import ray
+
+    assert not ray.is_initialized()
+
+
 # --------------------------------------------------------------------------- the deployment
 
 

@@ -84,6 +84,12 @@ def add_serve_parser(sub) -> None:
         default="affinity",
         help="how Ray Serve picks a replica: the one that holds the request's prompt prefix or chunks (default), or in turn",
     )
+    p.add_argument(
+        "--routing-imbalance",
+        type=int,
+        default=4,
+        help="affinity gives way when the preferred replica has this many more requests in flight than the least loaded one (default 4)",
+    )
     p.set_defaults(func=cmd_serve)
 
 
@@ -118,6 +124,8 @@ def check_args(args: argparse.Namespace) -> None:
         raise SnapKVRagError(f"--max-request-bytes must be at least 1024, got {args.max_request_bytes}")
     if args.replicas < 1:
         raise SnapKVRagError(f"--replicas must be at least 1, got {args.replicas}")
+    if args.routing_imbalance < 0:
+        raise SnapKVRagError(f"--routing-imbalance must be 0 or more, got {args.routing_imbalance}")
     if args.threads is not None and args.threads < 1:
         raise SnapKVRagError(f"--threads must be at least 1, got {args.threads}")
 

@@ -20,7 +20,9 @@ import argparse
 import asyncio
 import logging
 import os
+import signal
 import sys
+import threading
 import time
 from typing import Any
 
@@ -282,7 +284,7 @@ def build_application(args: argparse.Namespace):
         ray_actor_options={"num_cpus": threads, "num_gpus": gpus, "runtime_env": {"env_vars": {"OMP_NUM_THREADS": str(threads)}}},
         request_router_config={
             "request_router_class": f"{__name__}.CacheAffinityRouter",
-            "request_router_kwargs": {"mode": args.routing.replace("-", "_")},
+            "request_router_kwargs": {"mode": args.routing.replace("-", "_"), "imbalance": args.routing_imbalance},
         },
         health_check_period_s=2,
     )(EngineReplica)
@@ -290,13 +292,17 @@ def build_application(args: argparse.Namespace):
     return ingress.bind(engines.bind(options), options)
 
 
-def start(args: argparse.Namespace) -> None:
-    """Start (or join) Ray, then Serve's HTTP proxy on ``--host``/``--port``, then the application."""
+def connect(args: argparse.Namespace) -> None:
+    """Start a local Ray instance, or join ``--ray-address``."""
     threads = args.threads or default_threads(args.replicas)
     if not joins_cluster(args):  # None or "local": a new Ray instance on this machine
         ray.init(num_cpus=max(os.cpu_count() or 1, threads * args.replicas), include_dashboard=False, logging_level=logging.WARNING)
     else:
         ray.init(address=args.ray_address, logging_level=logging.WARNING)
+
+
+def deploy(args: argparse.Namespace) -> None:
+    """Serve's HTTP proxy on ``--host``/``--port``, then the application; returns once it runs."""
     serve.start(http_options={"host": args.host, "port": args.port})
     serve.run(build_application(args), name=APP_NAME, route_prefix="/")
 
@@ -307,29 +313,46 @@ def joins_cluster(args: argparse.Namespace) -> bool:
 
 def stop(joined: bool) -> None:
     """Take the application down; Serve and Ray too, unless they belong to a cluster we joined."""
-    serve.delete(APP_NAME)
-    if not joined:
-        serve.shutdown()
-    ray.shutdown()
+    if not ray.is_initialized():
+        return
+    try:
+        serve.delete(APP_NAME)
+        if not joined:
+            serve.shutdown()
+    finally:
+        ray.shutdown()
 
 
 def serve_on_ray(args: argparse.Namespace) -> int:
-    """``snapkv-rag serve --replicas N``: runs until Ctrl+C."""
+    """``snapkv-rag serve --replicas N``: runs until Ctrl+C or SIGTERM (``docker stop``), then
+    takes the application down and exits 0."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    stopping = threading.Event()
+
+    def on_signal(*_: Any) -> None:
+        stopping.set()
+
+    def handle_signals(handler: Any) -> None:
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(signum, handler)
+
+    handle_signals(on_signal)
     started = time.perf_counter()
-    start(args)
-    where = f"Ray cluster {args.ray_address}" if joins_cluster(args) else "a local Ray instance"
-    threads = args.threads or default_threads(args.replicas)
-    print(
-        f"snapkv-rag: OpenAI-compatible API at http://{args.host}:{args.port}/v1 from {args.replicas} replica(s) on {where} "
-        f"({threads} threads each, {args.routing} routing; up in {time.perf_counter() - started:.0f} s). Ctrl+C stops it.",
-        file=sys.stderr,
-    )
     try:
-        while True:
-            time.sleep(3600)
-    except KeyboardInterrupt:
-        pass
+        connect(args)
+        handle_signals(on_signal)  # ray.init installed its own SIGTERM handler (sys.exit)
+        if not stopping.is_set():
+            deploy(args)
+        where = f"Ray cluster {args.ray_address}" if joins_cluster(args) else "a local Ray instance"
+        threads = args.threads or default_threads(args.replicas)
+        print(
+            f"snapkv-rag: OpenAI-compatible API at http://{args.host}:{args.port}/v1 from {args.replicas} replica(s) on {where} "
+            f"({threads} threads each, {args.routing} routing; up in {time.perf_counter() - started:.0f} s). Ctrl+C stops it.",
+            file=sys.stderr,
+        )
+        while not stopping.wait(1.0):
+            pass
     finally:
+        handle_signals(signal.SIG_IGN)  # a second Ctrl+C does not cut the shutdown short
         stop(joined=joins_cluster(args))
     return 0
