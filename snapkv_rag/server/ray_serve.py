@@ -221,6 +221,9 @@ class RayBackend:
             kind, value = await messages.__anext__()
         except (RayError, StopAsyncIteration) as exc:
             raise _replica_lost(exc) from None
+        except asyncio.CancelledError:  # the client left during the prefill: the replica stops too
+            messages.cancel()
+            raise
         if kind == "error":
             raise _api_error(value)
         return RemoteStream(messages, value)
