@@ -1,6 +1,6 @@
-"""An agent over a long history: 10 turns, a tool that returns a long log, a question about its start.
+"""An agent over a long history: 20 turns, a tool that returns a long log, a question about its start.
 
-    python connectors/langchain-snapkv/examples/long_log_agent.py [--turns 10] [--budget 512]
+    python connectors/langchain-snapkv/examples/long_log_agent.py [--turns 20] [--budget 512]
 
 ``langchain.agents.create_agent(ChatSnapKV(...), tools=[read_log])`` runs each turn. Turns
 1..N-1 ask the agent to read the next part of a server log (each part ~200 tokens; together
@@ -103,7 +103,7 @@ def run_session(llm: ChatSnapKV, history: SnapKVChatMessageHistory, turns: int =
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--turns", type=int, default=10)
+    parser.add_argument("--turns", type=int, default=20)
     parser.add_argument("--budget", type=int, default=512, help="SnapKV budget (KV entries kept per layer and head)")
     parser.add_argument("--memory", default=None, help="SQLite file of the agent memory (default: a temporary one)")
     args = parser.parse_args()
