@@ -123,3 +123,22 @@ def test_function_agent_with_default_settings_does_not_crash(embedded_engine):
     assert str(result.response.content).strip() or result.tool_calls
     for call in result.tool_calls:
         assert call.tool_name == "multiply" and not call.tool_output.is_error
+
+
+def test_agent_workflow_over_a_long_history_reuses_each_turns_prefix(embedded_engine, tmp_path):
+    """Issue 28: the long-history example (examples/long_log_agent.py), 3 turns on the embedded model."""
+    import importlib.util
+    from pathlib import Path
+
+    example_path = Path(__file__).resolve().parents[1] / "examples" / "long_log_agent.py"
+    spec = importlib.util.spec_from_file_location("llamaindex_long_log_agent_embedded", example_path)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    llm = SnapKVLLM(embedded_engine, max_new_tokens=40, compression="snapkv:budget=512")
+    memory = SnapKVMemory.from_defaults(llm=llm, path=str(tmp_path / "agent.sqlite3"), thread_id="long-log")
+    rows = asyncio.run(example.run_session(llm, memory, turns=3, echo=lambda *_: None))
+    calls = [r["tool_call"] for r in rows if r["tool_call"]]
+    assert calls == [{"name": "read_log", "args": {"part": 1}}, {"name": "read_log", "args": {"part": 2}}]  # the model's arguments
+    tool_logs = [str(m.content) for m in memory.get_all() if m.role.value == "tool"]
+    assert tool_logs == [example.read_log(1), example.read_log(2)]
+    assert all(r["reused_prompt_tokens"] > 0.5 * r["prompt_tokens"] for r in rows if r["turn"] > 1)
