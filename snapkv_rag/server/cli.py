@@ -105,6 +105,18 @@ def served_model_name(model: str) -> str:
     return model
 
 
+# The least each numeric option takes (an option left unset, None, means its default).
+_MINIMUMS = {
+    "default_max_tokens": 1,
+    "max_queue": 1,
+    "max_batch_size": 1,
+    "max_request_bytes": 1024,
+    "replicas": 1,
+    "routing_imbalance": 0,
+    "threads": 1,
+}
+
+
 def check_args(args: argparse.Namespace) -> None:
     """Bad options fail here, before a model loads or Ray starts."""
     from ..compression import as_policy
@@ -112,22 +124,12 @@ def check_args(args: argparse.Namespace) -> None:
     as_policy(args.compression)
     if args.port < 0 or args.port > 65535:
         raise SnapKVRagError(f"--port must be 0-65535, got {args.port}")
-    if args.default_max_tokens < 1:
-        raise SnapKVRagError(f"--default-max-tokens must be at least 1, got {args.default_max_tokens}")
-    if args.max_queue < 1:
-        raise SnapKVRagError(f"--max-queue must be at least 1, got {args.max_queue}")
-    if args.max_batch_size is not None and args.max_batch_size < 1:
-        raise SnapKVRagError(f"--max-batch-size must be at least 1, got {args.max_batch_size}")
+    for name, least in _MINIMUMS.items():
+        value = getattr(args, name)
+        if value is not None and value < least:
+            raise SnapKVRagError(f"--{name.replace('_', '-')} must be at least {least}, got {value}")
     if args.prefill_chunk_tokens is not None and not (args.prefill_chunk_tokens == 0 or args.prefill_chunk_tokens >= 16):
         raise SnapKVRagError(f"--prefill-chunk-tokens must be 0 (whole prompts) or at least 16, got {args.prefill_chunk_tokens}")
-    if args.max_request_bytes < 1024:
-        raise SnapKVRagError(f"--max-request-bytes must be at least 1024, got {args.max_request_bytes}")
-    if args.replicas < 1:
-        raise SnapKVRagError(f"--replicas must be at least 1, got {args.replicas}")
-    if args.routing_imbalance < 0:
-        raise SnapKVRagError(f"--routing-imbalance must be 0 or more, got {args.routing_imbalance}")
-    if args.threads is not None and args.threads < 1:
-        raise SnapKVRagError(f"--threads must be at least 1, got {args.threads}")
 
 
 def load_served_engine(args: argparse.Namespace):
