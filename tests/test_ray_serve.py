@@ -142,6 +142,14 @@ def test_bad_replica_options_fail_before_ray_starts(capsys):
     assert not ray.is_initialized()
 
 
+def test_an_unreachable_ray_address_is_one_error_line_not_a_hang():
+    command = [sys.executable, "-m", "snapkv_rag.cli", "serve", "--replicas", "2", "--ray-address", "127.0.0.1:1", "--embedder", "none"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120, env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0"})
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert done.stderr.strip().splitlines()[-1].startswith("snapkv-rag: error: cannot join the Ray cluster at 127.0.0.1:1")
+    assert "Traceback" not in done.stderr
+
+
 # --------------------------------------------------------------------------- the deployment
 
 

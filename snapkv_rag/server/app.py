@@ -386,7 +386,7 @@ async def model(request: Request):
     config: ServerConfig = request.app.state.config
     name = request.path_params["name"]
     try:
-        if name not in _served(config):
+        if name not in _served(config) and name not in config.aliases:  # "default" names the model too
             raise APIError(404, f"the model {name!r} does not exist on this server; it serves {_served(config)}", param="model", code="model_not_found")
     except APIError as exc:
         return _error_response(exc)

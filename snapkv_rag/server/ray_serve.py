@@ -21,6 +21,7 @@ import asyncio
 import logging
 import os
 import signal
+import socket
 import sys
 import threading
 import time
@@ -32,6 +33,7 @@ from ray.exceptions import RayError
 from ray.serve.request_router import FIFOMixin, PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 from ..compression import as_policy
+from ..errors import SnapKVRagError
 from .affinity import AffinityTable, affinity_keys
 from .protocol import APIError, ParsedRequest, from_engine_error
 
@@ -39,6 +41,7 @@ log = logging.getLogger("snapkv_rag.server")
 
 APP_NAME = "snapkv-rag"
 ENGINE_DEPLOYMENT = "EngineReplica"
+GRACE_SECONDS = 3  # for streams in flight at Ctrl+C or `docker stop` (SIGKILL after 10 s): the whole shutdown must fit
 
 
 def _error_fields(error: APIError) -> dict[str, Any]:
@@ -247,6 +250,12 @@ class OpenAIIngress:
     def __init__(self, engines, options: dict[str, Any]):
         self.engines = engines
         self.options = options
+        server_log = logging.getLogger("snapkv_rag.server")  # one line per request, as in one process
+        if not server_log.handlers:
+            handler = logging.StreamHandler()
+            handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(message)s"))
+            server_log.addHandler(handler)
+        server_log.setLevel(logging.INFO)
 
     async def __serve_build_asgi_app__(self):
         from .app import create_app
@@ -290,18 +299,43 @@ def build_application(args: argparse.Namespace):
             "request_router_kwargs": {"mode": args.routing.replace("-", "_"), "imbalance": args.routing_imbalance},
         },
         health_check_period_s=2,
+        graceful_shutdown_wait_loop_s=1,
+        graceful_shutdown_timeout_s=GRACE_SECONDS,
     )(EngineReplica)
-    ingress = serve.deployment(name="OpenAIIngress", num_replicas=1, max_ongoing_requests=args.max_queue + 16, ray_actor_options={"num_cpus": 0})(OpenAIIngress)
+    ingress = serve.deployment(
+        name="OpenAIIngress",
+        num_replicas=1,
+        max_ongoing_requests=args.max_queue + 16,
+        ray_actor_options={"num_cpus": 0},
+        graceful_shutdown_wait_loop_s=1,
+        graceful_shutdown_timeout_s=GRACE_SECONDS,
+    )(OpenAIIngress)
     return ingress.bind(engines.bind(options), options)
 
 
 def connect(args: argparse.Namespace) -> None:
-    """Start a local Ray instance, or join ``--ray-address``."""
+    """Start a local Ray instance, or join ``--ray-address`` (one clear error when it cannot be reached)."""
     threads = args.threads or default_threads(args.replicas)
     if not joins_cluster(args):  # None or "local": a new Ray instance on this machine
         ray.init(num_cpus=max(os.cpu_count() or 1, threads * args.replicas), include_dashboard=False, logging_level=logging.WARNING)
-    else:
+        return
+    _check_reachable(args.ray_address)
+    try:
         ray.init(address=args.ray_address, logging_level=logging.WARNING)
+    except (ConnectionError, RuntimeError, ValueError) as exc:
+        raise SnapKVRagError(f"cannot join the Ray cluster at {args.ray_address}: {exc}") from None
+
+
+def _check_reachable(address: str, timeout: float = 5.0) -> None:
+    """ray.init retries an unreachable GCS address for minutes: fail fast on a host:port that does not answer."""
+    host_port = address.split("://", 1)[-1]
+    host, _, port = host_port.rpartition(":")
+    if not host or not port.isdigit():
+        return  # "auto" and the like: ray.init finds the cluster or says it found none
+    try:
+        socket.create_connection((host, int(port)), timeout=timeout).close()
+    except OSError as exc:
+        raise SnapKVRagError(f"cannot join the Ray cluster at {address}: nothing answers there ({exc})") from None
 
 
 def deploy(args: argparse.Namespace) -> None:
@@ -314,23 +348,25 @@ def joins_cluster(args: argparse.Namespace) -> bool:
     return args.ray_address not in (None, "local")
 
 
-def stop(joined: bool) -> None:
+def stop(joined: bool, deployed: bool) -> None:
     """Take the application down; Serve and Ray too, unless they belong to a cluster we joined."""
     if not ray.is_initialized():
         return
     try:
-        serve.delete(APP_NAME)
-        if not joined:
-            serve.shutdown()
+        if deployed:
+            serve.delete(APP_NAME)
+            if not joined:
+                serve.shutdown()
     finally:
         ray.shutdown()
 
 
 def serve_on_ray(args: argparse.Namespace) -> int:
     """``snapkv-rag serve --replicas N``: runs until Ctrl+C or SIGTERM (``docker stop``), then
-    takes the application down and exits 0."""
+    takes the application down and exits 0 (also when the signal comes while it starts)."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     stopping = threading.Event()
+    deployed = False
 
     def on_signal(*_: Any) -> None:
         stopping.set()
@@ -342,20 +378,25 @@ def serve_on_ray(args: argparse.Namespace) -> int:
     handle_signals(on_signal)
     started = time.perf_counter()
     try:
-        connect(args)
-        handle_signals(on_signal)  # ray.init installed its own SIGTERM handler (sys.exit)
+        try:
+            connect(args)
+        except SystemExit:  # SIGTERM while ray.init ran: its own handler (sys.exit) was in force
+            stopping.set()
+        handle_signals(on_signal)  # ray.init installed its own SIGTERM handler
         if not stopping.is_set():
+            deployed = True
             deploy(args)
-        where = f"Ray cluster {args.ray_address}" if joins_cluster(args) else "a local Ray instance"
-        threads = args.threads or default_threads(args.replicas)
-        print(
-            f"snapkv-rag: OpenAI-compatible API at http://{args.host}:{args.port}/v1 from {args.replicas} replica(s) on {where} "
-            f"({threads} threads each, {args.routing} routing; up in {time.perf_counter() - started:.0f} s). Ctrl+C stops it.",
-            file=sys.stderr,
-        )
+        if not stopping.is_set():
+            where = f"Ray cluster {args.ray_address}" if joins_cluster(args) else "a local Ray instance"
+            threads = args.threads or default_threads(args.replicas)
+            print(
+                f"snapkv-rag: OpenAI-compatible API at http://{args.host}:{args.port}/v1 from {args.replicas} replica(s) on {where} "
+                f"({threads} threads each, {args.routing} routing; up in {time.perf_counter() - started:.0f} s). Ctrl+C stops it.",
+                file=sys.stderr,
+            )
         while not stopping.wait(1.0):
             pass
     finally:
         handle_signals(signal.SIG_IGN)  # a second Ctrl+C does not cut the shutdown short
-        stop(joined=joins_cluster(args))
+        stop(joined=joins_cluster(args), deployed=deployed)
     return 0
