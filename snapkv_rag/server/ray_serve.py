@@ -271,8 +271,9 @@ class OpenAIIngress:
 # --------------------------------------------------------------------------- the command
 
 
-def default_threads(replicas: int) -> int:
-    return max(1, (os.cpu_count() or 1) // replicas)
+def replica_threads(args: argparse.Namespace) -> int:
+    """Torch threads per replica: ``--threads``, else the machine's cores shared among the replicas."""
+    return args.threads or max(1, (os.cpu_count() or 1) // args.replicas)
 
 
 def _uses_gpu(device: str | None) -> bool:
@@ -285,7 +286,7 @@ def _uses_gpu(device: str | None) -> bool:
 
 def build_application(args: argparse.Namespace):
     """The Serve application for ``args`` (the ``serve`` options): ingress -> N engine replicas."""
-    threads = args.threads or default_threads(args.replicas)
+    threads = replica_threads(args)
     options = {**vars(args), "threads": threads}
     options.pop("func", None)
     gpus = 1 if _uses_gpu(args.device) else 0  # Ray hides the GPUs from an actor that asks for none
@@ -315,7 +316,7 @@ def build_application(args: argparse.Namespace):
 
 def connect(args: argparse.Namespace) -> None:
     """Start a local Ray instance, or join ``--ray-address`` (one clear error when it cannot be reached)."""
-    threads = args.threads or default_threads(args.replicas)
+    threads = replica_threads(args)
     if not joins_cluster(args):  # None or "local": a new Ray instance on this machine
         ray.init(num_cpus=max(os.cpu_count() or 1, threads * args.replicas), include_dashboard=False, logging_level=logging.WARNING)
         return
@@ -388,7 +389,7 @@ def serve_on_ray(args: argparse.Namespace) -> int:
             deploy(args)
         if not stopping.is_set():
             where = f"Ray cluster {args.ray_address}" if joins_cluster(args) else "a local Ray instance"
-            threads = args.threads or default_threads(args.replicas)
+            threads = replica_threads(args)
             print(
                 f"snapkv-rag: OpenAI-compatible API at http://{args.host}:{args.port}/v1 from {args.replicas} replica(s) on {where} "
                 f"({threads} threads each, {args.routing} routing; up in {time.perf_counter() - started:.0f} s). Ctrl+C stops it.",
