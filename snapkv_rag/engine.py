@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from .blending import DEFAULT_RECOMPUTE, RopeShift, SegmentRequest, SegmentReuseUnsupported, segment_anchor
+from .call_gate import CallGate, CallScores, call_openings, decide, gated, opening_log_probs, tools_key
 from .compression import CompressionPolicy, as_policy
 from .compression.runtime import WRAPPED_IMPLEMENTATIONS, register_attention_functions, wrapped_name
 from .errors import EmptyPromptError, InvalidGenerationParameterError, InvalidPromptError, PromptTooLongError, StructuredOutputError
@@ -20,6 +21,7 @@ from .memory import PeakMemory
 from .offered import OFFERED
 from .prefix_cache import PrefixCache, default_prefix_cache_bytes, reuse_tail
 from .prompts import PromptLike, question_tail_tokens, render_prompt, segment_spans
+from .quantization import parameter_count, weight_format
 from .requests import Request, length_buckets, output_specs
 from .results import GenerationResult, Usage, row_stats
 from .sampling import GenerationParams
@@ -53,6 +55,7 @@ class ModelInfo:
     dtype: str
     device: str
     parameters: int
+    weights: str = "native"
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -103,6 +106,10 @@ class Engine:
         self.recommended_context_tokens: int | None = RECOMMENDED_CONTEXT_TOKENS.get(name)
         # How callers that do not choose reuse prompt K/V ("chunks", "prefix" or "off"; see snapkv_rag.offered)
         self.recommended_kv_reuse: str = RECOMMENDED_KV_REUSE.get(name, "chunks")
+        # Who decides whether a reply under tool_choice="auto" starts with a call: the model as it
+        # writes (None), or a CallGate fitted for it (opt-in; snapkv_rag.call_gate has the numbers).
+        self.call_gate: CallGate | None = None
+        self._call_priors: dict[str, dict[str, float]] = {}
         self._scheduler = Scheduler(self.model, default_max_batch_size(self.device))
         if max_batch_size is not None:
             self.max_batch_size = max_batch_size
@@ -114,7 +121,7 @@ class Engine:
         # Async streams and agenerate wait in these threads (one per running request), not in the event loop's small default pool.
         self._threads = ThreadPoolExecutor(max_workers=1024, thread_name_prefix="snapkv-rag-stream")
         self._eos_ids = self._collect_eos_ids()
-        self._parameter_count = sum(p.numel() for p in model.parameters())
+        self._parameter_count = parameter_count(model)
         self._pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else next(iter(self._eos_ids), 0)
         self._grammar_tokenizer: Any = None  # a GrammarTokenizer, built on the first constrained call
         if prefix_cache_bytes is None:
@@ -144,9 +151,12 @@ class Engine:
         prefix_cache_bytes: int | None = None,
         max_batch_size: int | None = None,
         prefill_chunk_tokens: int | None = None,
+        weights: str | None = None,
     ) -> Engine:
         """A hub id, a local model directory, a ``.gguf`` file, or ``"default"``.
 
+        ``weights``: ``"native"`` (None) or ``"int8"``: weight-only int8 linear layers, CPU only;
+        faster decode, slightly less exact (eval/RESULTS.md, "Weight-only int8").
         ``prefix_cache_bytes``, ``max_batch_size`` and ``prefill_chunk_tokens`` as in :class:`Engine`
         (None: their defaults)."""
         if attn_implementation not in WRAPPED_IMPLEMENTATIONS:
@@ -157,6 +167,7 @@ class Engine:
             dtype=dtype,
             attn_implementation=attn_implementation,
             trust_remote_code=trust_remote_code,
+            weights=weights,
         )
         return cls(
             model, tokenizer, name=name_or_path, prefix_cache_bytes=prefix_cache_bytes, max_batch_size=max_batch_size, prefill_chunk_tokens=prefill_chunk_tokens
@@ -190,6 +201,7 @@ class Engine:
             dtype=str(self.model.dtype).removeprefix("torch."),
             device=str(self.device),
             parameters=self._parameter_count,
+            weights=weight_format(self.model),
         )
 
     def count_tokens(self, prompt: PromptLike, *, chat: bool | None = None, tools: Any = None) -> int:
@@ -200,7 +212,9 @@ class Engine:
     def vocab_size(self) -> int:
         """Rows of the output embedding: the width of the logits (may exceed the tokenizer's)."""
         out = self.model.get_output_embeddings()
-        return out.weight.shape[0] if out is not None else self.config.get_text_config(decoder=True).vocab_size
+        if out is not None:
+            return getattr(out, "out_features", None) or out.weight.shape[0]
+        return self.config.get_text_config(decoder=True).vocab_size
 
     def _constraint(self, specs: Sequence[OutputSpec], max_new_tokens: int):
         """The rows' compiled grammars, or None when every row is free text (typed errors on bad schemas)."""
@@ -272,7 +286,15 @@ class Engine:
         row_policy = row_policies[0] if isinstance(row_policies, list) else row_policies
         segments, note = self._segment_request(prompts[0], rows[0], chat, specs[0], row_policy, reuse) if reuse else (None, None)
         constraint = self._constraint(specs, params.max_new_tokens)
-        return Request(rows, params, policy, row_policies, tuple(specs), constraint, prefix_cache, segments, note)
+        redo = None
+        if self.call_gate is not None and not per_row and len(prompts) == 1 and gated(specs[0]):
+            # sampling has lost the segment keys above; put them back for the second preparation
+            again = {**sampling, **reuse}
+
+            def redo(tool_choice: Any) -> Request:
+                return self._prepare(prompts, compression, chat, {**again, "tool_choice": tool_choice}, questions, prefix_cache=prefix_cache)
+
+        return Request(rows, params, policy, row_policies, tuple(specs), constraint, prefix_cache, segments, note, redo)
 
     @property
     def max_batch_size(self) -> int:
@@ -489,9 +511,50 @@ class Engine:
 
     def _stream_request(self, request: Request, cancel: threading.Event | None = None) -> GenerationStream:
         cancel = cancel or threading.Event()
+        if request.redo is not None and self.call_gate is not None:
+            request = self._apply_call_gate(request, self.call_gate)
         events = self._run(request, cancel)
         first = next(events)  # prefill now, not at first iteration
         return GenerationStream(events, first, cancel)
+
+    # ----------------------------------------------------------------- tool-call decisions
+    def _teacher_force_row(self, row: list[int], ids: list[int], policy: CompressionPolicy | list | None = None, prefix_cache: bool = True) -> torch.Tensor:
+        cache = self._prefix_cache_for(prefix_cache)
+        run = DecodeRun(self.model, [row], GenerationParams(max_new_tokens=len(ids)), policy, self._pad_id, prefix_cache=cache)
+        return self.run_on_model(lambda: run.teacher_force(ids).float().cpu())
+
+    def call_scores(self, row: list[int], spec: OutputSpec) -> CallScores:
+        """Log-probabilities, after the rendered ``row``, of each tool's call opening and of the
+        call marker's first token (see :mod:`snapkv_rag.call_gate`)."""
+        openings = call_openings(lambda text: self.tokenizer(text, add_special_tokens=False)["input_ids"], [t.name for t in spec.tools])
+        tools, marker = {}, 0.0
+        for name, ids in openings.items():
+            log_probs = opening_log_probs(self._teacher_force_row(row, ids), ids)
+            tools[name], marker = float(log_probs.sum()), float(log_probs[0])
+        return CallScores(marker, tools)
+
+    def call_prior(self, spec: OutputSpec) -> dict[str, float]:
+        """Each tool's mean opening score after requests that need no tool, rendered with these tools (cached)."""
+        from .call_gate import BACKGROUND_REQUESTS
+
+        key = tools_key(spec)
+        prior = self._call_priors.get(key)
+        if prior is None:
+            rows = [render_prompt(self.tokenizer, text, tools=spec.tools) for text in BACKGROUND_REQUESTS]
+            scores = [self.call_scores(row, spec).tools for row in rows]
+            prior = {name: sum(s[name] for s in scores) / len(scores) for name in scores[0]}
+            if len(self._call_priors) >= 64:
+                self._call_priors.pop(next(iter(self._call_priors)))
+            self._call_priors[key] = prior
+        return prior
+
+    def _apply_call_gate(self, request: Request, gate: CallGate) -> Request:
+        """The request again, with tool_choice forced to the gate's tool or "none" (prose)."""
+        assert request.redo is not None
+        spec = request.specs[0]
+        decision = decide(gate, self.call_scores(request.rows[0], spec), self.call_prior(spec))
+        choice = {"type": "function", "function": {"name": decision.tool}} if decision.tool else "none"
+        return replace(request.redo(choice), call_decision=decision)
 
     # ----------------------------------------------------------------- public API
     def stream(
@@ -662,9 +725,7 @@ class Engine:
         ids = self._check_continuation(continuation)
         (row,) = self._render_within_context([prompt], chat, len(ids))
         policy = self._resolve_policy(as_policy(compression), [prompt], chat, [question])
-        cache = self._prefix_cache_for(prefix_cache)
-        run = DecodeRun(self.model, [row], GenerationParams(max_new_tokens=len(ids)), policy, self._pad_id, prefix_cache=cache)
-        return self.run_on_model(lambda: run.teacher_force(ids).float().cpu())
+        return self._teacher_force_row(row, ids, policy, prefix_cache)
 
     async def agenerate(self, prompt: PromptLike, **kwargs: Any) -> GenerationResult:
         """:meth:`generate` in a worker thread, so the event loop keeps running.

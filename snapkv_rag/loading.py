@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from .errors import InvalidDeviceError, ModelNotFoundError
+from .quantization import choose_weights, quantize_linear_weights
 
 log = logging.getLogger(__name__)
 
@@ -234,11 +235,16 @@ def load_model_and_tokenizer(
     dtype: str | torch.dtype | None = None,
     attn_implementation: str = "sdpa",
     trust_remote_code: bool = False,
+    weights: str | None = None,
 ):
-    """Load ``(model, tokenizer, DeviceChoice)``; the model is in eval mode on its device."""
+    """Load ``(model, tokenizer, DeviceChoice)``; the model is in eval mode on its device.
+
+    ``weights``: ``"native"`` (the dtype's own), ``"int8"`` (weight-only int8 linear layers, CPU),
+    or None for the device's default (:func:`snapkv_rag.quantization.choose_weights`)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     choice = choose_device(device, dtype)  # before any conversion or download
+    weight_format = choose_weights(weights, choice.device)
     source, is_local = resolve_model_source(name_or_path)
     kwargs = {"trust_remote_code": trust_remote_code}
     if is_local:
@@ -251,4 +257,6 @@ def load_model_and_tokenizer(
         raise ModelNotFoundError(f"could not load model {name_or_path!r}: {exc}") from exc
     model.to(choice.device)  # type: ignore[arg-type]  # transformers' stubs type .to() for dtypes only
     model.eval()
+    if weight_format == "int8":
+        quantize_linear_weights(model)
     return model, tokenizer, choice

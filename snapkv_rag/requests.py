@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -64,6 +64,10 @@ class Request:
     use_prefix_cache: bool = True
     segments: SegmentRequest | None = None  # single-prompt calls with reuse_segments
     segment_note: str | None = None  # why segment reuse was asked for but not applied
+    # single-prompt calls under tool_choice="auto" with a call gate: prepares the call again with
+    # the gate's tool_choice (see snapkv_rag.call_gate); then call_decision holds what it decided
+    redo: Callable[[Any], Request] | None = None
+    call_decision: Any = None
 
     def spec(self, row: int) -> OutputSpec:
         return self.specs[row] if self.specs else TEXT

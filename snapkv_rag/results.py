@@ -77,6 +77,8 @@ class GenerationStats:
     tool_call_tail_dropped: bool = False  # max_new_tokens ran out inside a call after complete ones; those were returned
     decode_batch_rows_max: int = 0  # continuous batching: the most rows decoded in one forward with this request's
     duplicate_tool_calls: bool = False  # the model repeated a call of this turn; the repeat was dropped and the turn ended
+    weights: str = "native"  # the linear layers' weights: "native" (the dtype's) or "int8" (weight-only)
+    tool_decision: dict[str, Any] | None = None  # tool_choice="auto" under a call gate: the tool chosen (None: prose), its score, the threshold
 
     @property
     def compression_ratio(self) -> float:
@@ -146,6 +148,8 @@ def row_stats(run: DecodeRun, row: int, request: Request, peak: PeakMemory, kv_f
         batch_size=run.batch_size,
         device=info.device,
         dtype=info.dtype,
+        weights=info.weights,
+        tool_decision=request.call_decision.to_dict() if request.call_decision is not None else None,
         threads=torch.get_num_threads(),
         model=model,
         version=__version__,

@@ -47,6 +47,7 @@ class AppConfig:
     model: str
     device: str | None
     dtype: str | None
+    weights: str | None
     store: str
     uploads: str
     collection: str
@@ -62,6 +63,7 @@ def app_config(argv: list[str] | None = None) -> AppConfig:
     p.add_argument("--model", default=env("SNAPKV_RAG_APP_MODEL", "default"))
     p.add_argument("--device", default=env("SNAPKV_RAG_APP_DEVICE"))
     p.add_argument("--dtype", default=env("SNAPKV_RAG_APP_DTYPE"))
+    p.add_argument("--weights", default=env("SNAPKV_RAG_APP_WEIGHTS"))
     p.add_argument("--store", default=env("SNAPKV_RAG_APP_STORE") or str(default_store_dir()))
     p.add_argument("--uploads", default=env("SNAPKV_RAG_APP_UPLOADS") or str(cache_root() / "uploads"))
     p.add_argument("--collection", default=env("SNAPKV_RAG_APP_COLLECTION", "documents"))
@@ -72,6 +74,7 @@ def app_config(argv: list[str] | None = None) -> AppConfig:
         args.model,
         args.device,
         args.dtype,
+        args.weights,
         str(Path(args.store).expanduser()),
         str(Path(args.uploads).expanduser()),
         args.collection,
@@ -82,13 +85,13 @@ def app_config(argv: list[str] | None = None) -> AppConfig:
 
 
 @st.cache_resource(show_spinner=False)
-def load_engine(model: str, device: str | None, dtype: str | None) -> Engine:
+def load_engine(model: str, device: str | None, dtype: str | None, weights: str | None = None) -> Engine:
     """The engine, loaded once per process and shared by every session (concurrent calls decode in one batch)."""
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
     hf_logging.set_verbosity_error()
-    return Engine.from_pretrained(model, device=device, dtype=dtype)
+    return Engine.from_pretrained(model, device=device, dtype=dtype, weights=weights)
 
 
 @st.cache_resource(show_spinner=False)

@@ -25,7 +25,7 @@ def sidebar_model(cfg: AppConfig) -> tuple[Engine | None, str | None]:
     )
     try:
         with st.spinner(f"Loading model {model}… (once per process)"):
-            engine = load_engine(model, cfg.device, cfg.dtype)
+            engine = load_engine(model, cfg.device, cfg.dtype, cfg.weights)
     except Exception as exc:  # any loading failure is shown in the page; the app keeps running
         message = f"Model {model!r} failed to load: {exc}"
         st.sidebar.error(message)

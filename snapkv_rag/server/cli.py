@@ -17,6 +17,7 @@ def add_serve_parser(sub) -> None:
     p.add_argument("--model", default="default", help="'default' (embedded SmolLM2), a model dir, a .gguf file or a hub id")
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
     p.add_argument("--dtype", default=None, help="float32, bfloat16, float16 (default: bf16 on GPU and on CPUs with native bf16, else fp32)")
+    p.add_argument("--weights", default=None, help="native (default) or int8: weight-only int8 linear layers on the CPU, faster decode, slightly less exact")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: this machine only; 0.0.0.0 for all)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument(
