@@ -1,8 +1,8 @@
-"""bf16 against fp32 on the RAG answers: the 40 sample questions, 1000 stuffed tokens, full cache and
-the default SnapKV (question window, 1024), 32 new tokens, greedy. Accuracy = the gold answer string
-appears in the answer; also how many answers are identical across the two dtypes.
+"""bf16 and int8 weights against fp32 on the RAG answers: the 40 sample questions, 1000 stuffed
+tokens, full cache and the default SnapKV (question window, 1024), 32 new tokens, greedy. Accuracy =
+the gold answer string appears in the answer; also how many answers are identical to fp32's.
 
-    .venv/bin/python eval/dtype_answers.py [--out eval/results/dtype_answers]
+    .venv/bin/python eval/dtype_answers.py [--candidates bfloat16/native,bfloat16/int8] [--out eval/results/dtype_answers]
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ METHODS = {"full": None, "snapkv 1024 (default)": "snapkv:budget=1024,window=que
 
 def main() -> int:
     ap = argparse.ArgumentParser()
+    ap.add_argument("--candidates", default="bfloat16/native,bfloat16/int8", help="dtype/weights pairs compared with fp32")
     ap.add_argument("--out", default=str(ROOT / "eval/results/dtype_answers"))
     args = ap.parse_args()
     out = Path(args.out)
@@ -34,26 +35,33 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="snapkv-dtype-") as tmp:
         store = DocumentStore("dtype-answers", path=tmp)
         store.ingest([ROOT / "examples/sample_corpus"])
-        for dtype in ("float32", "bfloat16"):
-            qa = DocumentQA(Engine.default(dtype=dtype), store, compression=None, context_tokens=1000, max_new_tokens=32, kv_reuse="prefix")
+        reference = "float32/native"
+        pairs = [reference, *args.candidates.split(",")]
+        for pair in pairs:
+            dtype, weights = pair.split("/")
+            qa = DocumentQA(Engine.default(dtype=dtype, weights=weights), store, compression=None, context_tokens=1000, max_new_tokens=32, kv_reuse="prefix")
             for q in questions:
                 context = qa.retrieve(q.question)
                 for method, spec in METHODS.items():
                     answer = qa.answer_context(context, compression=spec)
                     records.append(
-                        {"dtype": dtype, "method": method, "question": q.question, "answer": answer.text, "correct": answer_correct(answer.text, q.answer)}
+                        {"candidate": pair, "method": method, "question": q.question, "answer": answer.text, "correct": answer_correct(answer.text, q.answer)}
                     )
     write_records(out, records)
-    lines = ["| cache | fp32 accuracy | bf16 accuracy | identical answers | right in fp32 only | right in bf16 only |", "|---|---|---|---|---|---|"]
-    for method in METHODS:
-        a = {r["question"]: r for r in records if r["method"] == method and r["dtype"] == "float32"}
-        b = {r["question"]: r for r in records if r["method"] == method and r["dtype"] == "bfloat16"}
-        n = len(a)
-        lines.append(
-            f"| {method} | {sum(r['correct'] for r in a.values())}/{n} | {sum(r['correct'] for r in b.values())}/{n} | "
-            f"{sum(a[k]['answer'] == b[k]['answer'] for k in a)}/{n} | {sum(a[k]['correct'] and not b[k]['correct'] for k in a)} | "
-            f"{sum(b[k]['correct'] and not a[k]['correct'] for k in a)} |"
-        )
+    lines = [
+        "| candidate (dtype/weights) | cache | fp32 accuracy | candidate accuracy | identical answers | right in fp32 only | right in candidate only |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for pair in pairs[1:]:
+        for method in METHODS:
+            a = {r["question"]: r for r in records if r["method"] == method and r["candidate"] == reference}
+            b = {r["question"]: r for r in records if r["method"] == method and r["candidate"] == pair}
+            n = len(a)
+            lines.append(
+                f"| {pair} | {method} | {sum(r['correct'] for r in a.values())}/{n} | {sum(r['correct'] for r in b.values())}/{n} | "
+                f"{sum(a[k]['answer'] == b[k]['answer'] for k in a)}/{n} | {sum(a[k]['correct'] and not b[k]['correct'] for k in a)} | "
+                f"{sum(b[k]['correct'] and not a[k]['correct'] for k in a)} |"
+            )
     write_table(out, lines)
     return 0
 

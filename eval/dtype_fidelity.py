@@ -1,11 +1,12 @@
-"""bf16 against fp32 on the embedded model: next-token KL, top-1 and greedy agreement (issue 25).
+"""bf16 and int8 weights against fp32 on the embedded model: next-token KL, top-1 and greedy agreement (issue 25).
 
 The eval's fidelity prompts (document collections with a question, ``fidelity_prompt``) of
 about 2K and 4K tokens, seeds 0-1, and needle prompts: the fp32 model's own 32-token greedy
-continuation is the reference; both dtypes are teacher-forced over it (full cache, and SnapKV
-1024 with the question window) and the bf16 model's greedy continuation is compared with it.
+continuation is the reference; fp32 and each candidate (a dtype and a weight format) are
+teacher-forced over it (full cache, and SnapKV 1024 with the question window) and each
+candidate's own greedy continuation is compared with it.
 
-    .venv/bin/python eval/dtype_fidelity.py [--out eval/results/dtype_fidelity]
+    .venv/bin/python eval/dtype_fidelity.py [--candidates bfloat16/native,bfloat16/int8] [--out eval/results/dtype_fidelity]
 """
 
 from __future__ import annotations
@@ -39,46 +40,54 @@ def prompts(tokenizer) -> list[tuple[str, object]]:
 
 def main() -> int:
     ap = argparse.ArgumentParser()
+    ap.add_argument("--candidates", default="bfloat16/native,bfloat16/int8", help="dtype/weights pairs compared with fp32")
     ap.add_argument("--out", default=str(ROOT / "eval/results/dtype_fidelity"))
     args = ap.parse_args()
     out = Path(args.out)
-    fp32, bf16 = Engine.default(dtype="float32"), Engine.default(dtype="bfloat16")
+    fp32 = Engine.default(dtype="float32", weights="native")
+    candidates = {}
+    for pair in args.candidates.split(","):
+        dtype, weights = pair.split("/")
+        candidates[pair] = Engine.default(dtype=dtype, weights=weights)
     records = []
     for name, prompt in prompts(fp32.tokenizer):
         for method, spec in METHODS.items():
             reference = fp32.generate(prompt, compression=spec, max_new_tokens=CONTINUATION, ignore_eos=True)
             ids = reference.token_ids[:CONTINUATION]
             p = torch.log_softmax(fp32.score(prompt, ids, compression=spec), -1)
-            q = torch.log_softmax(bf16.score(prompt, ids, compression=spec), -1)
-            kl = (p.exp() * (p - q)).sum(-1)
-            own = bf16.generate(prompt, compression=spec, max_new_tokens=CONTINUATION, ignore_eos=True).token_ids[:CONTINUATION]
-            prefix, overall = greedy_agreement(ids, own)
-            records.append(
-                {
-                    "prompt": name,
-                    "prompt_tokens": reference.usage.prompt_tokens,
-                    "method": method,
-                    "mean_kl": float(kl.mean()),
-                    "max_kl": float(kl.max()),
-                    "top1": float((p.argmax(-1) == q.argmax(-1)).float().mean()),
-                    "greedy_prefix": prefix,
-                    "greedy_overall": overall,
-                    "same_text": own == ids,
-                }
-            )
-            print(json.dumps(records[-1]), flush=True)
+            for pair, engine in candidates.items():
+                q = torch.log_softmax(engine.score(prompt, ids, compression=spec), -1)
+                kl = (p.exp() * (p - q)).sum(-1)
+                own = engine.generate(prompt, compression=spec, max_new_tokens=CONTINUATION, ignore_eos=True).token_ids[:CONTINUATION]
+                prefix, overall = greedy_agreement(ids, own)
+                records.append(
+                    {
+                        "candidate": pair,
+                        "prompt": name,
+                        "prompt_tokens": reference.usage.prompt_tokens,
+                        "method": method,
+                        "mean_kl": float(kl.mean()),
+                        "max_kl": float(kl.max()),
+                        "top1": float((p.argmax(-1) == q.argmax(-1)).float().mean()),
+                        "greedy_prefix": prefix,
+                        "greedy_overall": overall,
+                        "same_text": own == ids,
+                    }
+                )
+                print(json.dumps(records[-1]), flush=True)
     write_records(out, records)
     lines = [
-        "| cache | prompts | mean KL(fp32 ‖ bf16) | max KL | top-1 agreement | greedy agreement (prefix) | greedy agreement (overall) | identical 32-token continuations |",
-        "|---|---|---|---|---|---|---|---|",
+        "| candidate (dtype/weights) | cache | prompts | mean KL(fp32 ‖ candidate) | max KL | top-1 agreement | greedy agreement (prefix) | greedy agreement (overall) | identical 32-token continuations |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
-    for method in METHODS:
-        rows = [r for r in records if r["method"] == method]
-        lines.append(
-            f"| {method} | {len(rows)} | {statistics.mean(r['mean_kl'] for r in rows):.4f} | {max(r['max_kl'] for r in rows):.3f} | "
-            f"{statistics.mean(r['top1'] for r in rows):.3f} | {statistics.mean(r['greedy_prefix'] for r in rows):.3f} | "
-            f"{statistics.mean(r['greedy_overall'] for r in rows):.3f} | {sum(r['same_text'] for r in rows)}/{len(rows)} |"
-        )
+    for pair in candidates:
+        for method in METHODS:
+            rows = [r for r in records if r["method"] == method and r["candidate"] == pair]
+            lines.append(
+                f"| {pair} | {method} | {len(rows)} | {statistics.mean(r['mean_kl'] for r in rows):.4f} | {max(r['max_kl'] for r in rows):.3f} | "
+                f"{statistics.mean(r['top1'] for r in rows):.3f} | {statistics.mean(r['greedy_prefix'] for r in rows):.3f} | "
+                f"{statistics.mean(r['greedy_overall'] for r in rows):.3f} | {sum(r['same_text'] for r in rows)}/{len(rows)} |"
+            )
     write_table(out, lines)
     return 0
 

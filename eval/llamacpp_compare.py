@@ -8,10 +8,12 @@ Not a test. Needs the optional extra (it compiles llama.cpp, about 10 minutes on
 Rows: llama.cpp on the shipped Q4_1 GGUF (flash attention on), llama.cpp on another GGUF of the
 same model when ``--bf16-gguf`` names one (llama.cpp's ``convert_hf_to_gguf.py --outtype bf16``
 on the engine's de-quantized copy; its vocabulary detection fell back to sentencepiece here, so
-that row was not produced), and the engine with its defaults (bf16 where the CPU has it), full
-cache and SnapKV 1024 with the question window.
-Each prompt is rendered once by the engine's chat template; llama.cpp gets the same ids, in a
-child process of its own (in one process its OpenMP threads slowed the engine).
+that row was not produced), and the engine in each ``--engines`` configuration (dtype/weights:
+fp32 with native weights was the CPU default before issue 25; the default is now bf16 where the
+CPU has it, with int8 weights), full cache and SnapKV 1024 with the question window.
+Each prompt is rendered once by the engine's chat template; llama.cpp gets the same ids. Every
+runner runs in a child process of its own (in one process llama.cpp's OpenMP threads slowed the
+engine, and several engines' thread pools would share the cores).
 Prefill: seconds for the whole prompt. Decode: median ms per token over ``--tokens`` greedy
 steps right after the prompt. Configurations are interleaved over ``--rounds``; the medians
 over rounds are reported.
@@ -48,6 +50,28 @@ def corpus_prompt(tokenizer, tokens: int) -> str:
         i += 1
     ids = tokenizer(text)["input_ids"][:tokens]
     return tokenizer.decode(ids) + "\n\nQuestion: what time does the first ferry leave on weekdays?"
+
+
+def engine_worker(config: str, length: int, tokens: int, threads: int) -> None:
+    """Child process: the engine in ``dtype/weights``, both cache methods on one prompt; prints JSON."""
+    from snapkv_rag import Engine
+
+    torch.set_num_threads(threads)
+    dtype, weights = config.split("/")
+    engine = Engine.default(dtype=dtype, weights=weights)
+    prompt = corpus_prompt(engine.tokenizer, length)
+    rows = []
+    for label, spec in ENGINE_METHODS:
+        result = engine.generate(prompt, compression=spec, max_new_tokens=tokens + 1, ignore_eos=True, prefix_cache=False)
+        rows.append(
+            {
+                "runner": f"{label}, {config}",
+                "prompt_tokens": result.usage.prompt_tokens,
+                "prefill_s": result.stats.prefill_seconds,
+                "decode_ms": result.stats.decode_ms_per_token,
+            }
+        )
+    print(json.dumps(rows))
 
 
 def llama_cpp_worker(gguf: str, ids_file: str, tokens: int, threads: int) -> None:
@@ -88,32 +112,36 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=32, help="decode steps measured")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--engines", default="float32/native,bfloat16/native,bfloat16/int8", help="engine dtype/weights configurations")
     parser.add_argument("--bf16-gguf", type=Path, default=None, help="a bf16 GGUF of the same model, compared too")
     parser.add_argument("--out", type=Path, default=ROOT / "eval" / "results" / "llamacpp")
     parser.add_argument("--worker", nargs=2, metavar=("GGUF", "IDS_JSON"), help=argparse.SUPPRESS)
+    parser.add_argument("--engine-worker", nargs=2, metavar=("DTYPE/WEIGHTS", "LENGTH"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         return llama_cpp_worker(args.worker[0], args.worker[1], args.tokens, args.threads)
+    if args.engine_worker:
+        return engine_worker(args.engine_worker[0], int(args.engine_worker[1]), args.tokens, args.threads)
     try:
         import llama_cpp  # noqa: F401
     except ImportError:
         sys.exit('llama-cpp-python is not installed: .venv/bin/pip install -e ".[llamacpp]" (compiles llama.cpp, ~10 minutes)')
 
-    from snapkv_rag import Engine
-    from snapkv_rag.loading import embedded_gguf_path
+    from transformers import AutoTokenizer
+
+    from snapkv_rag.loading import DEFAULT_MODEL, embedded_gguf_path, resolve_model_source
     from snapkv_rag.prompts import render_prompt
 
-    torch.set_num_threads(args.threads)
     args.out.mkdir(parents=True, exist_ok=True)
-    engine = Engine.default()
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model_source(DEFAULT_MODEL)[0])
     gguf = embedded_gguf_path()
     runners = {"llama.cpp, shipped Q4_1 GGUF, flash-attn": str(gguf)}
     if args.bf16_gguf is not None:
         runners["llama.cpp, same weights in bf16, flash-attn"] = str(args.bf16_gguf)
 
     lengths = [int(n) for n in args.lengths.split(",")]
-    prompts = {n: corpus_prompt(engine.tokenizer, n) for n in lengths}
-    ids = {n: render_prompt(engine.tokenizer, prompts[n]) for n in lengths}
+    prompts = {n: corpus_prompt(tokenizer, n) for n in lengths}
+    ids = {n: render_prompt(tokenizer, prompts[n]) for n in lengths}
     records = []
     for round_ in range(args.rounds):
         for n in lengths:
@@ -124,23 +152,13 @@ def main() -> None:
                 timing = json.loads(subprocess.run(command, check=True, capture_output=True, text=True).stdout.strip().splitlines()[-1])
                 records.append({"round": round_, "length": n, "prompt_tokens": len(ids[n]), "runner": label, **timing})
                 print(f"{n:>5} {label}: prefill {timing['prefill_s']:.1f} s, decode {timing['decode_ms']:.1f} ms", flush=True)
-            for label, spec in ENGINE_METHODS:
-                result = engine.generate(prompts[n], compression=spec, max_new_tokens=args.tokens + 1, ignore_eos=True, prefix_cache=False)
-                assert result.usage.prompt_tokens == len(ids[n])
-                records.append(
-                    {
-                        "round": round_,
-                        "length": n,
-                        "prompt_tokens": len(ids[n]),
-                        "runner": f"{label}, {engine.info().dtype}",
-                        "prefill_s": result.stats.prefill_seconds,
-                        "decode_ms": result.stats.decode_ms_per_token,
-                    }
-                )
-                print(
-                    f"{n:>5} {records[-1]['runner']}: prefill {result.stats.prefill_seconds:.1f} s, decode {result.stats.decode_ms_per_token:.1f} ms",
-                    flush=True,
-                )
+            for config in args.engines.split(","):
+                command = [sys.executable, __file__, "--engine-worker", config, str(n), "--tokens", str(args.tokens), "--threads", str(args.threads)]
+                rows = json.loads(subprocess.run(command, check=True, capture_output=True, text=True).stdout.strip().splitlines()[-1])
+                for row in rows:
+                    assert row["prompt_tokens"] == len(ids[n])
+                    records.append({"round": round_, "length": n, **row})
+                    print(f"{n:>5} {row['runner']}: prefill {row['prefill_s']:.1f} s, decode {row['decode_ms']:.1f} ms", flush=True)
             write_records(args.out, records)
 
     for n in lengths:
@@ -159,7 +177,8 @@ def main() -> None:
             rows = [r for r in records if r["runner"] == name and r["length"] == n]
             cells += [f"{statistics.median(r['prefill_s'] for r in rows):.1f} s", f"{statistics.median(r['decode_ms'] for r in rows):.1f} ms"]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
-    lines += ["", f"Command: `.venv/bin/python eval/llamacpp_compare.py --lengths {args.lengths} --tokens {args.tokens} --rounds {args.rounds}`"]
+    command = f"--lengths {args.lengths} --tokens {args.tokens} --rounds {args.rounds} --engines {args.engines}"
+    lines += ["", f"Command: `.venv/bin/python eval/llamacpp_compare.py {command}`"]
     write_table(args.out, lines)
 
 

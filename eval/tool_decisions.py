@@ -1,16 +1,26 @@
-"""Tool decisions under tool_choice="auto" on the embedded model (issue 28): where they stand.
+"""Tool decisions under tool_choice="auto" on the embedded model (issue 28).
 
-Four tools (weather, multiply, currency, document search) are offered with every prompt of
-eval/data/tool_decisions.jsonl: 20 prompts that need one of them (several phrasings each)
-and 20 that need none. A decision is right when a prompt that needs a tool calls that tool
-first, and a prompt that needs none gets an answer without a call.
+Two tool sets, each offered with every prompt of its file:
 
-1. ``free``: the engine as shipped (the call grammar lets the model start a call anywhere).
-2. An analysis, not shipped: each tool's call prefix ``<tool_call>\n{"name": "<tool>"`` is
-   scored by teacher forcing after the prompt, minus the same score after content-free
-   prompts (contextual calibration); a threshold on the best calibrated score (plus 3x the
-   log-probability of the marker's first token) is fitted on one half of the prompts and
-   checked on the other, both ways.
+- A: weather, multiply, currency, document search; eval/data/tool_decisions.jsonl (20 prompts
+  that need one of them in several phrasings, 20 that need none, several on the same topics);
+- B: e-mail, timer, stock price, calendar, restaurant booking; eval/data/tool_decisions_b.jsonl
+  (25 and 25).
+
+A decision is right when a prompt that needs a tool calls that tool first, and a prompt that
+needs none gets an answer without a call.
+
+1. ``model``: the model decides as it writes (the call grammar lets it start a call anywhere);
+   this was the engine's only behaviour before the call gate.
+2. The call gate (:mod:`snapkv_rag.call_gate`): each tool's call opening scored after the prompt,
+   calibrated against requests that need no tool, plus ``w`` times the marker's log-probability,
+   against a threshold. ``w`` and the threshold are fitted on one tool set (the most right
+   decisions with no call on its no-tool prompts) and checked on the other, both ways: the
+   other set has other tools and other prompts, so this measures what a user with their own
+   tools would get.
+3. The engine end to end (``engine.generate`` with tool_choice="auto") with ``engine.call_gate``
+   set to the gate fitted on the other set: the call is then written under the grammar with the
+   gate's tool forced.
 
     .venv/bin/python eval/tool_decisions.py [--out eval/results/tool_decisions]
 """
@@ -28,7 +38,10 @@ sys.path.insert(0, str(ROOT))
 from results_io import write_records, write_table  # noqa: E402
 
 from snapkv_rag import Engine  # noqa: E402
+from snapkv_rag.call_gate import CallGate, CallScores, decide  # noqa: E402
 from snapkv_rag.errors import StructuredOutputError  # noqa: E402
+from snapkv_rag.prompts import render_prompt  # noqa: E402
+from snapkv_rag.tools import build_output_spec  # noqa: E402
 
 
 def fn(name: str, description: str, properties: dict, required: list[str]) -> dict:
@@ -38,76 +51,95 @@ def fn(name: str, description: str, properties: dict, required: list[str]) -> di
     }
 
 
-TOOLS = [
-    fn("get_weather", "Get the current weather in a city.", {"city": {"type": "string"}}, ["city"]),
-    fn("multiply", "Multiply two integers exactly.", {"a": {"type": "integer"}, "b": {"type": "integer"}}, ["a", "b"]),
-    fn(
-        "convert_currency",
-        "Convert an amount of money from one currency to another at today's rate.",
-        {"amount": {"type": "number"}, "from_currency": {"type": "string"}, "to_currency": {"type": "string"}},
-        ["amount", "from_currency", "to_currency"],
-    ),
-    fn("search_documents", "Search the user's own documents and notes.", {"query": {"type": "string"}}, ["query"]),
-]
+def strings(*names: str) -> dict:
+    return {n: {"type": "string"} for n in names}
+
+
+TOOLSETS = {
+    "A": [
+        fn("get_weather", "Get the current weather in a city.", strings("city"), ["city"]),
+        fn("multiply", "Multiply two integers exactly.", {"a": {"type": "integer"}, "b": {"type": "integer"}}, ["a", "b"]),
+        fn(
+            "convert_currency",
+            "Convert an amount of money from one currency to another at today's rate.",
+            {"amount": {"type": "number"}, "from_currency": {"type": "string"}, "to_currency": {"type": "string"}},
+            ["amount", "from_currency", "to_currency"],
+        ),
+        fn("search_documents", "Search the user's own documents and notes.", strings("query"), ["query"]),
+    ],
+    "B": [
+        fn("send_email", "Send an email to a recipient.", strings("to", "subject", "body"), ["to", "body"]),
+        fn("set_timer", "Start a countdown timer for a number of minutes.", {"minutes": {"type": "number"}}, ["minutes"]),
+        fn("get_stock_price", "Get the latest share price of a company by its stock ticker.", strings("ticker"), ["ticker"]),
+        fn("create_calendar_event", "Add an event to the user's calendar.", strings("title", "date", "time"), ["title", "date"]),
+        fn("book_table", "Reserve a table at a restaurant.", {**strings("restaurant", "time"), "people": {"type": "integer"}}, ["restaurant", "people"]),
+    ],
+}
+FILES = {"A": "tool_decisions.jsonl", "B": "tool_decisions_b.jsonl"}
 MAX_NEW_TOKENS = 48
+WEIGHTS = (0.0, 1.0, 2.0, 3.0, 4.0)
+
+
+def load(toolset: str) -> list[dict]:
+    lines = (ROOT / "eval/data" / FILES[toolset]).read_text().splitlines()
+    return [{"toolset": toolset, **json.loads(line)} for line in lines if line.strip()]
 
 
 def run(engine: Engine, prompts: list[dict]) -> list[dict]:
+    """Each prompt through ``engine.generate`` under tool_choice="auto"."""
     out = []
     for item in prompts:
         try:
-            result = engine.generate(item["prompt"], tools=TOOLS, tool_choice="auto", max_new_tokens=MAX_NEW_TOKENS)
-            called, text, error = [c.name for c in result.tool_calls], result.text, None
+            result = engine.generate(item["prompt"], tools=TOOLSETS[item["toolset"]], tool_choice="auto", max_new_tokens=MAX_NEW_TOKENS)
+            called, text, error, decision = [c.name for c in result.tool_calls], result.text, None, result.stats.tool_decision
         except StructuredOutputError as exc:  # a call cut by max_new_tokens: it did start a call
-            called, text, error = ["(unfinished call)"], "", str(exc)[:200]
+            called, text, error, decision = ["(unfinished call)"], "", str(exc)[:200], None
         right = called[:1] == [item["tool"]] if item["tool"] else not called
-        out.append({**item, "called": called, "right": right, "text": text[:200], "error": error})
+        out.append({**item, "called": called, "right": right, "text": text[:200], "error": error, "decision": decision})
     return out
 
 
-def call_scores(engine: Engine, prompt: str) -> dict[str, float]:
-    """Log-probability of each tool's call prefix right after ``prompt`` (teacher forcing)."""
-    import torch
-
-    from snapkv_rag.tools import CALL_OPEN, build_output_spec, call_prefix
-
-    (row,) = engine._render_within_context([prompt], None, 32, [build_output_spec(TOOLS, "auto")])
-    out = {}
-    for tool in TOOLS:
-        name = tool["function"]["name"]
-        cont = engine.tokenizer(CALL_OPEN + call_prefix(name).removesuffix(', "arguments": '), add_special_tokens=False)["input_ids"]
-        with torch.no_grad():
-            logits = engine.model(torch.tensor([row + cont]), use_cache=False).logits[0, len(row) - 1 : -1].float()
-        lp = torch.log_softmax(logits, -1)[torch.arange(len(cont)), torch.tensor(cont)]
-        out[name] = float(lp.sum())
-        out["first_token"] = float(lp[0])
+def scored(engine: Engine, prompts: list[dict]) -> list[dict]:
+    """Each prompt's call scores and its tool set's prior, from the engine's own gate functions."""
+    out = []
+    for item in prompts:
+        spec = build_output_spec(TOOLSETS[item["toolset"]], "auto")
+        scores = engine.call_scores(render_prompt(engine.tokenizer, item["prompt"], tools=spec.tools), spec)
+        out.append({**item, "marker": scores.marker, "scores": scores.tools, "prior": engine.call_prior(spec)})
     return out
 
 
-def table(name: str, rows: list[dict]) -> str:
-    tool = [r for r in rows if r["tool"]]
-    none = [r for r in rows if not r["tool"]]
-    called_when_needed = sum(bool(r["called"]) for r in tool)
-    right_tool = sum(r["right"] for r in tool)
-    prose = sum(r["right"] for r in none)
-    return f"| {name} | {called_when_needed}/{len(tool)} | {right_tool}/{len(tool)} | {prose}/{len(none)} | {(right_tool + prose) / len(rows):.0%} |"
-
-
-def calibrated(rows: list[dict], prior: dict[str, float], threshold: float) -> list[dict]:
-    names = [t["function"]["name"] for t in TOOLS]
+def gate_decisions(rows: list[dict], gate: CallGate) -> list[dict]:
     out = []
     for r in rows:
-        cal = {n: r["scores"][n] - prior[n] for n in names}
-        best = max(names, key=cal.get)
-        call = cal[best] + 3 * r["scores"]["first_token"] >= threshold
-        called = [best] if call else []
+        tool = decide(gate, CallScores(r["marker"], r["scores"]), r["prior"]).tool
+        called = [tool] if tool else []
         out.append({**r, "called": called, "right": called[:1] == [r["tool"]] if r["tool"] else not called})
     return out
 
 
-def fit(rows: list[dict], prior: dict[str, float]) -> float:
-    grid = [x / 2 for x in range(-100, 21)]
-    return max(grid, key=lambda t: sum(r["right"] for r in calibrated(rows, prior, t)))
+def fit(rows: list[dict]) -> CallGate:
+    """The gate with the most right decisions among those that call no tool on a no-tool prompt."""
+    best, best_key = CallGate(threshold=1e9), (-1, 0.0)
+    for weight in WEIGHTS:
+        for threshold in [x / 2 for x in range(-120, 21)]:
+            gate = CallGate(threshold=threshold, marker_weight=weight)
+            decided = gate_decisions(rows, gate)
+            if any(d["called"] for d in decided if not d["tool"]):
+                continue
+            key = (sum(d["right"] for d in decided), -threshold)  # ties: the lowest threshold that still calls nothing wrongly
+            if key > best_key:
+                best, best_key = gate, key
+    return best
+
+
+def table_row(name: str, rows: list[dict]) -> str:
+    tool = [r for r in rows if r["tool"]]
+    none = [r for r in rows if not r["tool"]]
+    called = sum(bool(r["called"]) for r in tool)
+    right_tool = sum(r["right"] for r in tool)
+    prose = sum(r["right"] for r in none)
+    return f"| {name} | {called}/{len(tool)} | {right_tool}/{len(tool)} | {prose}/{len(none)} | {right_tool + prose}/{len(rows)} ({(right_tool + prose) / len(rows):.0%}) |"
 
 
 def main() -> int:
@@ -115,22 +147,38 @@ def main() -> int:
     ap.add_argument("--out", default=str(ROOT / "eval/results/tool_decisions"))
     args = ap.parse_args()
     out = Path(args.out)
-    prompts = [json.loads(line) for line in (ROOT / "eval/data/tool_decisions.jsonl").read_text().splitlines() if line.strip()]
     engine = Engine.default()
-    free = run(engine, prompts)
-    scored = [{**p, "scores": call_scores(engine, p["prompt"])} for p in prompts]
-    empty = [call_scores(engine, p) for p in ("N/A", "...", "Hello.")]
-    prior = {k: sum(e[k] for e in empty) / len(empty) for k in empty[0]}
-    even, odd = scored[0::2], scored[1::2]
-    t_even, t_odd = fit(even, prior), fit(odd, prior)
+    prompts = {name: load(name) for name in TOOLSETS}
+    free = {name: run(engine, p) for name, p in prompts.items()}
+    scores = {name: scored(engine, p) for name, p in prompts.items()}
+    gates = {name: fit(rows) for name, rows in scores.items()}
+    gated = {}
+    for name, p in prompts.items():
+        engine.call_gate = gates[next(n for n in TOOLSETS if n != name)]
+        gated[name] = run(engine, p)
+    engine.call_gate = None
     lines = [
-        "| decision | called a tool when one was needed | right tool | no call when none was needed | right decisions |",
-        "|---|---|---|---|---|",
-        table("free (as shipped)", free),
-        table(f"calibrated prefix score, fitted on even prompts (t={t_even}), odd prompts", calibrated(odd, prior, t_even)),
-        table(f"calibrated prefix score, fitted on odd prompts (t={t_odd}), even prompts", calibrated(even, prior, t_odd)),
+        "| tool set | decision | called a tool when one was needed | right tool | no call when none was needed | right decisions |",
+        "|---|---|---|---|---|---|",
     ]
-    write_records(out, [{"run": "free", **r} for r in free] + [{"run": "scores", **r} for r in scored])
+    for name in TOOLSETS:
+        other = next(n for n in TOOLSETS if n != name)
+        g = gates[other]
+        lines += [
+            "| " + name + " " + table_row("the model, as it writes (before)", free[name]),
+            "| " + name + " " + table_row(f"gate fitted on set {other} (w={g.marker_weight:g}, t={g.threshold:g})", gate_decisions(scores[name], g)),
+            "| "
+            + name
+            + " "
+            + table_row(
+                f"gate fitted on this set (w={gates[name].marker_weight:g}, t={gates[name].threshold:g}; in-sample)", gate_decisions(scores[name], gates[name])
+            ),
+            "| " + name + " " + table_row(f"gate fitted on set {other}, end to end through engine.generate", gated[name]),
+        ]
+    records = [{"run": "model", **r} for rows in free.values() for r in rows]
+    records += [{"run": "gate", **r} for rows in gated.values() for r in rows]
+    records += [{"run": "scores", **r} for rows in scores.values() for r in rows]
+    write_records(out, records)
     write_table(out, lines)
     return 0
 
