@@ -561,3 +561,30 @@ def test_precompute_kv_stores_every_chunk_once(filled_store, long_engine, tmp_pa
     assert answer.result.stats.segment_misses == 0 and answer.result.stats.segment_hits == len(answer.context.chunks)
     with pytest.raises(ValueError, match="chunks"):
         DocumentQA(long_engine, filled_store, kv_reuse="prefix").precompute_kv()
+
+
+def test_document_qa_runs_the_embedder_on_the_engines_thread(tmp_path, corpus):
+    """A second thread doing torch work slowed the engine's CPU decode 2-3x (issue 25), so
+    DocumentQA hands the store's embedder the engine's worker for loading and encoding."""
+    import threading
+
+    from snapkv_rag.rag import DocumentQA
+
+    engine = tiny_engine("llama")
+    store = DocumentStore("thread-probe", path=tmp_path / "chroma", embedder=Embedder())
+    DocumentQA(engine, store)
+    assert store.embedder.runner == engine.run_on_model
+    seen = []
+    encode = store.embedder.model.encode
+
+    def recording(*args, **kwargs):
+        seen.append(threading.current_thread().name)
+        return encode(*args, **kwargs)
+
+    store.embedder.model.encode = recording
+    store.ingest([corpus])
+    store.search("When did the observatory open?", 3)
+    assert seen and set(seen) == {"snapkv-rag-model"}
+    other = DocumentStore("thread-probe", path=tmp_path / "chroma", embedder=store.embedder)
+    DocumentQA(tiny_engine("llama"), other)
+    assert other.embedder.runner == engine.run_on_model  # a runner already set is kept

@@ -8,8 +8,10 @@ hub) can be named instead.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from functools import cached_property
 from pathlib import Path
+from typing import Any
 
 from ..errors import ModelNotFoundError
 
@@ -35,9 +37,16 @@ class Embedder:
         self.device = device
         self.batch_size = batch_size
         self._lock = threading.Lock()
+        # Where loading and encoding run; DocumentQA and the server set an engine's run_on_model.
+        # On a CPU, torch work on a second thread (a second OpenMP pool) made the engine's decode
+        # steps 2-3x slower for the rest of the process (eval/RESULTS.md, "Weight-only int8").
+        self.runner: Callable[[Callable[[], Any]], Any] | None = None
 
     @cached_property
     def model(self):
+        return self.runner(self._load) if self.runner is not None else self._load()
+
+    def _load(self):
         from sentence_transformers import SentenceTransformer
         from transformers.utils import logging as hf_logging
 
@@ -68,8 +77,12 @@ class Embedder:
     def embed(self, texts: list[str]) -> list[list[float]]:
         if not texts:
             return []
-        with self._lock:
-            vectors = self.model.encode(texts, batch_size=self.batch_size, normalize_embeddings=True, convert_to_numpy=True, show_progress_bar=False)
+
+        def encode():
+            with self._lock:
+                return self.model.encode(texts, batch_size=self.batch_size, normalize_embeddings=True, convert_to_numpy=True, show_progress_bar=False)
+
+        vectors = self.runner(encode) if self.runner is not None else encode()
         return vectors.tolist()
 
     def embed_query(self, text: str) -> list[float]:

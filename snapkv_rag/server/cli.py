@@ -168,6 +168,8 @@ def build_config(args: argparse.Namespace, engine=None, backend=None):
             embedder_id = os.path.basename(os.path.normpath(args.embedder))
     if engine is None and backend is None:
         engine = load_served_engine(args)
+    if embedder is not None and engine is not None:
+        embedder.runner = engine.run_on_model  # the engine's thread: a second torch thread slows its decode
     return ServerConfig(
         engine,
         model_id=args.served_model_name or served_model_name(args.model),
