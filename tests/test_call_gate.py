@@ -4,6 +4,7 @@ SmolLM2 tokenizer: what it decides, that the engine then writes exactly that, an
 from __future__ import annotations
 
 import asyncio
+from contextlib import contextmanager
 
 import pytest
 import torch
@@ -22,6 +23,15 @@ def tool(name: str, description: str) -> dict:
 TOOLS = [tool("get_weather", "Weather in a city."), tool("multiply", "Multiply numbers."), tool("search_notes", "Search notes.")]
 PROMPT = "What is the weather in Oslo?"
 ALWAYS, NEVER = CallGate(threshold=-1e9), CallGate(threshold=1e9)
+
+
+@contextmanager
+def gate(engine, call_gate: CallGate):
+    engine.call_gate = call_gate
+    try:
+        yield
+    finally:
+        engine.call_gate = None
 
 
 @pytest.fixture(scope="module")
@@ -60,11 +70,8 @@ def test_scores_and_prior_come_from_the_model(engine):
 
 
 def test_a_call_decision_forces_the_chosen_tool(engine):
-    engine.call_gate = ALWAYS
-    try:
+    with gate(engine, ALWAYS):
         result = engine.generate(PROMPT, tools=TOOLS, max_new_tokens=64)
-    finally:
-        engine.call_gate = None
     decision = result.stats.tool_decision
     assert decision is not None and decision["tool"] in {"get_weather", "multiply", "search_notes"}
     assert decision["tool"] == max(decision["calibrated"], key=decision["calibrated"].get)
@@ -73,11 +80,8 @@ def test_a_call_decision_forces_the_chosen_tool(engine):
 
 
 def test_a_prose_decision_answers_as_tool_choice_none(engine):
-    engine.call_gate = NEVER
-    try:
+    with gate(engine, NEVER):
         result = engine.generate(PROMPT, tools=TOOLS, max_new_tokens=12)
-    finally:
-        engine.call_gate = None
     assert result.stats.tool_decision["tool"] is None
     assert not result.tool_calls
     plain = engine.generate(PROMPT, tools=TOOLS, tool_choice="none", max_new_tokens=12)
@@ -86,8 +90,7 @@ def test_a_prose_decision_answers_as_tool_choice_none(engine):
 
 
 def test_streams_decide_the_same(engine):
-    engine.call_gate = ALWAYS
-    try:
+    with gate(engine, ALWAYS):
         with engine.stream(PROMPT, tools=TOOLS, max_new_tokens=64) as stream:
             list(stream)
         streamed = stream.result
@@ -100,8 +103,6 @@ def test_streams_decide_the_same(engine):
 
         awaited = asyncio.run(consume())
         generated = engine.generate(PROMPT, tools=TOOLS, max_new_tokens=64)
-    finally:
-        engine.call_gate = None
     names = [[c.name for c in r.tool_calls] for r in (streamed, awaited, generated)]
     assert names[0] == names[1] == names[2] and len(names[0]) == 1
     assert streamed.stats.tool_decision == awaited.stats.tool_decision
@@ -109,15 +110,12 @@ def test_streams_decide_the_same(engine):
 
 @pytest.mark.parametrize("options", [{"tool_choice": "required"}, {"tool_choice": "none"}, {"tools": None}, {"response_format": {"type": "json_object"}}])
 def test_the_gate_leaves_other_requests_alone(engine, options):
-    engine.call_gate = NEVER
-    try:
+    with gate(engine, NEVER):
         kwargs = {"tools": TOOLS, **options}
         if kwargs["tools"] is None:
             del kwargs["tools"]
         result = engine.generate(PROMPT, max_new_tokens=64, **kwargs)
         batch = engine.generate_batch([PROMPT, "Hi"], tools=TOOLS, tool_choice="required", max_new_tokens=48)
-    finally:
-        engine.call_gate = None
     assert result.stats.tool_decision is None
     if options.get("tool_choice") == "required":
         assert len(result.tool_calls) == 1
