@@ -27,11 +27,13 @@ outbox; a consumer that reads slowly or not at all never holds the worker back.
 
 from __future__ import annotations
 
+import atexit
 import contextvars
 import inspect
 import queue
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass, field
@@ -52,6 +54,10 @@ if TYPE_CHECKING:
 
 DONE = object()  # the last event of a member's outbox
 IDLE_SECONDS = 10.0  # the worker thread exits after this long with nothing to do (a new call starts another)
+# Every scheduler, so the interpreter's exit can stop their workers first: a daemon worker still
+# inside torch while C++ static destructors run aborted the process ("terminate called without
+# an active exception", exit status -6) now and then.
+_SCHEDULERS: weakref.WeakSet[Scheduler] = weakref.WeakSet()
 
 
 def default_max_batch_size(device: torch.device) -> int:
@@ -328,8 +334,19 @@ class Scheduler:
         self._active: _Task | None = None  # a chunked task between two of its chunks
         self._groups: list[Group] = []
         self._worker: threading.Thread | None = None
+        self._stopping = False
         self._decode_steps = 0
         self._decoded_rows = 0
+        _SCHEDULERS.add(self)
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """Stop the worker at its next iteration (running requests are abandoned) and wait for it."""
+        with self._cv:
+            self._stopping = True
+            worker = self._worker
+            self._cv.notify_all()
+        if worker is not None and worker is not threading.current_thread():
+            worker.join(timeout)
 
     # ----------------------------------------------------------------- callers' side
     def call(self, fn: Callable[[], Any], *, rows: int = 0) -> Any:
@@ -423,8 +440,14 @@ class Scheduler:
     def _iterate(self) -> bool:
         """One task (or chunk) and one decode step; False when the worker should exit (idle)."""
         with self._cv:
+            if self._stopping:
+                self._worker = None
+                return False
             if not self._tasks and not self._groups and self._active is None:
                 self._cv.wait(IDLE_SECONDS)
+                if self._stopping:
+                    self._worker = None
+                    return False
                 if not self._tasks and not self._groups:
                     self._worker = None
                     return False
@@ -510,3 +533,9 @@ class Scheduler:
         finally:  # whatever removing them costs or raises, their readers hear of the end
             for member in members:
                 member.finish(error)
+
+
+@atexit.register
+def _stop_workers() -> None:
+    for scheduler in list(_SCHEDULERS):
+        scheduler.stop()

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -342,3 +343,26 @@ def test_batching_settings_through_from_pretrained_and_their_checks(tmp_path, to
         Engine.from_pretrained(str(tmp_path), prefill_chunk_tokens=8)
     with pytest.raises(InvalidGenerationParameterError, match="max_batch_size"):
         Engine.from_pretrained(str(tmp_path), max_batch_size=True)
+
+
+def test_the_worker_is_stopped_before_the_interpreter_exits(tmp_path):
+    """A daemon worker still in torch at exit aborted the process now and then (status -6,
+    "terminate called without an active exception"); an atexit hook stops it first."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "exit.py"
+    script.write_text(
+        "import sys\n"
+        f"sys.path.insert(0, {str(Path(__file__).parent)!r})\n"
+        "from conftest import tiny_engine\n"
+        "from snapkv_rag import scheduler\n"
+        "engine = tiny_engine()\n"
+        "engine.generate('hello world', max_new_tokens=4)\n"
+        "stream = engine.stream('hello world', max_new_tokens=400, ignore_eos=True)\n"
+        "next(iter(stream))\n"  # leave with a generation running
+        "assert engine._scheduler in set(scheduler._SCHEDULERS)\n"
+    )
+    run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "terminate called" not in run.stderr
