@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from .blending import DEFAULT_RECOMPUTE, RopeShift, SegmentRequest, SegmentReuseUnsupported, segment_anchor
-from .call_gate import CallGate, CallScores, call_openings, decide, gated, opening_log_probs, tools_key
+from .call_gate import BACKGROUND_REQUESTS, CallGate, CallScores, call_openings, decide, gated, opening_log_probs, tools_key
 from .compression import CompressionPolicy, as_policy
 from .compression.runtime import WRAPPED_IMPLEMENTATIONS, register_attention_functions, wrapped_name
 from .errors import EmptyPromptError, InvalidGenerationParameterError, InvalidPromptError, PromptTooLongError, StructuredOutputError
@@ -535,8 +535,6 @@ class Engine:
 
     def call_prior(self, spec: OutputSpec) -> dict[str, float]:
         """Each tool's mean opening score after requests that need no tool, rendered with these tools (cached)."""
-        from .call_gate import BACKGROUND_REQUESTS
-
         key = tools_key(spec)
         prior = self._call_priors.get(key)
         if prior is None:

@@ -239,8 +239,8 @@ def load_model_and_tokenizer(
 ):
     """Load ``(model, tokenizer, DeviceChoice)``; the model is in eval mode on its device.
 
-    ``weights``: ``"native"`` (the dtype's own), ``"int8"`` (weight-only int8 linear layers, CPU),
-    or None for the device's default (:func:`snapkv_rag.quantization.choose_weights`)."""
+    ``weights``: ``"native"`` (the dtype's own; also None) or ``"int8"`` (weight-only int8 linear
+    layers, CPU; :func:`snapkv_rag.quantization.choose_weights`)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     choice = choose_device(device, dtype)  # before any conversion or download

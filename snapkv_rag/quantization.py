@@ -2,10 +2,10 @@
 
 A decode step multiplies one row per sequence by every weight matrix, so on a CPU it is bound by
 reading the weights: int8 halves the bytes of bf16. The matrix products run in PyTorch's own
-``aten._weight_int8pack_mm`` kernel (per-output-channel scales, activations in the model's dtype; the output head stays in the
-model's dtype, see :func:`quantize_linear_weights`);
-with few rows it is 2-4x faster than a bf16 ``linear`` here (eval/RESULTS.md, "Weight-only
-int8"). With many rows (a prefill chunk) that kernel is slower than a dequantized ``linear``, so
+``aten._weight_int8pack_mm`` kernel (per-output-channel scales, activations in the model's dtype;
+the output head stays in the model's dtype, see :func:`quantize_linear_weights`); with few rows
+it is 2-4x faster than a bf16 ``linear`` here, though the whole decode step was not faster
+(eval/RESULTS.md, "Weight-only int8"). With many rows (a prefill chunk) that kernel is slower than a dequantized ``linear``, so
 those take the dequantized path. torchao's int8 weight-only tensors reach a kernel like this one
 through tensor-subclass dispatch, which in eager mode made decode slower, not faster.
 """

@@ -340,7 +340,9 @@ class Scheduler:
         _SCHEDULERS.add(self)
 
     def stop(self, timeout: float = 5.0) -> None:
-        """Stop the worker at its next iteration (running requests are abandoned) and wait for it."""
+        """Stop the worker at its next iteration (running requests are abandoned) and wait for it.
+
+        For the interpreter's exit: calls after it are not served."""
         with self._cv:
             self._stopping = True
             worker = self._worker
@@ -440,17 +442,13 @@ class Scheduler:
     def _iterate(self) -> bool:
         """One task (or chunk) and one decode step; False when the worker should exit (idle)."""
         with self._cv:
-            if self._stopping:
+            idle = not self._tasks and not self._groups and self._active is None
+            if idle and not self._stopping:
+                self._cv.wait(IDLE_SECONDS)
+                idle = not self._tasks and not self._groups
+            if idle or self._stopping:
                 self._worker = None
                 return False
-            if not self._tasks and not self._groups and self._active is None:
-                self._cv.wait(IDLE_SECONDS)
-                if self._stopping:
-                    self._worker = None
-                    return False
-                if not self._tasks and not self._groups:
-                    self._worker = None
-                    return False
             task = self._active or self._next_task()
         if task is not None:
             self._active = None if task.advance() else task

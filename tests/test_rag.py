@@ -565,7 +565,7 @@ def test_precompute_kv_stores_every_chunk_once(filled_store, long_engine, tmp_pa
 
 def test_document_qa_runs_the_embedder_on_the_engines_thread(tmp_path, corpus):
     """A second thread doing torch work slowed the engine's CPU decode 2-3x (issue 25), so
-    DocumentQA hands the store's embedder the engine's worker for loading and encoding."""
+    DocumentQA (through its StuffingRetriever) hands the store's embedder the engine's worker for loading and encoding."""
     import threading
 
     from snapkv_rag.rag import DocumentQA

@@ -221,8 +221,6 @@ class DocumentQA:
             raise ValueError(f"unknown citation routes {sorted(unknown)}; choose from {ROUTES}")
         self.engine = engine
         self.store = store
-        if getattr(store.embedder, "runner", False) is None and hasattr(engine, "run_on_model"):
-            store.embedder.runner = engine.run_on_model  # keep the process's torch work on the engine's thread
         self.compression = DEFAULT_COMPRESSION if compression is _DEFAULT else compression
         self.max_new_tokens = max_new_tokens
         self.routes = tuple(routes)

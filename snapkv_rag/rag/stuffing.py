@@ -132,6 +132,9 @@ class StuffingRetriever:
             raise ContextBudgetError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
         self.store = store
         self.engine = engine
+        embedder = getattr(store, "embedder", None)  # a LangChain vector store as the source has none of ours
+        if embedder is not None and getattr(embedder, "runner", False) is None and hasattr(engine, "run_on_model"):
+            embedder.runner = engine.run_on_model  # keep the process's torch work on the engine's thread
         self.context_tokens = context_tokens
         self.max_new_tokens = max_new_tokens
         self.top_k = top_k
