@@ -20,7 +20,7 @@ from .loading import DEFAULT_MODEL, RECOMMENDED_CONTEXT_TOKENS, RECOMMENDED_KV_R
 from .memory import PeakMemory
 from .offered import OFFERED
 from .prefix_cache import PrefixCache, default_prefix_cache_bytes, reuse_tail
-from .prompts import PromptLike, question_tail_tokens, render_prompt, segment_spans
+from .prompts import PromptLike, question_tail_tokens, render_prompt, segment_spans, text_token_spans
 from .quantization import parameter_count, weight_format
 from .requests import Request, length_buckets, output_specs
 from .results import GenerationResult, Usage, row_stats
@@ -41,6 +41,7 @@ from .tools import (
 Compression = CompressionPolicy | str | None
 _OUTPUT_KEYS = ("tools", "tool_choice", "response_format", "parallel_tool_calls", "max_tool_calls")
 _SEGMENT_KEYS = ("reuse_segments", "segment_store", "recompute")
+_ATTEND_KEY = "attend_to"
 
 
 @dataclass(frozen=True)
@@ -271,6 +272,9 @@ class Engine:
         if not isinstance(prefix_cache, bool):
             raise InvalidGenerationParameterError(f"prefix_cache must be True or False, got {prefix_cache!r}", param="prefix_cache")
         reuse = {k: sampling.pop(k) for k in _SEGMENT_KEYS if k in sampling}
+        attend_to = sampling.pop(_ATTEND_KEY, None)
+        if per_row and attend_to is not None:
+            raise InvalidGenerationParameterError("attend_to applies to one prompt (generate/stream), not generate_batch", param=_ATTEND_KEY)
         if per_row and reuse.get("reuse_segments") is not None:
             raise InvalidGenerationParameterError("reuse_segments applies to one prompt (generate/stream), not generate_batch", param="reuse_segments")
         options = {k: v for k, v in sampling.items() if k in _OUTPUT_KEYS}
@@ -285,16 +289,33 @@ class Engine:
         row_policies = self._resolve_policy(policy, prompts, chat, questions, specs)
         row_policy = row_policies[0] if isinstance(row_policies, list) else row_policies
         segments, note = self._segment_request(prompts[0], rows[0], chat, specs[0], row_policy, reuse) if reuse else (None, None)
+        attention_spans, attention_note = self._attention_spans(prompts[0], rows[0], chat, specs[0], attend_to)
         constraint = self._constraint(specs, params.max_new_tokens)
         redo = None
         if self.call_gate is not None and not per_row and len(prompts) == 1 and gated(specs[0]):
-            # sampling has lost the segment keys above; put them back for the second preparation
-            again = {**sampling, **reuse}
+            # sampling has lost the segment and attention keys above; put them back for the second preparation
+            again = {**sampling, **reuse, **({_ATTEND_KEY: attend_to} if attend_to is not None else {})}
 
             def redo(tool_choice: Any) -> Request:
                 return self._prepare(prompts, compression, chat, {**again, "tool_choice": tool_choice}, questions, prefix_cache=prefix_cache)
 
-        return Request(rows, params, policy, row_policies, tuple(specs), constraint, prefix_cache, segments, note, redo)
+        return Request(rows, params, policy, row_policies, tuple(specs), constraint, prefix_cache, segments, note, redo, None, attention_spans, attention_note)
+
+    def _attention_spans(
+        self, prompt: PromptLike, row: list[int], chat: bool | None, spec: OutputSpec, texts: Any
+    ) -> tuple[tuple[tuple[int, int], ...] | None, str | None]:
+        """Validate ``attend_to``; the token spans of its texts in the prompt (in the given order;
+        a text not found gets an empty span), or None and why nothing will be recorded."""
+        if texts is None:
+            return None, None
+        if isinstance(texts, (str, bytes)) or not isinstance(texts, Sequence) or not all(isinstance(t, str) and t for t in texts) or not texts:
+            raise InvalidGenerationParameterError(
+                "attend_to must be a non-empty list of non-empty strings (texts that appear in the prompt)", param=_ATTEND_KEY
+            )
+        spans = text_token_spans(self.tokenizer, prompt, texts, len(row), chat=chat, tools=spec.tools if spec.renders_tools else ())
+        if not any(b > a for a, b in spans):
+            return None, "none of the attend_to texts was found in the rendered prompt"
+        return tuple(spans), None
 
     @property
     def max_batch_size(self) -> int:
@@ -424,6 +445,7 @@ class Engine:
                 self._prefix_cache_for(request.use_prefix_cache),
                 segments=request.segments,
                 eos_ids=self._eos_ids,
+                attention_spans=request.attention_spans,
             )
             member = Member(run, request, self.tokenizer, self._eos_ids, cancel)
             steps = run.prefill_steps(self._prefill_chunk(rows))
@@ -466,6 +488,7 @@ class Engine:
                 usage=Usage(prompt_tokens=len(row), completion_tokens=t.generated),
                 stats=replace(stats, decode_batch_rows_max=member.batch_rows_max),
                 token_ids=list(t.token_ids),
+                span_attention=list(run.span_attention.rows) if run.span_attention is not None else None,
             )
             spec = request.spec(i)
             if spec.constrained and result.finish_reason != "cancelled":

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Generator
+from collections.abc import Generator, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -22,6 +22,7 @@ from .compression.decoding import PolicyState, layer_entries
 from .compression.runtime import PrefillCompression, compressing, policy_attention, sliding_layers
 from .prefix_cache import PrefixCache, ReusePlan, plan_reuse, reuse_tail, reused_columns, reused_layer, store_prompts
 from .sampling import GenerationParams, make_generator, select_next_tokens
+from .span_attention import SpanAttention, observing
 
 
 def left_pad(rows: list[list[int]], pad_id: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -143,6 +144,7 @@ class DecodeRun:
         prefix_cache: PrefixCache | None = None,
         segments: SegmentRequest | None = None,
         eos_ids: frozenset[int] = frozenset(),
+        attention_spans: Sequence[tuple[int, int]] | None = None,
     ):
         from transformers import DynamicCache
 
@@ -182,6 +184,16 @@ class DecodeRun:
         # What the policy keeps doing after the prefill (LESS's folded state, decode-time cuts); None: nothing
         first = self._row_policy(0)
         self.policy_state: PolicyState | None = first.decode_state(model, self.sliding) if first is not None else None
+        # attention over given prompt spans during decoding (attention citations), one prompt only
+        self.span_attention: SpanAttention | None = None
+        self.span_attention_note: str | None = None
+        if attention_spans:
+            if len(rows) != 1:
+                self.span_attention_note = "span attention is recorded for one prompt at a time"
+            elif self.policy_state is not None and self.policy_state.compacts:
+                self.span_attention_note = "not recorded under decode-time cuts (decode_budget)"
+            else:
+                self.span_attention = SpanAttention(attention_spans, len(rows[0]), self.sliding)
 
     @property
     def batch_size(self) -> int:
@@ -308,6 +320,8 @@ class DecodeRun:
 
     def _finish_prefill(self, seconds: float, mask: torch.Tensor) -> torch.Tensor:
         self.timings.prefill_seconds = seconds
+        if self.span_attention is not None:
+            self.span_attention.bind(self.session.kept_indices if self.session is not None else None)
         self.kept_tokens_per_layer = [layer_entries(layer) for layer in self.cache.layers]
         self.token_bytes_per_layer = [layer_token_bytes(layer) if layer_entries(layer) else 0 for layer in self.cache.layers]
         self.prompt_kv_bytes_kept = cache_bytes(self.cache)
@@ -391,7 +405,8 @@ class DecodeRun:
             self._kv_mask = torch.cat([self._kv_mask, self._kv_mask.new_ones(self.batch_size, t)], dim=-1)
         if self._sliding_mask is not None:
             self._sliding_mask = torch.cat([self._sliding_mask, self._sliding_mask.new_ones(self.batch_size, t)], dim=-1)
-        return self._forward(tokens, self._masks(tokens, positions), positions, last_only=last_only)
+        with observing(self.span_attention):
+            return self._forward(tokens, self._masks(tokens, positions), positions, last_only=last_only)
 
     @torch.inference_mode()
     def steps(self) -> Generator[torch.Tensor, None, None]:

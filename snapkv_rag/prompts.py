@@ -253,6 +253,19 @@ def segment_spans(
     return segment_token_spans(offsets, text, segments, shift=n_tokens - len(offsets))
 
 
+def text_token_spans(
+    tokenizer, prompt: PromptLike, texts: Sequence[str], n_tokens: int, *, chat: bool | None = None, tools: Sequence[Any] = ()
+) -> list[tuple[int, int]]:
+    """The token span of each of ``texts`` (its first occurrence) in the ``n_tokens`` ids of the
+    rendered prompt, in the order given; ``(0, 0)`` for a text not found."""
+    from .blending import segment_token_spans
+
+    text, add_special = _rendered_text(tokenizer, prompt, chat, tools)
+    offsets = tokenizer(text, add_special_tokens=add_special, return_offsets_mapping=True)["offset_mapping"]
+    shift = n_tokens - len(offsets)
+    return [(found or [(0, 0)])[0] for found in (segment_token_spans(offsets, text, [t], shift) for t in texts)]
+
+
 def last_paragraph(text: str) -> str:
     """The text after the last blank line (the whole text when it has none), stripped."""
     paragraphs = [p for p in re.split(r"\n[ \t]*\n", text) if p.strip()]

@@ -68,6 +68,9 @@ class Request:
     # the gate's tool_choice (see snapkv_rag.call_gate); then call_decision holds what it decided
     redo: Callable[[Any], Request] | None = None
     call_decision: Any = None
+    # single-prompt calls with attend_to: the token spans of the texts found (see snapkv_rag.span_attention)
+    attention_spans: tuple[tuple[int, int], ...] | None = None
+    attention_note: str | None = None  # why attend_to records nothing (no text found)
 
     def spec(self, row: int) -> OutputSpec:
         return self.specs[row] if self.specs else TEXT

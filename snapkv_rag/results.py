@@ -79,6 +79,7 @@ class GenerationStats:
     duplicate_tool_calls: bool = False  # the model repeated a call of this turn; the repeat was dropped and the turn ended
     weights: str = "native"  # the linear layers' weights: "native" (the dtype's) or "int8" (weight-only)
     tool_decision: dict[str, Any] | None = None  # tool_choice="auto" under a call gate: the tool chosen (None: prose), its score, the threshold
+    span_attention: str | None = None  # attend_to: "recorded (N spans)", or why it was not (None: not asked)
 
     @property
     def compression_ratio(self) -> float:
@@ -97,6 +98,9 @@ class GenerationResult:
     token_ids: list[int] = field(default_factory=list)
     tool_calls: list[ToolCall] = field(default_factory=list)  # parsed and schema-validated
     parsed: Any = None  # with response_format: the validated JSON value of ``text``
+    # with attend_to: per generated token after the first, the attention share of each given text
+    # (see snapkv_rag.span_attention); None when not asked for or not recorded
+    span_attention: list[list[float]] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -150,6 +154,9 @@ def row_stats(run: DecodeRun, row: int, request: Request, peak: PeakMemory, kv_f
         dtype=info.dtype,
         weights=info.weights,
         tool_decision=request.call_decision.to_dict() if request.call_decision is not None else None,
+        span_attention=f"recorded ({len(run.span_attention.spans)} spans)"
+        if run.span_attention is not None
+        else (run.span_attention_note or request.attention_note),
         threads=torch.get_num_threads(),
         model=model,
         version=__version__,

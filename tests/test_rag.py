@@ -481,6 +481,19 @@ def test_document_qa_runs_the_engine_path_with_the_aligned_window(filled_store, 
     assert full.result.stats.compression is None
 
 
+def test_document_qa_records_attention_for_the_attention_route(filled_store, long_engine):
+    from snapkv_rag.rag.qa import ROUTES
+
+    qa = DocumentQA(long_engine, filled_store, context_tokens=800, routes=ROUTES)
+    answer = qa.ask("When did the garden open?", max_new_tokens=6)
+    assert answer.result.stats.span_attention == f"recorded ({len(answer.context.chunks)} spans)"
+    assert len(answer.result.span_attention[0]) == len(answer.context.chunks)
+    assert set(answer.to_dict()["cited"]) == {"generated", "attributed", "attention"}
+    by_default = DocumentQA(long_engine, filled_store, context_tokens=800).ask("When did the garden open?", max_new_tokens=6)
+    assert by_default.result.span_attention is None and by_default.text == answer.text
+    assert set(by_default.to_dict()["cited"]) == {"generated", "attributed"}
+
+
 def test_document_qa_async(filled_store, long_engine):
     import asyncio
 

@@ -118,16 +118,16 @@ def test_pipeline_run_records_and_report(engine, embedder, corpus, tmp_path):
         progress=False,
     )
     n_questions, runs = 3, 2 + len(methods)
-    assert len(records) == n_questions * runs * 2
+    assert len(records) == n_questions * runs * 3  # generated, attributed, attention
     for r in records:
         assert REQUIRED <= set(r), REQUIRED - set(r)
-        assert r["task"] == "citation" and r["route"] in ("generated", "attributed")
+        assert r["task"] == "citation" and r["route"] in ("generated", "attributed", "attention")
         assert r["context_tokens"] == 400 and r["corpus_files"] == 5 and r["store"] == "temporary"
         assert r["settings"]["method"] in ("full", "snapkv")
     full = [r for r in records if r["method"] == "full"]
     assert all(r["agreement_f1"] == 1.0 and r["identical_text"] for r in full)
     noise = [r for r in records if r["method"] == "full (noise floor)"]
-    assert len(noise) == n_questions * 2 and all(r["threads"] != full[0]["threads"] for r in noise)
+    assert len(noise) == n_questions * 3 and all(r["threads"] != full[0]["threads"] for r in noise)
     # Gold numbers are the stuffed chunks from the gold file.
     for r in full:
         expected = [i + 1 for i, s in enumerate(r["stuffed_sources"]) if is_gold_file(s.split("#")[0], r["gold_files"])]
@@ -144,6 +144,7 @@ def test_pipeline_run_records_and_report(engine, embedder, corpus, tmp_path):
     text = paths["markdown"].read_text()
     assert "Retrieval recall (a gold file among the stuffed chunks): 3/3" in text
     assert "| snapkv:window=question @ 96 | attributed |" in text and "| full (noise floor) | generated |" in text
+    assert "| snapkv:window=question @ 96 | attention |" in text
     assert "Attribution settings on the uncompressed answers" in text
     assert paths["citation_f1_vs_budget"].stat().st_size > 1000
 
@@ -210,7 +211,7 @@ def test_cli_runs_the_pipeline(model_dir, corpus, tmp_path, capsys):
     assert main(args) == 0
     paths = json.loads(capsys.readouterr().out)
     records = read_jsonl(Path(paths["jsonl"]))
-    assert len(records) == 3 * 2
+    assert len(records) == 3 * 3  # 3 runs (full, noise floor, one method) x 3 routes
     assert {r["threads"] for r in records if r["method"] == "full (noise floor)"} == {2}
     assert {r["threads"] for r in records if r["method"] != "full (noise floor)"} == {1}
 
@@ -254,5 +255,5 @@ def test_without_noise_floor_and_methods_only_the_full_run(engine, embedder, cor
         noise_threads=None,
         progress=False,
     )
-    assert [r["method"] for r in records] == ["full"] * 4
+    assert [r["method"] for r in records] == ["full"] * 6  # 2 questions x 3 routes
     assert sum(bool(r.get("attribution_sweep")) for r in records) == 2

@@ -87,6 +87,16 @@ class CompressionPolicy(ABC):
         """This policy voting with ``window`` trailing queries (policies without a window ignore it)."""
         return self
 
+    def for_layer(self, position: int, layers: int) -> CompressionPolicy:
+        """The policy for the ``position``-th of ``layers`` compressed layers (bottom first).
+
+        Uniform policies return themselves; a per-layer budget schedule returns this policy at
+        that layer's budget, so layers may hold different numbers of entries. The padding
+        contract above keeps that safe in a padded batch: every layer's kept mask is the last
+        columns of the widest layer's (filler slots come first).
+        """
+        return self
+
     # ------------------------------------------------------------ after the prefill
     decode_budget: int | None = None  # sparse policies declare both as dataclass fields
     decode_interval: int | None = None

@@ -52,6 +52,9 @@ class LESS(CompressionPolicy):
     def question_aware(self) -> bool:
         return self.base.question_aware
 
+    def for_layer(self, position: int, layers: int) -> LESS:
+        return dataclasses.replace(self, base=self.base.for_layer(position, layers))
+
     def with_budget(self, budget: int) -> LESS:
         return dataclasses.replace(self, base=self.base.with_budget(budget))
 

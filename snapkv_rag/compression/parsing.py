@@ -30,6 +30,9 @@ ALIASES = {
     "kernel": "kernel_size",
     "sinks": "sink_tokens",
     "gqa": "gqa_reduce",
+    "chunk": "chunk_size",
+    "layers": "layer_budgets",
+    "beta": "pyramid_beta",
 }
 
 

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ..span_attention import active_observer
 from .base import CompressionPolicy
 
 if TYPE_CHECKING:
@@ -84,10 +85,18 @@ def _fast_decode(module, query, kwargs) -> bool:
 
 def _make_attention(base_fn):
     def attention(module, query, key, value, attention_mask, **kwargs):
+        if attention_mask is not None and attention_mask.shape[-1] > key.shape[2]:
+            # a layer kept fewer entries than the widest (per-layer budgets): its mask is the
+            # widest one's last columns (see CompressionPolicy.for_layer)
+            attention_mask = attention_mask[..., -key.shape[2] :]
         if _fast_decode(module, query, kwargs):
             output = decode_attention(module, query, key, value, attention_mask, **kwargs)
         else:
             output = base_fn(module, query, key, value, attention_mask, **kwargs)
+        if query.shape[2] == 1:
+            observer = active_observer()
+            if observer is not None:
+                observer.observe(module.layer_idx, query, key, attention_mask, kwargs.get("scaling"))
         capture = _CAPTURE.get()
         if capture is not None:
             capture(module, query, key, value, output[0], kwargs.get("scaling"))
@@ -157,7 +166,9 @@ class PrefillCompression:
         self.attention_mask = attention_mask
         self.sliding = sliding
         self.kept_indices: dict[int, torch.Tensor] = {}  # layer -> [batch, kv_heads, k], for inspection
-        self.kept_attention_mask: torch.Tensor | None = None
+        self.kept_attention_mask: torch.Tensor | None = None  # the widest compressed layer's padding mask
+        self.widest_kept = 0
+        self.full_layers = [i for i, s in enumerate(sliding) if not s]  # the layers a policy compresses
         self.prompt_length = 0  # n, the (left-padded) prompt length seen by the compressed layers
         # layer -> its full (K, V) before selection, when the engine's prefix cache wants them
         self.full_kv: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None
@@ -173,17 +184,22 @@ class PrefillCompression:
         if self.full_kv is not None:
             layer = self.cache.layers[layer_idx]
             self.full_kv[layer_idx] = (layer.keys, layer.values)
+        position, layers = self.full_layers.index(layer_idx), len(self.full_layers)
         if self.row_policies is None:
-            indices = select_for_prompt(self.policy, query, key, self.attention_mask, scaling)
+            indices = select_for_prompt(self.policy.for_layer(position, layers), query, key, self.attention_mask, scaling)
         else:
             mask = self.attention_mask
             indices = torch.cat(
                 [
-                    select_for_prompt(p, query[i : i + 1], key[i : i + 1], None if mask is None else mask[i : i + 1], scaling)
+                    select_for_prompt(p.for_layer(position, layers), query[i : i + 1], key[i : i + 1], None if mask is None else mask[i : i + 1], scaling)
                     for i, p in enumerate(self.row_policies)
                 ]
             )
         self.kept_indices[layer_idx] = indices
+        if self.attention_mask is not None and indices.shape[-1] > self.widest_kept:
+            # the decode mask is the widest layer's; narrower layers use its last columns
+            self.widest_kept = indices.shape[-1]
+            self.kept_attention_mask = self.attention_mask.gather(1, indices[:, 0]) if indices.shape[-1] < n else self.attention_mask
         if indices.shape[-1] < n:
             self.keep(layer_idx, indices)
 
@@ -195,8 +211,6 @@ class PrefillCompression:
         gather = indices.unsqueeze(-1).expand(-1, -1, -1, layer.keys.shape[-1])
         layer.keys = layer.keys.gather(2, gather)
         layer.values = layer.values.gather(2, gather)
-        if self.attention_mask is not None and self.kept_attention_mask is None:
-            self.kept_attention_mask = self.attention_mask.gather(1, indices[:, 0])
 
 
 @dataclass(frozen=True)

@@ -25,6 +25,7 @@ from .base import (
 
 QUESTION_WINDOW = "question"
 FALLBACK_WINDOW = 32
+LAYER_BUDGETS = ("uniform", "pyramid")
 
 
 @dataclass(frozen=True)
@@ -41,6 +42,19 @@ class SnapKV(CompressionPolicy):
     is the text the caller names (``question=``), else the last paragraph of the last user
     message. A fixed window of 32 takes in filler in front of a short question, whose
     queries then outvote what the question asks for (eval/RESULTS.md, needle sensitivity).
+
+    Two selection options from later work, off by default:
+
+    - ``chunk_size=c`` (ChunkKV, Liu et al. 2025, arXiv:2502.00299): the prefix is cut into
+      spans of ``c`` tokens, counted back from the window, and whole spans are kept in the
+      order of their summed (pooled) votes, so a kept fact keeps the words around it. The
+      last span that fits only in part keeps its earliest tokens.
+    - ``layer_budgets="pyramid"`` (PyramidKV, Cai et al. 2024, arXiv:2406.02069): the bottom
+      compressed layer keeps the most entries and the top one the fewest, in a straight line
+      whose mean is ``max_capacity_prompt`` (so the cache holds as many entries in all as the
+      uniform one); the top layer keeps ``(budget - window) / pyramid_beta`` voted entries
+      plus the window. Layers then hold different numbers of entries: memory is really saved
+      per layer, and such runs decode on their own rather than in a shared batch.
     """
 
     name = "snapkv"
@@ -51,6 +65,9 @@ class SnapKV(CompressionPolicy):
     gqa_reduce: str = "mean"
     min_window: int = 8
     max_window: int = 64
+    chunk_size: int = 1
+    layer_budgets: str = "uniform"
+    pyramid_beta: int = 20
     decode_budget: int | None = None  # cut the cache back to this many entries per layer during decoding
     decode_interval: int | None = None  # ... every this many generated tokens (None: 64)
 
@@ -74,6 +91,9 @@ class SnapKV(CompressionPolicy):
             raise InvalidCompressionError(f"SnapKV: kernel_size must be odd (got {self.kernel_size}) so pooling stays centred")
         check_choice("SnapKV", "pooling", self.pooling, ("max", "avg"))
         check_choice("SnapKV", "gqa_reduce", self.gqa_reduce, ("mean", "max"))
+        check_positive_int("SnapKV", "chunk_size", self.chunk_size)
+        check_choice("SnapKV", "layer_budgets", self.layer_budgets, LAYER_BUDGETS)
+        check_positive_int("SnapKV", "pyramid_beta", self.pyramid_beta)
         self.check_decode_budget()
 
     @property
@@ -101,6 +121,21 @@ class SnapKV(CompressionPolicy):
     def with_query_window(self, window: int) -> SnapKV:
         return self if window == self.window_size else dataclasses.replace(self, window_size=window)
 
+    def for_layer(self, position: int, layers: int) -> SnapKV:
+        if self.layer_budgets == "uniform":
+            return self
+        if self.window_size == QUESTION_WINDOW:
+            raise InvalidCompressionError("SnapKV(window_size='question') must be resolved per prompt before per-layer budgets")
+        return dataclasses.replace(
+            self,
+            max_capacity_prompt=pyramid_budget(self.max_capacity_prompt, int(self.window_size), self.pyramid_beta, position, layers),
+            layer_budgets="uniform",
+        )
+
+    def for_decode(self) -> SnapKV:
+        # decode_budget is a per-layer cap; decode-time cuts bring every layer back to it
+        return dataclasses.replace(super().for_decode(), layer_budgets="uniform")  # type: ignore[return-value]
+
     def votes(self, queries: torch.Tensor, keys: torch.Tensor, attention_mask: torch.Tensor | None, scaling: float | None) -> torch.Tensor:
         """Pooled per-KV-head votes for the prefix positions, ``[b, kv_heads, n - window]``."""
         n = keys.shape[2]
@@ -116,7 +151,8 @@ class SnapKV(CompressionPolicy):
             pooled = F.max_pool1d(flat, self.kernel_size, stride=1, padding=pad)
         else:
             pooled = F.avg_pool1d(flat, self.kernel_size, stride=1, padding=pad)
-        return pooled.reshape(b, h, p)
+        pooled = pooled.reshape(b, h, p)
+        return span_scores(pooled, self.chunk_size) if self.chunk_size > 1 else pooled
 
     def select(self, queries, keys, attention_mask=None, *, scaling=None):
         b, kv_heads, n, _ = keys.shape
@@ -126,3 +162,27 @@ class SnapKV(CompressionPolicy):
             raise InvalidCompressionError(f"SnapKV expects {self.window_size} window queries, got {queries.shape[2]}")
         votes = self.votes(queries, keys, attention_mask, scaling)
         return keep_recent_and_top(votes, n, self.max_capacity_prompt, attention_mask)
+
+
+def span_scores(votes: torch.Tensor, span: int) -> torch.Tensor:
+    """Every position scored by the sum of ``votes [b, h, p]`` over its span of ``span`` positions.
+
+    Spans are counted back from position ``p`` (the window's start), so they cover the same
+    tokens whatever a row's left padding. Positions of a span share one score: a stable
+    descending sort then takes spans whole, earliest position first.
+    """
+    b, h, p = votes.shape
+    lead = (-p) % span
+    padded = F.pad(votes, (lead, 0))
+    sums = padded.reshape(b, h, -1, span).sum(dim=-1)
+    return sums.repeat_interleave(span, dim=-1)[..., lead:]
+
+
+def pyramid_budget(budget: int, window: int, beta: int, position: int, layers: int) -> int:
+    """The ``position``-th of ``layers`` layers' budget in PyramidKV's linear schedule (mean ``budget``)."""
+    voted = budget - window
+    if layers <= 1 or voted <= 1:
+        return budget
+    fewest = max(1, voted // beta)
+    most = 2 * voted - fewest
+    return window + round(most - position * (most - fewest) / (layers - 1))

@@ -113,7 +113,16 @@ def run_rag_citation(
     with tempfile.TemporaryDirectory(prefix="snapkv-eval-") as tmp:
         docs = DocumentStore(collection, path=store or tmp, embedder=embedder)
         ingest = docs.ingest([corpus], chunk_tokens=chunk_tokens, overlap=overlap)
-        qa = DocumentQA(engine, docs, compression=None, context_tokens=context_tokens, max_new_tokens=max_new_tokens, attributor=attributor, kv_reuse="prefix")
+        qa = DocumentQA(
+            engine,
+            docs,
+            compression=None,
+            context_tokens=context_tokens,
+            max_new_tokens=max_new_tokens,
+            attributor=attributor,
+            kv_reuse="prefix",
+            routes=ROUTES,
+        )
         shared = {
             "corpus": str(corpus),
             "collection": collection,

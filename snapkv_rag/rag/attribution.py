@@ -35,6 +35,7 @@ from .embeddings import Embedder
 METHODS = ("hybrid", "embedding", "lexical")
 DEFAULT_THRESHOLDS = {"hybrid": 0.6, "embedding": 0.3, "lexical": 0.3}
 DEFAULT_MARGINS = {"hybrid": 0.2, "embedding": 0.1, "lexical": 0.2}  # eval/RESULTS.md, "Citations on the RAG pipeline"
+DEFAULT_ATTENTION_WEIGHT = 0.25  # the attention route: the least harmful weight measured (eval/RESULTS.md, "Citations from the run's own attention")
 # A sentence ends at . ! ? followed by a space or the end; "1.25" and "3.40" stay whole.
 _SENTENCE = re.compile(r"(?:[^.!?\n]|[.!?]+(?=[^\s.!?]))+[.!?]*")
 _WORD = re.compile(r"[\w][\w'\-:.]*[\w]|\w")
@@ -217,6 +218,14 @@ def choose_gated(row: Sequence[float], gate: tuple[list[bool], set[str]] | None,
     return choose(gated, threshold if all(eligible) else float("-inf"), margin)
 
 
+def with_attention(row: Sequence[float], shares: Sequence[float], weight: float) -> list[float]:
+    """Evidence scores plus ``weight`` times each chunk's attention share relative to the best one."""
+    best = max(shares, default=0.0)
+    if best <= 0:
+        return list(row)
+    return [score + weight * share / best for score, share in zip(row, shares)]
+
+
 def choose(row: Sequence[float], threshold: float, margin: float, max_cited: int = 3) -> tuple[int, ...]:
     """0-based chunk indices cited for one sentence's scores: the best when it clears
     ``threshold``, with every chunk within ``margin`` of it (at most ``max_cited``), best first."""
@@ -256,6 +265,7 @@ class EvidenceAttributor:
         threshold: float | None = None,
         margin: float | None = None,
         fact_check: bool = True,
+        attention_weight: float = DEFAULT_ATTENTION_WEIGHT,
     ):
         if method not in METHODS:
             raise ValueError(f"attribution method must be one of {METHODS}, got {method!r}")
@@ -264,20 +274,33 @@ class EvidenceAttributor:
         self.threshold = threshold if threshold is not None else DEFAULT_THRESHOLDS[method]
         self.margin = margin if margin is not None else DEFAULT_MARGINS[method]
         self.fact_check = fact_check  # False: similarity alone (the behaviour before the key-fact gate)
+        self.attention_weight = attention_weight  # the attention route: weight of the run's own attention
 
     def settings(self) -> dict[str, object]:
-        return {"method": self.method, "threshold": self.threshold, "margin": self.margin, "fact_check": self.fact_check}
+        return {
+            "method": self.method,
+            "threshold": self.threshold,
+            "margin": self.margin,
+            "fact_check": self.fact_check,
+            "attention_weight": self.attention_weight,
+        }
 
     def scores(self, question: str, sentences: Sequence[str], chunk_texts: Sequence[str]) -> list[list[float]]:
         """``[sentence][chunk]`` support scores."""
         return score_matrices(self.embedder, question, sentences, chunk_texts, (self.method,))[self.method]
 
-    def attribute(self, question: str, answer: str, chunk_texts: Sequence[str]) -> list[SentenceSupport]:
+    def attribute(self, question: str, answer: str, chunk_texts: Sequence[str], attention: Sequence[Sequence[float]] | None = None) -> list[SentenceSupport]:
+        """Each answer sentence's support. ``attention`` (the attention route): per sentence, the
+        run's attention share of each chunk (:func:`snapkv_rag.span_attention.sentence_attention`),
+        added to the evidence scores as ``attention_weight * share / best share``."""
         sentences = answer_sentences(answer)
         if not sentences or not chunk_texts:
             return []
+        scores = self.scores(question, sentences, chunk_texts)
+        if attention is not None:
+            scores = [with_attention(row, shares, self.attention_weight) for row, shares in zip(scores, attention)]
         out = []
-        for sentence, row in zip(sentences, self.scores(question, sentences, chunk_texts)):
+        for sentence, row in zip(sentences, scores):
             gate = fact_gate(sentence, question, chunk_texts) if self.fact_check else None
             chosen = choose_gated(row, gate, self.threshold, self.margin)
             missing = tuple(sorted(gate[1])) if gate else ()

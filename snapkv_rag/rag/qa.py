@@ -1,25 +1,29 @@
 """Question answering over a document store: retrieve, stuff, generate through the engine, cite.
 
 Every call goes through the engine's one generation path (``generate``/``stream`` and the
-async forms). Citations come by two routes, each labelled: ``generated`` (the model's own
-``[n]`` markers) and ``attributed`` (evidence matching, :mod:`.attribution`).
+async forms). Citations come by three routes, each labelled: ``generated`` (the model's own
+``[n]`` markers), ``attributed`` (evidence matching, :mod:`.attribution`) and ``attention``
+(evidence matching plus the run's own attention over each stuffed chunk while it wrote each
+sentence, :mod:`snapkv_rag.span_attention`).
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from ..compression import SnapKV
 from ..metrics import parse_citations
 from ..results import GenerationResult
-from .attribution import EvidenceAttributor, SentenceSupport
+from ..span_attention import sentence_attention
+from .attribution import EvidenceAttributor, SentenceSupport, answer_sentences
 from .kv_reuse import chunk_kv_store, precompute_chunk_kv, resolve_kv_reuse, reuse_kwargs
 from .store import DocumentStore, StoredChunk
-from .stuffing import SYSTEM_PROMPT, StuffedContext, StuffingRetriever
+from .stuffing import SYSTEM_PROMPT, StuffedContext, StuffingRetriever, chunk_segment
 
-ROUTES = ("generated", "attributed")
+ROUTES = ("generated", "attributed", "attention")
+TEXT_ROUTES = ("generated", "attributed")  # the routes computed from an answer's text alone
 # Question-aligned observation window: the question plus the template tail, 8-64 tokens.
 DEFAULT_COMPRESSION = SnapKV(window_size="question", max_capacity_prompt=1024)
 _DEFAULT = object()
@@ -28,10 +32,10 @@ _DEFAULT = object()
 @dataclass(frozen=True)
 class Citation:
     number: int  # the document number in the prompt, [number]
-    route: str  # "generated" or "attributed"
+    route: str  # "generated", "attributed" or "attention"
     chunk: StoredChunk
-    score: float | None = None  # attribution score (attributed route)
-    sentence: str | None = None  # the answer sentence it supports (attributed route)
+    score: float | None = None  # attribution score (attributed and attention routes)
+    sentence: str | None = None  # the answer sentence it supports (attributed and attention routes)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -56,7 +60,7 @@ class Answer:
     invalid_citations: list[int]  # [n] markers that refer to no stuffed document
     context: StuffedContext
     result: GenerationResult
-    routes: tuple[str, ...] = field(default=ROUTES)
+    routes: tuple[str, ...] = field(default=TEXT_ROUTES)
     support: list[SentenceSupport] = field(default_factory=list)  # attributed route: each answer sentence
 
     @property
@@ -99,16 +103,19 @@ def cite(
     text: str,
     chunks: list[StoredChunk],
     attributor: EvidenceAttributor | None,
-    routes: tuple[str, ...] = ROUTES,
+    routes: tuple[str, ...] = TEXT_ROUTES,
+    attention: Sequence[Sequence[float]] | None = None,
 ) -> tuple[list[Citation], list[int]]:
     """Citations of an answer ``text`` over numbered ``chunks`` (chunk i is document [i + 1]).
 
     Returns (citations by each route in ``routes``, the invalid ``[n]`` markers). The
-    ``attributed`` route needs an ``attributor``. :class:`DocumentQA` and the connectors'
-    chains over already-stuffed documents share this one function (through
-    :func:`cite_with_support`, which also returns each sentence's support).
+    ``attributed`` and ``attention`` routes need an ``attributor``; the ``attention`` route
+    also takes ``attention``, per answer sentence the run's attention share of each chunk
+    (without it, it scores by evidence alone and so equals ``attributed``). :class:`DocumentQA`
+    and the connectors' chains over already-stuffed documents share this one function
+    (through :func:`cite_with_support`, which also returns each sentence's support).
     """
-    citations, invalid, _ = cite_with_support(question, text, chunks, attributor, routes)
+    citations, invalid, _ = cite_with_support(question, text, chunks, attributor, routes, attention)
     return citations, invalid
 
 
@@ -117,10 +124,11 @@ def cite_with_support(
     text: str,
     chunks: list[StoredChunk],
     attributor: EvidenceAttributor | None,
-    routes: tuple[str, ...] = ROUTES,
+    routes: tuple[str, ...] = TEXT_ROUTES,
+    attention: Sequence[Sequence[float]] | None = None,
 ) -> tuple[list[Citation], list[int], list[SentenceSupport]]:
-    """:func:`cite`, plus the attributed route's support of each answer sentence (empty
-    without that route), which says which sentences are not supported by any chunk."""
+    """:func:`cite`, plus each answer sentence's support (by the attributed route, else the
+    attention route; empty without either), which says which sentences no chunk supports."""
     unknown = set(routes) - set(ROUTES)
     if unknown:
         raise ValueError(f"unknown citation routes {sorted(unknown)}; choose from {ROUTES}")
@@ -130,12 +138,16 @@ def cite_with_support(
     if "generated" in routes:
         valid, invalid = parse_citations(text, len(chunks))
         citations += [Citation(n, "generated", chunks[n - 1]) for n in valid]
-    if "attributed" in routes:
+    for route in ("attributed", "attention"):
+        if route not in routes:
+            continue
         if attributor is None:
-            raise ValueError("the attributed citation route needs an attributor")
-        supports = attributor.attribute(question, text, [c.text for c in chunks])
-        for support in supports:
-            citations += [Citation(n, "attributed", chunks[n - 1], score, support.sentence) for n, score in zip(support.numbers, support.scores)]
+            raise ValueError(f"the {route} citation route needs an attributor")
+        texts = [c.text for c in chunks]
+        found = attributor.attribute(question, text, texts, attention) if route == "attention" else attributor.attribute(question, text, texts)
+        supports = supports or found
+        for support in found:
+            citations += [Citation(n, route, chunks[n - 1], score, support.sentence) for n, score in zip(support.numbers, support.scores)]
     return citations, invalid, supports
 
 
@@ -186,7 +198,10 @@ class DocumentQA:
 
     ``compression``: the default policy of every ask (a question-aligned SnapKV window with
     budget 1024 unless given; None for the full cache). Retrieval options as in
-    :class:`StuffingRetriever`. ``routes``: which citation routes to compute.
+    :class:`StuffingRetriever`. ``routes``: which citation routes to compute (by default
+    ``generated`` and ``attributed``; add ``attention`` to record the run's attention over each
+    chunk and cite by it too: measured below the attributed route on the embedded model, and
+    such runs decode alone rather than in a shared batch, so it is not on by default).
     ``kv_reuse``: ``"chunks"`` (each chunk's K/V computed once, stored in ``kv_dir``, by default
     beside the Chroma store, bounded by ``kv_cache_bytes``, and reused by later questions at
     any position), ``"prefix"`` or ``"off"``; None (default): the engine's
@@ -209,7 +224,7 @@ class DocumentQA:
         order: str = "score",
         whole_collection: bool = False,
         system_prompt: str = SYSTEM_PROMPT,
-        routes: tuple[str, ...] = ROUTES,
+        routes: tuple[str, ...] = TEXT_ROUTES,
         attributor: EvidenceAttributor | None = None,
         kv_reuse: str | None = None,
         kv_dir: str | None = None,
@@ -254,6 +269,8 @@ class DocumentQA:
         reuse = reuse_kwargs(self.kv_reuse, context.segments, self.kv_store)
         if self.recompute is not None and "reuse_segments" in reuse:
             reuse["recompute"] = self.recompute
+        if "attention" in self.routes:
+            sampling.setdefault("attend_to", [chunk_segment(c) for c in context.chunks])
         return {
             "compression": self.compression if compression is _DEFAULT else compression,
             "question": context.question_text,
@@ -263,7 +280,10 @@ class DocumentQA:
         }
 
     def _answer(self, context: StuffedContext, result: GenerationResult) -> Answer:
-        citations, invalid, support = cite_with_support(context.question, result.text, context.chunks, self.attributor, self.routes)
+        attention = None
+        if "attention" in self.routes and result.span_attention:
+            attention = sentence_attention(self.engine.tokenizer, result.token_ids, result.span_attention, answer_sentences(result.text))
+        citations, invalid, support = cite_with_support(context.question, result.text, context.chunks, self.attributor, self.routes, attention)
         return Answer(context.question, result.text, citations, invalid, context, result, self.routes, support)
 
     def ask(self, question: str, *, compression: Any = _DEFAULT, **sampling: Any) -> Answer:

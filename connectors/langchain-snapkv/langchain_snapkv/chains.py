@@ -22,7 +22,7 @@ from langchain_core.messages import BaseMessage
 from langchain_core.runnables import Runnable, RunnableLambda, RunnablePassthrough
 
 from snapkv_rag.rag import EvidenceAttributor, build_messages
-from snapkv_rag.rag.qa import ROUTES, cite_with_support
+from snapkv_rag.rag.qa import TEXT_ROUTES, cite_with_support
 from snapkv_rag.rag.stuffing import SYSTEM_PROMPT
 
 from .chat_models import from_engine_messages
@@ -49,7 +49,7 @@ def create_cited_qa_chain(
     retriever: Runnable,
     *,
     embedder: Any = None,
-    routes: tuple[str, ...] = ROUTES,
+    routes: tuple[str, ...] = TEXT_ROUTES,
     system_prompt: str = SYSTEM_PROMPT,
 ) -> Runnable[Any, dict[str, Any]]:
     """A chain from a question to ``{"question", "answer", "citations", "documents", "message"}``.

@@ -1,0 +1,106 @@
+"""Which selection keeps the answers (issue 30): SnapKV's options against the full cache on RAG prompts.
+
+The 40 sample questions over examples/sample_corpus, retrieval-ranked chunks stuffed into a
+fixed number of LLM tokens, answered (32 new tokens, greedy, the engine's default dtype) with
+the full cache and with SnapKV (question window) at 4x and 8x, as the paper's token-level
+selection and with the options: span-aware keep (``chunk=N``, ChunkKV), per-layer budgets
+(``layers=pyramid``, PyramidKV) and both. Each question's full prompt K/V is computed once and
+reused by the compressed runs (the prefix cache; selection is then exactly as after a full
+prefill). Accuracy = the gold answer string appears in the answer; "lost" = right with the full
+cache, wrong compressed; "identical" = the same answer text as the full cache.
+
+    .venv/bin/python eval/selection_accuracy.py [--size 2K] [--questions N] [--options "" chunk=8 layers=pyramid]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from results_io import write_records, write_table  # noqa: E402
+
+from snapkv_rag import Engine  # noqa: E402
+from snapkv_rag.evaluation.rag_citation import answer_correct, load_questions  # noqa: E402
+from snapkv_rag.rag import DocumentQA, DocumentStore  # noqa: E402
+
+SIZES = {"1K": 1000, "2K": 2000, "4K": 4000}
+# budgets at 4x and 8x of the median prompt at each size
+BUDGETS = {"1K": {4: 256, 8: 128}, "2K": {4: 512, 8: 256}, "4K": {4: 1024, 8: 512}}
+DEFAULT_OPTIONS = ["", "chunk=8", "layers=pyramid", "chunk=8,layers=pyramid"]
+
+
+def method_spec(budget: int, options: str) -> str:
+    return f"snapkv:budget={budget},window=question" + (f",{options}" if options else "")
+
+
+def summary_lines(records: list[dict], size: str, options: list[str]) -> list[str]:
+    full = {r["question"]: r for r in records if r["method"] == "full"}
+    right = sum(r["correct"] for r in full.values())
+    lines = [
+        "| selection | ratio | budget | accuracy | lost vs full | gained | identical answers |",
+        "|---|---|---|---|---|---|---|",
+        f"| full cache | 1x | - | {right}/{len(full)} | - | - | - |",
+    ]
+    for ratio, budget in BUDGETS[size].items():
+        for opts in options:
+            rows = [r for r in records if r["method"] == method_spec(budget, opts)]
+            lost = sum(full[r["question"]]["correct"] and not r["correct"] for r in rows)
+            gained = sum(r["correct"] and not full[r["question"]]["correct"] for r in rows)
+            same = sum(r["answer"].strip() == full[r["question"]]["answer"].strip() for r in rows)
+            label = opts or "token-level (paper)"
+            lines.append(f"| {label} | {ratio}x | {budget} | {sum(r['correct'] for r in rows)}/{len(rows)} | {lost} | {gained} | {same}/{len(rows)} |")
+    return lines
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--size", choices=sorted(SIZES), default="2K")
+    ap.add_argument("--questions", type=int, default=None)
+    ap.add_argument("--options", nargs="*", default=DEFAULT_OPTIONS, help='SnapKV options per variant ("" = the paper\'s)')
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    out = Path(args.out or ROOT / f"eval/results/selection_accuracy_{args.size}")
+    questions = load_questions(ROOT / "examples/sample_questions.jsonl", args.questions)
+    engine = Engine.default()
+    records = []
+    with tempfile.TemporaryDirectory(prefix="snapkv-selection-") as tmp:
+        store = DocumentStore("selection-accuracy", path=tmp)
+        store.ingest([ROOT / "examples/sample_corpus"])
+        qa = DocumentQA(engine, store, compression=None, context_tokens=SIZES[args.size], max_new_tokens=32, kv_reuse="prefix")
+        methods = [None] + [method_spec(b, o) for b in BUDGETS[args.size].values() for o in args.options]
+        for q in questions:
+            context = qa.retrieve(q.question)
+            for method in methods:
+                answer = qa.answer_context(context, compression=method)
+                stats = answer.result.stats
+                records.append(
+                    {
+                        "size": args.size,
+                        "method": method or "full",
+                        "question": q.question,
+                        "prompt_tokens": answer.result.usage.prompt_tokens,
+                        "kept_tokens_per_layer": stats.kept_tokens_per_layer,
+                        "answer": answer.text,
+                        "correct": answer_correct(answer.text, q.answer),
+                    }
+                )
+                print(json.dumps(records[-1]), flush=True)
+    write_records(out, records)
+    prompt = statistics.median(r["prompt_tokens"] for r in records if r["method"] == "full")
+    lines = [
+        f"{len(questions)} questions, {args.size} stuffed (median prompt {prompt:.0f} tokens), model {engine.info().name}, dtype {engine.info().dtype}",
+        "",
+    ]
+    write_table(out, lines + summary_lines(records, args.size, args.options))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
