@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 import statistics
 import sys
 import tempfile
@@ -34,55 +33,18 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from corpora import CORPORA, load_corpus  # noqa: E402
 from results_io import write_records, write_table  # noqa: E402
 
 from snapkv_rag import Engine  # noqa: E402
 from snapkv_rag.compression import SnapKV  # noqa: E402
-from snapkv_rag.evaluation.rag_citation import RagQuestion, answer_correct, load_questions  # noqa: E402
+from snapkv_rag.evaluation.rag_citation import answer_correct  # noqa: E402
 from snapkv_rag.metrics import citation_prf  # noqa: E402
 from snapkv_rag.rag import DocumentQA, DocumentStore  # noqa: E402
 from snapkv_rag.rag.kv_reuse import precompute_chunk_kv  # noqa: E402
 
 RATIOS = (0.0, 0.05, 0.15, 0.30, 0.50)
 MAX_NEW_TOKENS = 32
-
-PLACES = [
-    "ferry terminal",
-    "weather station",
-    "archive",
-    "tram depot",
-    "lighthouse",
-    "market hall",
-    "seed bank",
-    "clock tower",
-    "water works",
-    "radio mast",
-    "boat yard",
-    "glass studio",
-]
-PEOPLE = ["Ada Quill", "Bram Osei", "Cora Lindqvist", "Dev Anand", "Elin Marsh", "Faisal Noor", "Greta Holm", "Hugo Varga"]
-
-
-def generated_corpus(folder: Path, documents: int = 120, seed: int = 0) -> list[RagQuestion]:
-    """``documents`` short reports about numbered sites, each with one unique code; a question per document."""
-    rng = random.Random(seed)
-    questions = []
-    for i in range(documents):
-        place = f"{PLACES[i % len(PLACES)]} {i // len(PLACES) + 1}"
-        code = f"{rng.choice('KMRTVX')}{rng.randint(100, 999)}"
-        keeper = rng.choice(PEOPLE)
-        opened = rng.randint(1890, 2015)
-        filler = " ".join(
-            f"Inspectors visited the {place} in {opened + k} and noted {rng.choice(['fresh paint', 'a new roof', 'repaired stairs', 'clean filters', 'a longer jetty'])}."
-            for k in range(6)
-        )
-        text = (
-            f"# Report on the {place}\n\nThe {place} opened in {opened} and is kept by {keeper}. {filler} "
-            f"The access code of the {place} is {code}. Visitors sign the book at the gate.\n"
-        )
-        (folder / f"site-{i:03d}.md").write_text(text)
-        questions.append(RagQuestion(f"What is the access code of the {place}?", code, [f"site-{i:03d}.md"]))
-    return questions
 
 
 def time_to_first_token(engine, messages, kwargs) -> tuple[object, float]:
@@ -98,7 +60,7 @@ def time_to_first_token(engine, messages, kwargs) -> tuple[object, float]:
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--corpus", choices=("sample", "generated"), default="sample")
+    ap.add_argument("--corpus", choices=CORPORA, default="sample")
     ap.add_argument("--sizes", default="2000,4000,8000")
     ap.add_argument("--questions", type=int, default=None)
     ap.add_argument("--prefix-questions", type=int, default=5, help="questions also timed with the prefix cache")
@@ -114,13 +76,7 @@ def main() -> int:
     engine = Engine.default()
     records: list[dict] = []
     with tempfile.TemporaryDirectory(prefix="snapkv-chunk-reuse-") as tmp:
-        if args.corpus == "sample":
-            corpus = ROOT / "examples/sample_corpus"
-            questions = load_questions(ROOT / "examples/sample_questions.jsonl", args.questions)
-        else:
-            corpus = Path(tmp) / "corpus"
-            corpus.mkdir()
-            questions = generated_corpus(corpus)[:: max(1, 120 // (args.questions or 120))][: args.questions]
+        corpus, questions = load_corpus(args.corpus, Path(tmp), args.questions)
         store = DocumentStore("chunk-reuse", path=Path(tmp) / "store")
         store.ingest([corpus])
         reference = DocumentQA(engine, store, compression=None, max_new_tokens=MAX_NEW_TOKENS, kv_reuse="off")

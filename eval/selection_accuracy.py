@@ -1,6 +1,7 @@
 """Which selection keeps the answers (issue 30): SnapKV's options against the full cache on RAG prompts.
 
-The 40 sample questions over examples/sample_corpus, retrieval-ranked chunks stuffed into a
+The 40 sample questions over examples/sample_corpus (or questions over the generated corpus of
+120 site reports, ``--corpus generated``), retrieval-ranked chunks stuffed into a
 fixed number of LLM tokens, answered (32 new tokens, greedy, the engine's default dtype) with
 the full cache and with SnapKV (question window) at 4x and 8x, as the paper's token-level
 selection and with the options: span-aware keep (``chunk=N``, ChunkKV), per-layer budgets
@@ -9,7 +10,7 @@ reused by the compressed runs (the prefix cache; selection is then exactly as af
 prefill). Accuracy = the gold answer string appears in the answer; "lost" = right with the full
 cache, wrong compressed; "identical" = the same answer text as the full cache.
 
-    .venv/bin/python eval/selection_accuracy.py [--size 2K] [--questions N] [--options "" chunk=8 layers=pyramid]
+    .venv/bin/python eval/selection_accuracy.py [--corpus sample|generated] [--size 2K] [--questions N] [--options "" chunk=8 layers=pyramid]
 """
 
 from __future__ import annotations
@@ -24,10 +25,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from corpora import CORPORA, load_corpus  # noqa: E402
 from results_io import write_records, write_table  # noqa: E402
 
 from snapkv_rag import Engine  # noqa: E402
-from snapkv_rag.evaluation.rag_citation import answer_correct, load_questions  # noqa: E402
+from snapkv_rag.evaluation.rag_citation import answer_correct  # noqa: E402
 from snapkv_rag.rag import DocumentQA, DocumentStore  # noqa: E402
 
 SIZES = {"1K": 1000, "2K": 2000, "4K": 4000}
@@ -61,18 +63,20 @@ def summary_lines(records: list[dict], size: str, options: list[str]) -> list[st
 
 def main() -> int:
     ap = argparse.ArgumentParser()
+    ap.add_argument("--corpus", choices=CORPORA, default="sample")
     ap.add_argument("--size", choices=sorted(SIZES), default="2K")
     ap.add_argument("--questions", type=int, default=None)
     ap.add_argument("--options", nargs="*", default=DEFAULT_OPTIONS, help='SnapKV options per variant ("" = the paper\'s)')
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    out = Path(args.out or ROOT / f"eval/results/selection_accuracy_{args.size}")
-    questions = load_questions(ROOT / "examples/sample_questions.jsonl", args.questions)
+    suffix = "" if args.corpus == "sample" else f"_{args.corpus}"
+    out = Path(args.out or ROOT / f"eval/results/selection_accuracy_{args.size}{suffix}")
     engine = Engine.default()
     records = []
     with tempfile.TemporaryDirectory(prefix="snapkv-selection-") as tmp:
-        store = DocumentStore("selection-accuracy", path=tmp)
-        store.ingest([ROOT / "examples/sample_corpus"])
+        corpus, questions = load_corpus(args.corpus, Path(tmp), args.questions)
+        store = DocumentStore("selection-accuracy", path=Path(tmp) / "store")
+        store.ingest([corpus])
         qa = DocumentQA(engine, store, compression=None, context_tokens=SIZES[args.size], max_new_tokens=32, kv_reuse="prefix")
         methods = [None] + [method_spec(b, o) for b in BUDGETS[args.size].values() for o in args.options]
         for q in questions:

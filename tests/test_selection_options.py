@@ -85,6 +85,11 @@ def test_pyramid_schedule_decreases_and_keeps_the_mean(layers, budget, window):
         assert budgets[0] > budget > budgets[-1]
 
 
+def test_default_options_leave_the_spec_as_it_was():
+    assert SnapKV().spec() == "snapkv:window_size=32,max_capacity_prompt=1024,kernel_size=7,pooling=max,gqa_reduce=mean,min_window=8,max_window=64"
+    assert "chunk_size=4" in SnapKV(chunk_size=4).spec() and "layer_budgets" not in SnapKV(chunk_size=4).spec()
+
+
 def test_options_parse_and_round_trip():
     policy = parse_compression("snapkv:budget=64,window=8,chunk=4,layers=pyramid,beta=10")
     assert (policy.chunk_size, policy.layer_budgets, policy.pyramid_beta) == (4, "pyramid", 10)

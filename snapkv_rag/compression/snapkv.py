@@ -132,6 +132,16 @@ class SnapKV(CompressionPolicy):
             layer_budgets="uniform",
         )
 
+    def spec_fields(self) -> dict:
+        """As the base's, leaving out the selection options at their defaults (specs and the
+        keys derived from them stay what they were before the options existed)."""
+        fields = super().spec_fields()
+        if fields.get("chunk_size") == 1:
+            del fields["chunk_size"]
+        if fields.get("layer_budgets") == "uniform":
+            del fields["layer_budgets"], fields["pyramid_beta"]
+        return fields
+
     def for_decode(self) -> SnapKV:
         # decode_budget is a per-layer cap; decode-time cuts bring every layer back to it
         return dataclasses.replace(super().for_decode(), layer_budgets="uniform")  # type: ignore[return-value]
