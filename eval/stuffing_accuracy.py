@@ -5,7 +5,7 @@ The 40 sample questions over examples/sample_corpus, retrieval-ranked chunks stu
 cache and with DocumentQA's default policy (SnapKV 1024, question window), 32 new tokens,
 greedy, the engine's default dtype. Accuracy = the gold answer string appears in the answer.
 
-    .venv/bin/python eval/stuffing_accuracy.py [--out eval/results/stuffing_accuracy] [--questions N]
+    .venv/bin/python eval/stuffing_accuracy.py [--out eval/results/stuffing_accuracy] [--questions N] [--sizes 1K 2K 4K fill]
 """
 
 from __future__ import annotations
@@ -35,7 +35,9 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=str(ROOT / "eval/results/stuffing_accuracy"))
     ap.add_argument("--questions", type=int, default=None)
+    ap.add_argument("--sizes", nargs="*", choices=list(SIZES), default=list(SIZES))
     args = ap.parse_args()
+    sizes = {k: v for k, v in SIZES.items() if k in args.sizes}
     out = Path(args.out)
     questions = load_questions(ROOT / "examples/sample_questions.jsonl", args.questions)
     engine = Engine.default()
@@ -43,7 +45,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="snapkv-stuffing-") as tmp:
         store = DocumentStore("stuffing-accuracy", path=tmp)
         store.ingest([ROOT / "examples/sample_corpus"])
-        for size, tokens in SIZES.items():
+        for size, tokens in sizes.items():
             qa = DocumentQA(engine, store, compression=None, context_tokens=tokens, max_new_tokens=32, kv_reuse="prefix")
             for q in questions:
                 context = qa.retrieve(q.question)
@@ -66,7 +68,7 @@ def main() -> int:
                     print(json.dumps(records[-1]), flush=True)
     write_records(out, records)
     lines = ["| stuffed | median prompt tokens | gold file stuffed | full cache accuracy | SnapKV 1024 (default) accuracy |", "|---|---|---|---|---|"]
-    for size in SIZES:
+    for size in sizes:
         rows = {m: [r for r in records if r["size"] == size and r["method"] == m] for m in METHODS}
         full, snap = rows["full"], rows["snapkv 1024 (default)"]
         lines.append(
