@@ -32,9 +32,9 @@ from snapkv_rag import Engine  # noqa: E402
 from snapkv_rag.evaluation.rag_citation import answer_correct  # noqa: E402
 from snapkv_rag.rag import DocumentQA, DocumentStore  # noqa: E402
 
-SIZES = {"1K": 1000, "2K": 2000, "4K": 4000}
-# budgets at 4x and 8x of the median prompt at each size
-BUDGETS = {"1K": {4: 256, 8: 128}, "2K": {4: 512, 8: 256}, "4K": {4: 1024, 8: 512}}
+SIZES = {"1K": 1000, "1.5K": 1500, "2K": 2000, "4K": 4000}
+# budgets at 4x and 8x of the median prompt at each size; at 1.5K, document QA's default budget (about 1.5x)
+BUDGETS: dict[str, dict[float, int]] = {"1K": {4: 256, 8: 128}, "1.5K": {1.5: 1024}, "2K": {4: 512, 8: 256}, "4K": {4: 1024, 8: 512}}
 DEFAULT_OPTIONS = ["", "chunk=8", "layers=pyramid", "chunk=8,layers=pyramid"]
 
 
@@ -57,7 +57,7 @@ def summary_lines(records: list[dict], size: str, options: list[str]) -> list[st
             gained = sum(r["correct"] and not full[r["question"]]["correct"] for r in rows)
             same = sum(r["answer"].strip() == full[r["question"]]["answer"].strip() for r in rows)
             label = opts or "token-level (paper)"
-            lines.append(f"| {label} | {ratio}x | {budget} | {sum(r['correct'] for r in rows)}/{len(rows)} | {lost} | {gained} | {same}/{len(rows)} |")
+            lines.append(f"| {label} | {ratio:g}x | {budget} | {sum(r['correct'] for r in rows)}/{len(rows)} | {lost} | {gained} | {same}/{len(rows)} |")
     return lines
 
 

@@ -71,6 +71,21 @@ def test_chunked_snapkv_differs_from_token_level_and_chunk_one_is_the_paper():
     assert not torch.equal(SnapKV(window_size=8, max_capacity_prompt=40, chunk_size=8).select(queries, keys), token)
 
 
+def test_spans_only_for_cuts_at_least_chunk_min_ratio_deep():
+    queries, keys = random_qk(seed=6, n=96)
+    token = SnapKV(window_size=8, max_capacity_prompt=40).select(queries, keys)
+    spans = SnapKV(window_size=8, max_capacity_prompt=40, chunk_size=8).select(queries, keys)
+    assert not torch.equal(token, spans)
+    shallow = SnapKV(window_size=8, max_capacity_prompt=40, chunk_size=8, chunk_min_ratio=3)  # 96 < 3 x 40
+    deep = SnapKV(window_size=8, max_capacity_prompt=40, chunk_size=8, chunk_min_ratio=2)  # 96 >= 2 x 40
+    assert torch.equal(shallow.select(queries, keys), token)
+    assert torch.equal(deep.select(queries, keys), spans)
+    # a padded row decides by its real length: 96 real tokens behind 30 of padding are still < 3 x 40
+    padded = torch.cat([torch.zeros(1, 2, 30, 16), keys], dim=2)
+    mask = torch.cat([torch.zeros(1, 30), torch.ones(1, 96)], dim=1).long()
+    assert torch.equal(shallow.select(queries, padded, mask) - 30, token)
+
+
 # ------------------------------------------------------------------ per-layer budgets
 
 
@@ -91,13 +106,13 @@ def test_default_options_leave_the_spec_as_it_was():
 
 
 def test_options_parse_and_round_trip():
-    policy = parse_compression("snapkv:budget=64,window=8,chunk=4,layers=pyramid,beta=10")
-    assert (policy.chunk_size, policy.layer_budgets, policy.pyramid_beta) == (4, "pyramid", 10)
+    policy = parse_compression("snapkv:budget=64,window=8,chunk=4,chunk_from=2,layers=pyramid,beta=10")
+    assert (policy.chunk_size, policy.chunk_min_ratio, policy.layer_budgets, policy.pyramid_beta) == (4, 2, "pyramid", 10)
     assert parse_compression(policy.spec()) == policy
     assert parse_compression(policy.spec() + ",decode_budget=48").for_decode().layer_budgets == "uniform"
 
 
-@pytest.mark.parametrize("spec", ["snapkv:chunk=0", "snapkv:layers=triangle", "snapkv:layers=pyramid,beta=0"])
+@pytest.mark.parametrize("spec", ["snapkv:chunk=0", "snapkv:chunk=8,chunk_from=0", "snapkv:layers=triangle", "snapkv:layers=pyramid,beta=0"])
 def test_bad_options_are_one_clear_error(spec):
     with pytest.raises(InvalidCompressionError):
         parse_compression(spec)

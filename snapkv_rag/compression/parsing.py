@@ -31,6 +31,7 @@ ALIASES = {
     "sinks": "sink_tokens",
     "gqa": "gqa_reduce",
     "chunk": "chunk_size",
+    "chunk_from": "chunk_min_ratio",
     "layers": "layer_budgets",
     "beta": "pyramid_beta",
 }

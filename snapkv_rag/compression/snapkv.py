@@ -48,7 +48,9 @@ class SnapKV(CompressionPolicy):
     - ``chunk_size=c`` (ChunkKV, Liu et al. 2025, arXiv:2502.00299): the prefix is cut into
       spans of ``c`` tokens, counted back from the window, and whole spans are kept in the
       order of their summed (pooled) votes, so a kept fact keeps the words around it. The
-      last span that fits only in part keeps its earliest tokens.
+      last span that fits only in part keeps its earliest tokens. With ``chunk_min_ratio=r``
+      spans are used only when the prompt is at least ``r`` times the budget (a shallower cut
+      selects token by token).
     - ``layer_budgets="pyramid"`` (PyramidKV, Cai et al. 2024, arXiv:2406.02069): the bottom
       compressed layer keeps the most entries and the top one the fewest, in a straight line
       whose mean is ``max_capacity_prompt`` (so the cache holds as many entries in all as the
@@ -66,6 +68,7 @@ class SnapKV(CompressionPolicy):
     min_window: int = 8
     max_window: int = 64
     chunk_size: int = 1
+    chunk_min_ratio: int = 1  # spans only when the prompt is at least this many times the budget
     layer_budgets: str = "uniform"
     pyramid_beta: int = 20
     decode_budget: int | None = None  # cut the cache back to this many entries per layer during decoding
@@ -92,6 +95,7 @@ class SnapKV(CompressionPolicy):
         check_choice("SnapKV", "pooling", self.pooling, ("max", "avg"))
         check_choice("SnapKV", "gqa_reduce", self.gqa_reduce, ("mean", "max"))
         check_positive_int("SnapKV", "chunk_size", self.chunk_size)
+        check_positive_int("SnapKV", "chunk_min_ratio", self.chunk_min_ratio)
         check_choice("SnapKV", "layer_budgets", self.layer_budgets, LAYER_BUDGETS)
         check_positive_int("SnapKV", "pyramid_beta", self.pyramid_beta)
         self.check_decode_budget()
@@ -138,6 +142,8 @@ class SnapKV(CompressionPolicy):
         fields = super().spec_fields()
         if fields.get("chunk_size") == 1:
             del fields["chunk_size"]
+        if fields.get("chunk_min_ratio") == 1:
+            del fields["chunk_min_ratio"]
         if fields.get("layer_budgets") == "uniform":
             del fields["layer_budgets"], fields["pyramid_beta"]
         return fields
@@ -162,7 +168,11 @@ class SnapKV(CompressionPolicy):
         else:
             pooled = F.avg_pool1d(flat, self.kernel_size, stride=1, padding=pad)
         pooled = pooled.reshape(b, h, p)
-        return span_scores(pooled, self.chunk_size) if self.chunk_size > 1 else pooled
+        if self.chunk_size == 1:
+            return pooled
+        real = attention_mask.sum(dim=-1) if attention_mask is not None else torch.full((b,), n, device=votes.device)
+        deep_cut = (real >= self.chunk_min_ratio * self.max_capacity_prompt)[:, None, None]  # per row: its real length
+        return torch.where(deep_cut, span_scores(pooled, self.chunk_size), pooled)
 
     def select(self, queries, keys, attention_mask=None, *, scaling=None):
         b, kv_heads, n, _ = keys.shape
