@@ -166,7 +166,9 @@ def test_padded_batch_with_per_layer_budgets_equals_single_runs(policy, tokenize
     engine = tiny_engine("llama", tokenizer)
     prompts = [LONG, "Short prompt here.", LONG.replace("fox", "cat") + " Tell me."]
     singles = [engine.generate(p, max_new_tokens=8, compression=policy, chat=False) for p in prompts]
-    batch = engine.generate_batch(prompts, max_new_tokens=8, compression=policy, chat=False)
+    # one padded batch (bucket=False): the short prompt's padding reaches into the widest layer only
+    batch = engine.generate_batch(prompts, max_new_tokens=8, compression=policy, chat=False, bucket=False)
+    assert batch[0].stats.batch_size == 3
     assert [r.token_ids for r in batch] == [r.token_ids for r in singles]
     assert len(set(batch[0].stats.kept_tokens_per_layer)) == 2
 
