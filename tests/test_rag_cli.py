@@ -56,6 +56,13 @@ def test_ask_json_has_answer_sources_and_stats(docs, tmp_path, model_dir, capsys
     assert main([*args, "--max-new-tokens", "3"]) == 0
     text = capsys.readouterr().out
     assert "Sources:" in text and "Stuffed 2 chunks" in text
+    # per-layer budgets: the summary gives the range of entries the layers kept
+    pyramid = [*args, "--max-new-tokens", "3", "--compression", "snapkv:budget=96,window=question,layers=pyramid"]
+    assert main([*pyramid, "--json"]) == 0
+    kept = json.loads(capsys.readouterr().out)["stats"]["kept_tokens_per_layer"]
+    assert kept[0] > kept[1]
+    assert main(pyramid) == 0
+    assert f"KV kept {kept[1]}-{kept[0]} per layer" in capsys.readouterr().out
 
 
 def test_sources_name_each_route_once():
