@@ -19,6 +19,7 @@ from .generation import DecodeRun
 from .loading import DEFAULT_MODEL, RECOMMENDED_CONTEXT_TOKENS, RECOMMENDED_KV_REUSE, load_model_and_tokenizer
 from .memory import PeakMemory
 from .offered import OFFERED
+from .packed_linear import weight_layout
 from .prefix_cache import PrefixCache, default_prefix_cache_bytes, reuse_tail
 from .prompts import PromptLike, question_tail_tokens, render_prompt, segment_spans, text_token_spans
 from .quantization import parameter_count, weight_format
@@ -57,6 +58,7 @@ class ModelInfo:
     device: str
     parameters: int
     weights: str = "native"
+    weight_layout: str = "plain"
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -153,11 +155,14 @@ class Engine:
         max_batch_size: int | None = None,
         prefill_chunk_tokens: int | None = None,
         weights: str | None = None,
+        pack_weights: bool | None = None,
     ) -> Engine:
         """A hub id, a local model directory, a ``.gguf`` file, or ``"default"``.
 
         ``weights``: ``"native"`` (None) or ``"int8"``: weight-only int8 linear layers, CPU only;
-        faster decode, slightly less exact (eval/RESULTS.md, "Weight-only int8").
+        faster decode, slightly less exact (eval/RESULTS.md, "Weight-only int8"). ``pack_weights``:
+        None packs the CPU's linear weights for oneDNN once (:mod:`snapkv_rag.packed_linear`),
+        False keeps PyTorch's plain layout.
         ``prefix_cache_bytes``, ``max_batch_size`` and ``prefill_chunk_tokens`` as in :class:`Engine`
         (None: their defaults)."""
         if attn_implementation not in WRAPPED_IMPLEMENTATIONS:
@@ -169,6 +174,7 @@ class Engine:
             attn_implementation=attn_implementation,
             trust_remote_code=trust_remote_code,
             weights=weights,
+            pack_weights=pack_weights,
         )
         return cls(
             model, tokenizer, name=name_or_path, prefix_cache_bytes=prefix_cache_bytes, max_batch_size=max_batch_size, prefill_chunk_tokens=prefill_chunk_tokens
@@ -203,6 +209,7 @@ class Engine:
             device=str(self.device),
             parameters=self._parameter_count,
             weights=weight_format(self.model),
+            weight_layout=weight_layout(self.model),
         )
 
     def count_tokens(self, prompt: PromptLike, *, chat: bool | None = None, tools: Any = None) -> int:

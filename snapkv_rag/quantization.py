@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .errors import InvalidDeviceError
+from .packed_linear import packed_parameter_count
 
 WEIGHT_FORMATS = ("native", "int8")
 # The kernel reads the reduction dimension in blocks of 16: other widths crash it or (8) give wrong
@@ -70,9 +71,9 @@ def weight_format(model: nn.Module) -> str:
 
 
 def parameter_count(model: nn.Module) -> int:
-    """Parameters, int8 weights included (they are buffers, not ``nn.Parameter``)."""
+    """Parameters, int8 and packed weights included (they are not ``nn.Parameter``)."""
     quantized = sum(m.qweight.numel() for m in model.modules() if isinstance(m, Int8Linear))
-    return sum(p.numel() for p in model.parameters()) + quantized
+    return sum(p.numel() for p in model.parameters()) + quantized + packed_parameter_count(model)
 
 
 def quantizable(module: nn.Module) -> bool:

@@ -30,6 +30,7 @@ from pathlib import Path
 
 import torch
 
+from .packed_linear import weight_layout
 from .quantization import weight_format
 
 FORMAT = "snapkv-rag-segment-kv/1"
@@ -39,13 +40,14 @@ SUFFIX = ".safetensors"
 
 def model_signature(model, name: str = "") -> str:
     """A short hash of what makes K/V of one model differ from another's: name, config, dtype,
-    weight format (int8 or native) and a sample of the weights (two random models with one config
+    weight format (int8 or native), layout (packed or plain) and a sample of the weights (two random models with one config
     differ too)."""
     digest = hashlib.sha256()
     digest.update(name.encode())
     digest.update(model.config.to_json_string(use_diff=False).encode())
     digest.update(str(model.dtype).encode())
     digest.update(weight_format(model).encode())
+    digest.update(weight_layout(model).encode())
     params = list(model.parameters())
     for tensor in (params[0], params[len(params) // 2], params[-1]):
         sample = tensor.detach().flatten()[:4096].float().cpu()

@@ -20,6 +20,7 @@ from .. import __version__
 from ..compression import CompressionPolicy, parse_compression
 from ..errors import InvalidCompressionError
 from ..metrics import greedy_agreement, needle_exact_match, next_token_kl
+from ..packed_linear import packed_weight_bytes
 from .citation import build_questions
 from .needle import build_needle_case
 
@@ -208,7 +209,9 @@ def measure_bandwidth(device: torch.device | str = "cpu", megabytes: int = 512, 
 
 
 def weight_bytes(model) -> int:
-    return sum(p.numel() * p.element_size() for p in model.parameters())
+    """Parameters plus the weights held outside them (int8 buffers, oneDNN-packed layers)."""
+    held = sum(b.numel() * b.element_size() for b in model.buffers() if b.dtype == torch.int8)
+    return sum(p.numel() * p.element_size() for p in model.parameters()) + held + packed_weight_bytes(model)
 
 
 def run_speed(

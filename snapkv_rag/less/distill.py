@@ -34,6 +34,7 @@ from tqdm.auto import tqdm
 from ..compression import LESS, CompressionPolicy, parse_compression
 from ..compression.runtime import PrefillCompression, capturing, select_for_prompt
 from ..errors import LessTrainingError
+from ..packed_linear import unpacked_linears
 from .corpus import corpus_tokens, overlapping_windows, validation_tail
 from .kernels import LayerKernels, LessKernels
 
@@ -233,12 +234,14 @@ def distill(
 ) -> tuple[LessKernels, dict[str, Any]]:
     """Fine-tune ``kernels`` (stage 1's, a copy is trained) on the end-to-end KL; returns the best epoch's.
 
-    The model's parameters are frozen for the run and given back their ``requires_grad`` after."""
+    The model's parameters are frozen for the run and given back their ``requires_grad`` after;
+    oneDNN-packed layers run plain for it (the packed ones have no gradient)."""
     trainable = [p for p in engine.model.parameters() if p.requires_grad]
     for p in trainable:
         p.requires_grad_(False)
     try:
-        return _distill(engine, kernels, train_paths, val_paths, budget, config, progress)
+        with unpacked_linears(engine.model):  # gradients flow through the model's layers to the kernels
+            return _distill(engine, kernels, train_paths, val_paths, budget, config, progress)
     finally:
         for p in trainable:
             p.requires_grad_(True)
