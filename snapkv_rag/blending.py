@@ -136,9 +136,9 @@ class _ProbeDone(Exception):
 def layer_kv(model, ids: torch.Tensor, positions: torch.Tensor, *, layers: int | None = None) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Per-layer K and V ``[1, kv_heads, n, head_dim]`` of ``ids`` at ``positions`` with a plain
     causal forward; ``layers``: stop after that many decoder layers (a cheap probe)."""
-    from .kv_cache import new_cache
+    from transformers import DynamicCache
 
-    cache = new_cache(model.config)
+    cache = DynamicCache(config=model.config)
     hook = None
     if layers is not None and layers < len(_decoder(model).layers):
 
@@ -280,9 +280,9 @@ def recompute_positions(model, row: list[int], prompt: AssembledPrompt, tail: in
 def blending_cache(model, prompt: AssembledPrompt, positions: torch.Tensor):
     """A cache whose first update of each layer takes that layer's assembled K/V and writes the
     computed tokens' K/V into their slots (``positions``) instead of appending them."""
-    from .kv_cache import AppendCache
+    from transformers import DynamicCache
 
-    class BlendingCache(AppendCache):
+    class BlendingCache(DynamicCache):
         scatter: torch.Tensor | None = None
 
         def update(self, key_states, value_states, layer_idx, *args, **kwargs):

@@ -36,10 +36,10 @@ def left_pad(rows: list[list[int]], pad_id: int, device: torch.device) -> tuple[
 
 
 def plain_cache(model, cache):
-    """A plain cache (:func:`new_cache`) holding ``cache``'s layer tensors (no copy)."""
-    from .kv_cache import new_cache
+    """A ``DynamicCache`` holding ``cache``'s layer tensors (no copy)."""
+    from transformers import DynamicCache
 
-    plain = new_cache(model.config)
+    plain = DynamicCache(config=model.config)
     for layer, source in zip(plain.layers, cache.layers):
         layer.lazy_initialization(source.keys, source.values)
         layer.keys, layer.values = source.keys, source.values
@@ -146,7 +146,7 @@ class DecodeRun:
         eos_ids: frozenset[int] = frozenset(),
         attention_spans: Sequence[tuple[int, int]] | None = None,
     ):
-        from .kv_cache import new_cache
+        from transformers import DynamicCache
 
         self.model = model
         self.constraint = constraint
@@ -165,7 +165,7 @@ class DecodeRun:
         # layers, one for the uncompressed sliding layers when the model mixes both kinds.
         self._kv_mask: torch.Tensor | None = None
         self._sliding_mask: torch.Tensor | None = None
-        self.cache = new_cache(model.config)
+        self.cache = DynamicCache(config=model.config)
         # Prefix reuse needs plain (non-sliding) layers: a sliding layer keeps only its window.
         sliding_cache = any(self.sliding) or any(getattr(self.cache, "is_sliding", []))
         self.prefix_cache = prefix_cache if prefix_cache is not None and prefix_cache.max_bytes > 0 and not sliding_cache else None
@@ -424,10 +424,10 @@ class DecodeRun:
     def hand_over(self):
         """Give the prefilled cache to a running batch: ``(cache, mask [batch, entries] or None,
         last positions [batch, 1])``; this run keeps an empty cache."""
-        from .kv_cache import new_cache
+        from transformers import DynamicCache
 
         handed = (self.cache, self._kv_mask, self._last_position)
-        self.cache = new_cache(self.model.config)
+        self.cache = DynamicCache(config=self.model.config)
         self._kv_mask = None
         return handed
 
