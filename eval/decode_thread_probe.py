@@ -2,10 +2,12 @@
 
 Not a test. Loads the embedded model on the main thread, prefills a 500-token prompt and times
 32 greedy decode steps of the bare model (no engine), on the main thread (``m``) or on a new
-thread (``t``), in the order given:
+thread (``t``), or frees the main thread's OpenMP threads (``r``, what the engine does when a
+thread hands it a request: snapkv_rag.openmp), in the order given:
 
     .venv/bin/python eval/decode_thread_probe.py mmtt
     .venv/bin/python eval/decode_thread_probe.py ttmm
+    .venv/bin/python eval/decode_thread_probe.py mtrtmrt
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from snapkv_rag import Engine  # noqa: E402
+from snapkv_rag.openmp import release_thread_pool  # noqa: E402
 
 STEPS = 32
 
@@ -48,6 +51,9 @@ def main() -> int:
     engine = Engine.default(prefix_cache_bytes=0)
     ids = torch.tensor([engine.tokenizer("hello " * 500)["input_ids"][:500]])
     for step in order:
+        if step == "r":
+            print(f"main thread's OpenMP threads freed: {release_thread_pool()}", flush=True)
+            continue
         ms = decode_ms(engine.model, ids) if step == "m" else on_new_thread(engine.model, ids)
         print(f"{'main thread' if step == 'm' else 'new thread'}: {ms:.1f} ms per token", flush=True)
     return 0

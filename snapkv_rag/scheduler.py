@@ -44,6 +44,7 @@ import torch
 from .compression.decoding import layer_entries
 from .detokenize import SequenceText
 from .generation import cache_bytes, choose_tokens, model_forward
+from .openmp import release_thread_pool
 from .sampling import make_generator
 from .tools import ToolCallStream
 
@@ -373,6 +374,7 @@ class Scheduler:
                 self._worker = threading.Thread(target=self._loop, name="snapkv-rag-model", daemon=True)
                 self._worker.start()
             self._cv.notify()
+        release_thread_pool()  # this thread's idle OpenMP threads would slow the worker's (snapkv_rag.openmp)
         task.done.wait()
         if task.error is not None:
             raise task.error
@@ -444,6 +446,7 @@ class Scheduler:
         with self._cv:
             idle = not self._tasks and not self._groups and self._active is None
             if idle and not self._stopping:
+                release_thread_pool()  # an idle engine's OpenMP threads would slow other threads' torch work
                 self._cv.wait(IDLE_SECONDS)
                 idle = not self._tasks and not self._groups
             if idle or self._stopping:
