@@ -8,9 +8,10 @@ Not a test. Needs the optional extra (it compiles llama.cpp, about 10 minutes on
 Rows: llama.cpp on the shipped Q4_1 GGUF (flash attention on), llama.cpp on another GGUF of the
 same model when ``--bf16-gguf`` names one (llama.cpp's ``convert_hf_to_gguf.py --outtype bf16``
 on the engine's de-quantized copy; its vocabulary detection fell back to sentencepiece here, so
-that row was not produced), and the engine in each ``--engines`` configuration (dtype/weights:
-fp32 with native weights was the CPU default before issue 25; the default is now bf16 where the
-CPU has it, with int8 weights), full cache and SnapKV 1024 with the question window.
+that row was not produced), and the engine in each ``--engines`` configuration (dtype/weights[/plain]:
+fp32 with native weights in the plain layout was the CPU default before issue 25; the default is
+now bf16 where the CPU has it, native weights packed for oneDNN; int8 is an option), full cache
+and SnapKV 1024 with the question window. ``--engine-only`` leaves llama.cpp out.
 Each prompt is rendered once by the engine's chat template; llama.cpp gets the same ids. Every
 runner runs in a child process of its own (in one process llama.cpp's OpenMP threads slowed the
 engine, and several engines' thread pools would share the cores).
@@ -53,12 +54,16 @@ def corpus_prompt(tokenizer, tokens: int) -> str:
 
 
 def engine_worker(config: str, length: int, tokens: int, threads: int) -> None:
-    """Child process: the engine in ``dtype/weights``, both cache methods on one prompt; prints JSON."""
+    """Child process: the engine in ``dtype/weights[/plain]``, both cache methods on one prompt; prints JSON.
+
+    ``/plain`` keeps PyTorch's plain weight layout (the default packs the CPU's linear weights for oneDNN)."""
     from snapkv_rag import Engine
 
     torch.set_num_threads(threads)
-    dtype, weights = config.split("/")
-    engine = Engine.default(dtype=dtype, weights=weights)
+    dtype, weights, *options = config.split("/")
+    if set(options) - {"plain"}:
+        raise SystemExit(f"unknown engine options {options} in {config!r}; only /plain")
+    engine = Engine.default(dtype=dtype, weights=weights, pack_weights=False if "plain" in options else None)
     prompt = corpus_prompt(engine.tokenizer, length)
     rows = []
     for label, spec in ENGINE_METHODS:
@@ -112,7 +117,12 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=32, help="decode steps measured")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--engines", default="float32/native,bfloat16/native,bfloat16/int8", help="engine dtype/weights configurations")
+    parser.add_argument(
+        "--engines",
+        default="float32/native/plain,bfloat16/native/plain,bfloat16/native,bfloat16/int8",
+        help="engine dtype/weights[/plain] configurations (plain: weights not packed for oneDNN, as before)",
+    )
+    parser.add_argument("--engine-only", action="store_true", help="only the engine rows (no llama.cpp needed)")
     parser.add_argument("--bf16-gguf", type=Path, default=None, help="a bf16 GGUF of the same model, compared too")
     parser.add_argument("--out", type=Path, default=ROOT / "eval" / "results" / "llamacpp")
     parser.add_argument("--worker", nargs=2, metavar=("GGUF", "IDS_JSON"), help=argparse.SUPPRESS)
@@ -122,10 +132,11 @@ def main() -> None:
         return llama_cpp_worker(args.worker[0], args.worker[1], args.tokens, args.threads)
     if args.engine_worker:
         return engine_worker(args.engine_worker[0], int(args.engine_worker[1]), args.tokens, args.threads)
-    try:
-        import llama_cpp  # noqa: F401
-    except ImportError:
-        sys.exit('llama-cpp-python is not installed: .venv/bin/pip install -e ".[llamacpp]" (compiles llama.cpp, ~10 minutes)')
+    if not args.engine_only:
+        try:
+            import llama_cpp  # noqa: F401
+        except ImportError:
+            sys.exit('llama-cpp-python is not installed: .venv/bin/pip install -e ".[llamacpp]" (compiles llama.cpp, ~10 minutes), or pass --engine-only')
 
     from transformers import AutoTokenizer
 
@@ -135,8 +146,8 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     tokenizer = AutoTokenizer.from_pretrained(resolve_model_source(DEFAULT_MODEL)[0])
     gguf = embedded_gguf_path()
-    runners = {"llama.cpp, shipped Q4_1 GGUF, flash-attn": str(gguf)}
-    if args.bf16_gguf is not None:
+    runners = {} if args.engine_only else {"llama.cpp, shipped Q4_1 GGUF, flash-attn": str(gguf)}
+    if args.bf16_gguf is not None and not args.engine_only:
         runners["llama.cpp, same weights in bf16, flash-attn"] = str(args.bf16_gguf)
 
     lengths = [int(n) for n in args.lengths.split(",")]
@@ -177,7 +188,9 @@ def main() -> None:
             rows = [r for r in records if r["runner"] == name and r["length"] == n]
             cells += [f"{statistics.median(r['prefill_s'] for r in rows):.1f} s", f"{statistics.median(r['decode_ms'] for r in rows):.1f} ms"]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
-    command = f"--lengths {args.lengths} --tokens {args.tokens} --rounds {args.rounds} --engines {args.engines}"
+    command = f"--lengths {args.lengths} --tokens {args.tokens} --rounds {args.rounds} --engines {args.engines}" + (
+        " --engine-only" if args.engine_only else ""
+    )
     lines += ["", f"Command: `.venv/bin/python eval/llamacpp_compare.py {command}`"]
     write_table(args.out, lines)
 

@@ -1,0 +1,108 @@
+"""Packed against plain linear weights in the engine, in one process, interleaved (issue 25).
+
+Not a test. One engine (the embedded model, ``--dtype``); its oneDNN-packed linear layers and plain
+``nn.Linear`` copies of them are swapped in turn, so both layouts decode the same prompts on the
+same cache through the same engine, round after round, and the machine's drift hits both alike.
+Decode: ms per token over ``--tokens`` greedy steps after a prompt whose K/V comes from the
+prefix cache (prefilled once); full cache and SnapKV 1024 (question window). Prefill: seconds for
+a whole prompt with no reuse, at the ``--prefill-lengths``.
+
+    .venv/bin/python eval/packed_weights.py --out eval/results/packed_weights
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+from llamacpp_compare import corpus_prompt  # noqa: E402
+from results_io import write_records, write_table  # noqa: E402
+
+METHODS = {"full cache": None, "SnapKV 1024 (question window)": "snapkv:budget=1024,window=question"}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--lengths", default="512,7800", help="prompt tokens for decode")
+    parser.add_argument("--prefill-lengths", default="512,2000", help="prompt tokens for prefill (no reuse)")
+    parser.add_argument("--tokens", type=int, default=32)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--out", type=Path, default=ROOT / "eval" / "results" / "packed_weights")
+    args = parser.parse_args()
+
+    from snapkv_rag import Engine
+    from snapkv_rag.packed_linear import packed_layers
+
+    torch.set_num_threads(args.threads)
+    engine = Engine.default(dtype=args.dtype)
+    model = engine.model
+    layers = packed_layers(model)
+    if not layers:
+        sys.exit(f"nothing was packed ({args.dtype} on this CPU): no comparison to make")
+    layouts = {"packed": dict(layers), "plain": {name: layer.to_linear() for name, layer in layers}}
+
+    def use(layout: str) -> None:
+        for name, module in layouts[layout].items():
+            parent, _, attr = name.rpartition(".")
+            setattr(model.get_submodule(parent) if parent else model, attr, module)
+
+    records = []
+    for n in [int(x) for x in args.lengths.split(",")]:
+        prompt = corpus_prompt(engine.tokenizer, n)
+        engine.generate(prompt, max_new_tokens=1)  # the prompt's K/V into the prefix cache
+        for round_ in range(args.rounds):
+            for method, spec in METHODS.items():
+                for layout in layouts:
+                    use(layout)
+                    result = engine.generate(prompt, max_new_tokens=args.tokens + 1, ignore_eos=True, compression=spec)
+                    records.append({"kind": "decode", "length": n, "method": method, "layout": layout, "round": round_, "ms": result.stats.decode_ms_per_token})
+                    print(f"decode {n:>5} {method}, {layout}: {result.stats.decode_ms_per_token:.1f} ms", flush=True)
+    for n in [int(x) for x in args.prefill_lengths.split(",")]:
+        prompt = corpus_prompt(engine.tokenizer, n)
+        for round_ in range(args.rounds):
+            for layout in layouts:
+                use(layout)
+                result = engine.generate(prompt, max_new_tokens=1, prefix_cache=False)
+                records.append({"kind": "prefill", "length": n, "layout": layout, "round": round_, "s": result.stats.prefill_seconds})
+                print(f"prefill {n:>5} {layout}: {result.stats.prefill_seconds:.2f} s", flush=True)
+    use("packed")
+    write_records(args.out, records)
+
+    def median(**match) -> float:
+        key = "ms" if match["kind"] == "decode" else "s"
+        return statistics.median(r[key] for r in records if all(r[k] == v for k, v in match.items()))
+
+    lines = [
+        f"SmolLM2-135M-Instruct, {args.dtype}, {args.threads} threads, one process, layouts interleaved; median of {args.rounds} rounds.",
+        "",
+        "| | plain `nn.Linear` | packed for oneDNN (default) | speed-up |",
+        "|---|---|---|---|",
+    ]
+    for n in [int(x) for x in args.lengths.split(",")]:
+        for method in METHODS:
+            plain, packed = median(kind="decode", length=n, method=method, layout="plain"), median(kind="decode", length=n, method=method, layout="packed")
+            lines.append(f"| decode at {n:,}, {method} | {plain:.1f} ms | {packed:.1f} ms | {plain / packed:.2f}x |")
+    for n in [int(x) for x in args.prefill_lengths.split(",")]:
+        plain, packed = median(kind="prefill", length=n, layout="plain"), median(kind="prefill", length=n, layout="packed")
+        lines.append(f"| prefill {n:,} tokens | {plain:.2f} s | {packed:.2f} s | {plain / packed:.2f}x |")
+    lines += [
+        "",
+        f"Command: `.venv/bin/python eval/packed_weights.py --lengths {args.lengths} --prefill-lengths {args.prefill_lengths} --rounds {args.rounds} --dtype {args.dtype}`",
+    ]
+    write_table(args.out, lines)
+
+
+if __name__ == "__main__":
+    main()
