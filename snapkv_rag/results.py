@@ -82,6 +82,14 @@ class GenerationStats:
     span_attention: str | None = None  # attend_to: "recorded (N spans)", or why it was not (None: not asked)
 
     @property
+    def kept_tokens_text(self) -> str:
+        """Prompt entries kept per layer, for a log line: ``"1024"``, or ``"57-977"`` where layers kept different amounts."""
+        kept = self.kept_tokens_per_layer
+        if not kept:
+            return "0"
+        return f"{min(kept)}-{max(kept)}" if min(kept) != max(kept) else str(kept[0])
+
+    @property
     def compression_ratio(self) -> float:
         return self.prompt_kv_bytes_full / self.prompt_kv_bytes_kept if self.prompt_kv_bytes_kept else 1.0
 

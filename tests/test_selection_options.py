@@ -133,6 +133,8 @@ def test_pyramid_layers_hold_their_own_budgets_and_free_the_memory(tokenizer):
     per_layer = engine.info().kv_bytes_per_token // 2
     assert result.stats.kept_tokens_per_layer == expected
     assert result.stats.prompt_kv_bytes_kept == sum(expected) * per_layer
+    assert result.stats.kept_tokens_text == f"{min(expected)}-{max(expected)}"  # the server's log line, ask's summary
+    assert engine.generate(LONG, max_new_tokens=2, compression="snapkv:budget=24,window=8", chat=False).stats.kept_tokens_text == "24"
 
 
 def test_pyramid_logits_match_the_full_prefill_gathered_per_layer(tokenizer):

@@ -155,13 +155,10 @@ def _describe(answer) -> list[str]:
     if answer.invalid_citations:
         lines.append(f"  invalid citations: {answer.invalid_citations}")
     ctx, stats = answer.context, answer.result.stats
-    kept = stats.kept_tokens_per_layer
-    per_layer_budgets = bool(stats.compression and stats.compression.get("layer_budgets") == "pyramid")
-    kept_text = f"{min(kept)}-{max(kept)}" if per_layer_budgets and kept else f"{max(kept) if kept else 0}"
     dropped = f", {ctx.duplicates} duplicates dropped" if ctx.duplicates else ""
     lines.append(
         f"Stuffed {len(ctx.chunks)} chunks, {ctx.document_tokens} of {ctx.budget_tokens} tokens ({ctx.left_out} candidates left out{dropped}); "
-        f"prompt {answer.result.usage.prompt_tokens} tokens, KV kept {kept_text} per layer "
+        f"prompt {answer.result.usage.prompt_tokens} tokens, KV kept {stats.kept_tokens_text} per layer "
         f"({stats.compression['method'] if stats.compression else 'full cache'}, {stats.compression_ratio:.1f}x); "
         f"prefill {stats.prefill_seconds:.1f} s{_reuse_note(stats, answer.result.usage.prompt_tokens)}"
         + (f", decode {stats.decode_ms_per_token:.0f} ms/token" if stats.decode_ms_per_token else "")

@@ -233,7 +233,7 @@ def _log(config: ServerConfig, request_id: str, request: ParsedRequest, result) 
         result.usage.completion_tokens,
         result.finish_reason,
         method,
-        stats.kept_tokens_per_layer[0] if stats.kept_tokens_per_layer else 0,
+        stats.kept_tokens_text,
         stats.compression_ratio,
         stats.prefill_seconds,
         f"{stats.decode_ms_per_token:.1f}" if stats.decode_ms_per_token is not None else "-",
