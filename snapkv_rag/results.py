@@ -27,6 +27,14 @@ class Usage:
         return {**asdict(self), "total_tokens": self.total_tokens}
 
 
+def kept_tokens_text(kept_tokens_per_layer: list[int]) -> str:
+    """Prompt entries kept per layer, for a log line: ``"1024"``, or ``"57-977"`` where layers kept different amounts."""
+    kept = kept_tokens_per_layer
+    if not kept:
+        return "0"
+    return f"{min(kept)}-{max(kept)}" if min(kept) != max(kept) else str(kept[0])
+
+
 @dataclass(frozen=True)
 class GenerationStats:
     """Measurements of one engine call, for one row (one prompt).
@@ -80,14 +88,6 @@ class GenerationStats:
     weights: str = "native"  # the linear layers' weights: "native" (the dtype's) or "int8" (weight-only)
     tool_decision: dict[str, Any] | None = None  # tool_choice="auto" under a call gate: the tool chosen (None: prose), its score, the threshold
     span_attention: str | None = None  # attend_to: "recorded (N spans)", or why it was not (None: not asked)
-
-    @property
-    def kept_tokens_text(self) -> str:
-        """Prompt entries kept per layer, for a log line: ``"1024"``, or ``"57-977"`` where layers kept different amounts."""
-        kept = self.kept_tokens_per_layer
-        if not kept:
-            return "0"
-        return f"{min(kept)}-{max(kept)}" if min(kept) != max(kept) else str(kept[0])
 
     @property
     def compression_ratio(self) -> float:

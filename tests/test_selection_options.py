@@ -10,6 +10,7 @@ from test_compression_engine import LONG, prefill, prompt_ids
 from snapkv_rag.compression import SnapKV, parse_compression
 from snapkv_rag.compression.snapkv import pyramid_budget, span_scores
 from snapkv_rag.errors import InvalidCompressionError
+from snapkv_rag.results import kept_tokens_text
 
 
 def random_qk(b=1, q_heads=4, kv_heads=2, window=8, n=96, d=16, seed=0):
@@ -133,8 +134,8 @@ def test_pyramid_layers_hold_their_own_budgets_and_free_the_memory(tokenizer):
     per_layer = engine.info().kv_bytes_per_token // 2
     assert result.stats.kept_tokens_per_layer == expected
     assert result.stats.prompt_kv_bytes_kept == sum(expected) * per_layer
-    assert result.stats.kept_tokens_text == f"{min(expected)}-{max(expected)}"  # the server's log line, ask's summary
-    assert engine.generate(LONG, max_new_tokens=2, compression="snapkv:budget=24,window=8", chat=False).stats.kept_tokens_text == "24"
+    assert kept_tokens_text(result.stats.kept_tokens_per_layer) == f"{min(expected)}-{max(expected)}"  # the server's log line, ask's summary
+    assert engine.generate(LONG, max_new_tokens=2, compression="snapkv:budget=24,window=8", chat=False).stats.kept_tokens_per_layer == [24, 24]
 
 
 def test_pyramid_logits_match_the_full_prefill_gathered_per_layer(tokenizer):

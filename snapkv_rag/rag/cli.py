@@ -8,6 +8,7 @@ import sys
 from typing import Any
 
 from ..errors import SnapKVRagError
+from ..results import kept_tokens_text
 
 
 def _add_store_args(p: argparse.ArgumentParser) -> None:
@@ -158,7 +159,7 @@ def _describe(answer) -> list[str]:
     dropped = f", {ctx.duplicates} duplicates dropped" if ctx.duplicates else ""
     lines.append(
         f"Stuffed {len(ctx.chunks)} chunks, {ctx.document_tokens} of {ctx.budget_tokens} tokens ({ctx.left_out} candidates left out{dropped}); "
-        f"prompt {answer.result.usage.prompt_tokens} tokens, KV kept {stats.kept_tokens_text} per layer "
+        f"prompt {answer.result.usage.prompt_tokens} tokens, KV kept {kept_tokens_text(stats.kept_tokens_per_layer)} per layer "
         f"({stats.compression['method'] if stats.compression else 'full cache'}, {stats.compression_ratio:.1f}x); "
         f"prefill {stats.prefill_seconds:.1f} s{_reuse_note(stats, answer.result.usage.prompt_tokens)}"
         + (f", decode {stats.decode_ms_per_token:.0f} ms/token" if stats.decode_ms_per_token else "")

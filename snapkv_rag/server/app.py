@@ -25,6 +25,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from ..compression import as_policy
+from ..results import kept_tokens_text
 from . import DEFAULT_COMPRESSION, DEFAULT_MAX_QUEUE, DEFAULT_MAX_REQUEST_BYTES, DEFAULT_MAX_TOKENS
 from .metrics import PieceClock, ServerMetrics
 from .protocol import (
@@ -233,7 +234,7 @@ def _log(config: ServerConfig, request_id: str, request: ParsedRequest, result) 
         result.usage.completion_tokens,
         result.finish_reason,
         method,
-        stats.kept_tokens_text,
+        kept_tokens_text(stats.kept_tokens_per_layer),
         stats.compression_ratio,
         stats.prefill_seconds,
         f"{stats.decode_ms_per_token:.1f}" if stats.decode_ms_per_token is not None else "-",
