@@ -37,9 +37,11 @@ def packing_available(dtype: torch.dtype) -> bool:
 class PackedLinear(nn.Module):
     """``nn.Linear`` (CPU, fp32 or bf16) with its weight in oneDNN's blocked layout."""
 
-    def __init__(self, linear: nn.Linear):
+    def __init__(self, linear: nn.Linear, *, copy_of_tied_weight: bool = False):
         super().__init__()
         weight = linear.weight.detach()
+        # an output head that shared the input embeddings' weight: its packed copy is memory, not parameters
+        self.copy_of_tied_weight = copy_of_tied_weight
         if weight.device.type != "cpu" or not packing_available(weight.dtype):
             raise ValueError(f"cannot pack a {weight.dtype} weight on {weight.device}")
         self.in_features = linear.in_features
@@ -65,6 +67,7 @@ class PackedLinear(nn.Module):
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
     def to_linear(self) -> nn.Linear:
+        """A plain layer with the same weight (a copy: a head that was tied to the embeddings stays untied)."""
         linear = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None, dtype=self.dtype)
         with torch.no_grad():
             linear.weight.copy_(self.weight)
@@ -92,8 +95,11 @@ def pack_linear_weights(model: nn.Module) -> int:
         for name, module in model.named_modules()
         if type(module) is nn.Linear and module.weight.device.type == "cpu" and packing_available(module.weight.dtype)
     ]
+    get_input = getattr(model, "get_input_embeddings", None)
+    embeddings = get_input() if callable(get_input) else None
+    tied = getattr(embeddings, "weight", None)
     for name, module in targets:
-        _replace(model, name, PackedLinear(module))
+        _replace(model, name, PackedLinear(module, copy_of_tied_weight=module.weight is tied))
     config = getattr(model, "config", None)
     if targets and config is not None and hasattr(config, "tie_word_embeddings"):
         config.tie_word_embeddings = False  # the head holds its own packed copy; a tie_weights() must not undo it
@@ -109,7 +115,8 @@ def packed_weight_bytes(model: nn.Module) -> int:
 
 
 def packed_parameter_count(model: nn.Module) -> int:
-    return sum(m.in_features * m.out_features for _, m in packed_layers(model))
+    """The model's parameters that packed layers hold (a tied head's copy is not counted again)."""
+    return sum(m.in_features * m.out_features for _, m in packed_layers(model) if not m.copy_of_tied_weight)
 
 
 def weight_layout(model: nn.Module) -> str:

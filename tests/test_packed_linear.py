@@ -121,3 +121,32 @@ def test_the_loader_packs_on_the_cpu_unless_told_not_to(tmp_path):
             assert a.token_ids == b.token_ids
     int8 = Engine.from_pretrained(str(tmp_path), device="cpu", weights="int8")
     assert int8.info().weights == "int8" and int8.info().weight_layout == "onednn-packed"  # the float head is packed
+
+
+def test_a_tied_head_is_packed_apart_but_counted_once():
+    from conftest import build_tokenizer, tiny_config
+    from transformers import AutoModelForCausalLM
+
+    from snapkv_rag.packed_linear import packed_weight_bytes
+
+    tokenizer = build_tokenizer()
+    config = tiny_config("llama", len(tokenizer))
+    config.tie_word_embeddings = True
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).eval().to(DTYPES[0])
+    assert model.get_output_embeddings().weight is model.get_input_embeddings().weight
+    count = parameter_count(model)
+    ids = torch.tensor([[1, 5, 9, 12, 7]])
+    with torch.inference_mode():
+        expected = model(input_ids=ids).logits
+    pack_linear_weights(model)
+    head = model.get_output_embeddings()
+    assert isinstance(head, PackedLinear) and head.copy_of_tied_weight
+    assert parameter_count(model) == count  # the head's copy is memory, not more parameters
+    assert packed_weight_bytes(model) >= head.packed_bytes == head.in_features * head.out_features * head.packed.element_size()
+    with torch.inference_mode():
+        got = model(input_ids=ids).logits
+    if DTYPES[0] == torch.bfloat16:
+        assert torch.equal(got, expected)
+    else:
+        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
