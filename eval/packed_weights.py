@@ -43,7 +43,7 @@ def main() -> None:
     args = parser.parse_args()
 
     from snapkv_rag import Engine
-    from snapkv_rag.packed_linear import packed_layers
+    from snapkv_rag.packed_linear import packed_layers, replace_module
 
     torch.set_num_threads(args.threads)
     engine = Engine.default(dtype=args.dtype)
@@ -55,8 +55,7 @@ def main() -> None:
 
     def use(layout: str) -> None:
         for name, module in layouts[layout].items():
-            parent, _, attr = name.rpartition(".")
-            setattr(model.get_submodule(parent) if parent else model, attr, module)
+            replace_module(model, name, module)
 
     records = []
     for n in [int(x) for x in args.lengths.split(",")]:

@@ -27,11 +27,11 @@ PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
 def packing_available(dtype: torch.dtype) -> bool:
     """Whether this torch packs ``dtype`` weights for oneDNN on this CPU (bf16: natively only)."""
     ops = torch.ops.mkldnn
-    if not (torch.backends.mkldnn.is_available() and hasattr(ops, "_linear_pointwise") and hasattr(ops, "_reorder_linear_weight")):
+    if dtype not in PACKABLE_DTYPES or not (
+        torch.backends.mkldnn.is_available() and hasattr(ops, "_linear_pointwise") and hasattr(ops, "_reorder_linear_weight")
+    ):
         return False
-    if dtype == torch.bfloat16:
-        return bool(ops._is_mkldnn_bf16_supported())
-    return dtype == torch.float32
+    return dtype != torch.bfloat16 or bool(ops._is_mkldnn_bf16_supported())
 
 
 class PackedLinear(nn.Module):
@@ -82,7 +82,8 @@ class PackedLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, packed=onednn"
 
 
-def _replace(model: nn.Module, name: str, module: nn.Module) -> None:
+def replace_module(model: nn.Module, name: str, module: nn.Module) -> None:
+    """Put ``module`` where ``model.get_submodule(name)`` is."""
     parent_name, _, attr = name.rpartition(".")
     setattr(model.get_submodule(parent_name) if parent_name else model, attr, module)
 
@@ -99,7 +100,7 @@ def pack_linear_weights(model: nn.Module) -> int:
     embeddings = get_input() if callable(get_input) else None
     tied = getattr(embeddings, "weight", None)
     for name, module in targets:
-        _replace(model, name, PackedLinear(module, copy_of_tied_weight=module.weight is tied))
+        replace_module(model, name, PackedLinear(module, copy_of_tied_weight=module.weight is tied))
     config = getattr(model, "config", None)
     if targets and config is not None and hasattr(config, "tie_word_embeddings"):
         config.tie_word_embeddings = False  # the head holds its own packed copy; a tie_weights() must not undo it
@@ -129,9 +130,9 @@ def unpacked_linears(model: nn.Module) -> Iterator[None]:
     """Plain ``nn.Linear`` layers for the duration (for a forward that needs gradients), packed again after."""
     packed = packed_layers(model)
     for name, module in packed:
-        _replace(model, name, module.to_linear())
+        replace_module(model, name, module.to_linear())
     try:
         yield
     finally:
         for name, module in packed:
-            _replace(model, name, module)
+            replace_module(model, name, module)

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .errors import InvalidDeviceError
-from .packed_linear import packed_parameter_count
+from .packed_linear import packed_parameter_count, replace_module
 
 WEIGHT_FORMATS = ("native", "int8")
 # The kernel reads the reduction dimension in blocks of 16: other widths crash it or (8) give wrong
@@ -93,9 +93,7 @@ def quantize_linear_weights(model: nn.Module, *, output_head: bool = False) -> i
     head = get_head() if callable(get_head) else None
     targets = [(name, module) for name, module in model.named_modules() if quantizable(module) and (output_head or module is not head)]
     for name, module in targets:
-        parent_name, _, attr = name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, attr, Int8Linear(module))
+        replace_module(model, name, Int8Linear(module))
     config = getattr(model, "config", None)
     if config is not None and head is not None and any(module is head for _, module in targets) and hasattr(config, "tie_word_embeddings"):
         config.tie_word_embeddings = False  # so a later tie_weights() does not put a float head back
