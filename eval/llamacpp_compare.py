@@ -53,6 +53,14 @@ def corpus_prompt(tokenizer, tokens: int) -> str:
     return tokenizer.decode(ids) + "\n\nQuestion: what time does the first ferry leave on weekdays?"
 
 
+def parse_engine_config(config: str) -> tuple[str, str, list[str]]:
+    """``dtype/weights[/plain]`` as ``(dtype, weights, options)``; a bad one exits with one line."""
+    parts = config.split("/")
+    if len(parts) < 2 or not all(parts[:2]) or set(parts[2:]) - {"plain"}:
+        raise SystemExit(f"bad engine configuration {config!r}: dtype/weights[/plain], e.g. bfloat16/native/plain")
+    return parts[0], parts[1], parts[2:]
+
+
 def engine_worker(config: str, length: int, tokens: int, threads: int) -> None:
     """Child process: the engine in ``dtype/weights[/plain]``, both cache methods on one prompt; prints JSON.
 
@@ -60,9 +68,7 @@ def engine_worker(config: str, length: int, tokens: int, threads: int) -> None:
     from snapkv_rag import Engine
 
     torch.set_num_threads(threads)
-    dtype, weights, *options = config.split("/")
-    if set(options) - {"plain"}:
-        raise SystemExit(f"unknown engine options {options} in {config!r}; only /plain")
+    dtype, weights, options = parse_engine_config(config)
     engine = Engine.default(dtype=dtype, weights=weights, pack_weights=False if "plain" in options else None)
     prompt = corpus_prompt(engine.tokenizer, length)
     rows = []
@@ -132,6 +138,8 @@ def main() -> None:
         return llama_cpp_worker(args.worker[0], args.worker[1], args.tokens, args.threads)
     if args.engine_worker:
         return engine_worker(args.engine_worker[0], int(args.engine_worker[1]), args.tokens, args.threads)
+    for config in args.engines.split(","):
+        parse_engine_config(config)  # before minutes of runs, not in the first child
     if not args.engine_only:
         try:
             import llama_cpp  # noqa: F401
