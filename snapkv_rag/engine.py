@@ -704,6 +704,8 @@ class Engine:
             raise InvalidGenerationParameterError(f"max_batch_size must be an integer >= 1 or None, got {max_batch_size!r}", param="max_batch_size")
         request = self._prepare(list(prompts), compression, chat, dict(sampling or {}), questions, per_row=True, prefix_cache=prefix_cache)
         lengths = [len(r) for r in request.rows]
+        if request.policy is not None and request.policy.ragged_heads:
+            return request, [[i] for i in range(len(lengths))]  # ragged heads: one prompt per run
         if bucket:
             groups = length_buckets(lengths, max_batch_size)
         else:

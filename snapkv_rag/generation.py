@@ -19,7 +19,9 @@ import torch
 from .blending import SegmentRequest, assemble, blended_mask, blending_cache, recompute_positions
 from .compression.base import CompressionPolicy
 from .compression.decoding import PolicyState, layer_entries
+from .compression.ragged import is_ragged, ragged_layers
 from .compression.runtime import PrefillCompression, compressing, policy_attention, sliding_layers
+from .errors import InvalidCompressionError
 from .prefix_cache import PrefixCache, ReusePlan, plan_reuse, reuse_tail, reused_columns, reused_layer, store_prompts
 from .sampling import GenerationParams, make_generator, select_next_tokens
 from .span_attention import SpanAttention, observing
@@ -40,7 +42,10 @@ def plain_cache(model, cache):
     from transformers import DynamicCache
 
     plain = DynamicCache(config=model.config)
-    for layer, source in zip(plain.layers, cache.layers):
+    for i, (layer, source) in enumerate(zip(plain.layers, cache.layers)):
+        if is_ragged(source):
+            plain.layers[i] = source
+            continue
         layer.lazy_initialization(source.keys, source.values)
         layer.keys, layer.values = source.keys, source.values
     return plain
@@ -57,7 +62,8 @@ def cache_bytes(cache) -> int:
 def layer_token_bytes(layer) -> int:
     """K and V bytes of one cached token in ``layer`` (all its KV heads)."""
     keys = layer.keys
-    return 2 * keys.shape[1] * keys.shape[3] * keys.element_size()
+    heads = layer.heads if is_ragged(layer) else keys.shape[1]
+    return 2 * heads * keys.shape[3] * keys.element_size()
 
 
 @dataclass
@@ -95,7 +101,7 @@ class TokenConstraint(Protocol):
 
 def model_forward(model, cache, input_ids, attention_mask, position_ids, state: PolicyState | None = None, *, last_only: bool = True) -> torch.Tensor:
     """One forward through ``cache`` at explicit positions; the logits ``[batch, t or 1, vocab]``."""
-    with policy_attention(state):
+    with policy_attention(state), ragged_layers(cache):
         return model(
             input_ids=input_ids,
             attention_mask=attention_mask,
@@ -156,6 +162,8 @@ class DecodeRun:
         self.rows = rows
         self.pad_id = pad_id
         self.device = next(model.parameters()).device
+        if len(rows) > 1 and self.ragged_heads:
+            raise InvalidCompressionError("per-head budgets (heads=adaptive) run one prompt at a time; Engine.generate_batch runs such rows one by one")
         self.input_ids, self.attention_mask = left_pad(rows, pad_id, self.device)
         # Without padding no mask is passed at all, so SDPA takes its causal fast path.
         self.has_padding = bool((self.attention_mask == 0).any())
@@ -192,8 +200,16 @@ class DecodeRun:
                 self.span_attention_note = "span attention is recorded for one prompt at a time"
             elif self.policy_state is not None and self.policy_state.compacts:
                 self.span_attention_note = "not recorded under decode-time cuts (decode_budget)"
+            elif first is not None and first.ragged_heads:
+                self.span_attention_note = "not recorded under per-head budgets (heads=adaptive)"
             else:
                 self.span_attention = SpanAttention(attention_spans, len(rows[0]), self.sliding)
+
+    @property
+    def ragged_heads(self) -> bool:
+        """Whether the policy keeps different numbers of entries per head (its cache layers are ragged)."""
+        first = self._row_policy(0)
+        return first is not None and first.ragged_heads
 
     @property
     def batch_size(self) -> int:

@@ -160,7 +160,13 @@ class SharedGroup:
 
     @staticmethod
     def accepts(run: DecodeRun) -> bool:
-        return run.policy_state is None and run.span_attention is None and not any(run.sliding) and len(set(run.kept_tokens_per_layer)) == 1
+        return (
+            run.policy_state is None
+            and run.span_attention is None
+            and not run.ragged_heads
+            and not any(run.sliding)
+            and len(set(run.kept_tokens_per_layer)) == 1
+        )
 
     @property
     def rows(self) -> int:

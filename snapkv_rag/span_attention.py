@@ -42,10 +42,12 @@ class SpanAttention:
         self._layers = 0
         self.rows: list[list[float]] = []
 
-    def bind(self, kept_indices: dict[int, torch.Tensor] | None) -> None:
+    def bind(self, kept_indices: dict[int, torch.Tensor | tuple[torch.Tensor, ...]] | None) -> None:
         """After the prefill: ``kept_indices`` (layer -> ``[1, kv_heads, k]`` prompt positions kept),
-        None when every layer holds the whole prompt."""
+        None when every layer holds the whole prompt. (Per-head budgets are not recorded.)"""
         for layer, indices in (kept_indices or {}).items():
+            if isinstance(indices, tuple):
+                raise ValueError("span attention is not recorded under per-head budgets")
             self._layer_owner[layer] = self._owner[indices[0].cpu()]
 
     def observe(self, layer_idx: int, query: torch.Tensor, key: torch.Tensor, attention_mask, scaling: float | None) -> None:

@@ -186,3 +186,37 @@ def test_gemma3_pyramid_compresses_only_the_full_layer_at_the_mean_budget(tokeni
 def test_pyramid_needs_a_resolved_window():
     with pytest.raises(InvalidCompressionError, match="resolved"):
         SnapKV(window_size="question", max_capacity_prompt=256, layer_budgets="pyramid").for_layer(0, 4)
+
+
+# ------------------------------------------------------------------ first layers whole
+
+WHOLE = SnapKV(window_size=8, max_capacity_prompt=24, kernel_size=3, whole_layers=1)
+
+
+def test_whole_first_layers_keep_the_prompt_and_the_rest_keep_their_budget(tokenizer):
+    engine = tiny_engine("llama", tokenizer)
+    ids = prompt_ids(engine)
+    run, _ = prefill(engine, ids, WHOLE)
+    assert run.kept_tokens_per_layer == [len(ids), 24]
+    uniform, _ = prefill(engine, ids, SnapKV(window_size=8, max_capacity_prompt=24, kernel_size=3))
+    # the compressed layer keeps what it keeps without the option (layer 0's K/V are the same)
+    assert torch.equal(run.session.kept_indices[1], uniform.session.kept_indices[1])
+    assert not torch.equal(run.last_logits, uniform.last_logits)
+    assert prefill(engine, ids, SnapKV(window_size=8, max_capacity_prompt=24, kernel_size=3, whole_layers=5))[0].kept_tokens_per_layer == [len(ids)] * 2
+
+
+def test_padded_batch_with_whole_first_layers_equals_single_runs(tokenizer):
+    engine = tiny_engine("qwen3", tokenizer)
+    prompts = [LONG, "Short prompt here.", LONG.replace("fox", "cat") + " Tell me."]
+    singles = [engine.generate(p, max_new_tokens=8, compression=WHOLE, chat=False) for p in prompts]
+    batch = engine.generate_batch(prompts, max_new_tokens=8, compression=WHOLE, chat=False, bucket=False)
+    assert batch[0].stats.batch_size == 3
+    assert [r.token_ids for r in batch] == [r.token_ids for r in singles]
+
+
+def test_whole_layers_spec():
+    policy = parse_compression("snapkv:budget=64,window=8,whole=2")
+    assert policy.whole_layers == 2 and parse_compression(policy.spec()) == policy
+    assert "whole_layers" not in SnapKV().spec()
+    with pytest.raises(InvalidCompressionError):
+        parse_compression("snapkv:whole=-1")

@@ -69,6 +69,16 @@ class CompressionPolicy(ABC):
         """True when the kept set depends on the end of the prompt (the question)."""
         return False
 
+    @property
+    def ragged_heads(self) -> bool:
+        """True when the KV heads of a layer keep different numbers of entries (:meth:`select_heads`)."""
+        return False
+
+    def select_heads(self, queries: torch.Tensor, keys: torch.Tensor, *, scaling: float | None = None) -> list[torch.Tensor]:
+        """Per-head selection for one unpadded prompt (``batch == 1``): one ascending LongTensor of
+        kept positions per KV head, of different lengths. Only policies with :attr:`ragged_heads`."""
+        raise InvalidCompressionError(f"{type(self).__name__} selects the same number of entries for every head")
+
     @abstractmethod
     def select(
         self,
@@ -189,6 +199,37 @@ def keep_recent_and_top(
     top = scores.sort(dim=-1, descending=True, stable=True).indices[..., :k].sort(dim=-1).values
     window = torch.arange(prefix, n, device=device).expand(batch, kv_heads, recent)
     return torch.cat([top, window], dim=-1)
+
+
+def keep_adaptive(prefix_scores: torch.Tensor, n: int, capacity: int, floor: float) -> list[torch.Tensor]:
+    """AdaKV's allocation of one layer's budget over its heads, for one row.
+
+    ``prefix_scores``: ``[1, kv_heads, p]`` comparable across heads (attention-derived votes).
+    Every head keeps the last ``n - p`` positions; the ``kv_heads * (capacity - (n - p))``
+    voted entries the layer may hold go to the best-scored (head, position) pairs of all its
+    heads, after each head is first given its own best ``floor * (capacity - (n - p))``
+    (AdaKV's safeguard; ``floor=1`` is the uniform per-head top-k). Returns one ascending
+    LongTensor per head; their lengths sum to ``kv_heads * min(n, capacity)``.
+    """
+    _, kv_heads, prefix = prefix_scores.shape
+    device = prefix_scores.device
+    if n <= capacity:
+        return [torch.arange(n, device=device) for _ in range(kv_heads)]
+    recent = n - prefix
+    if not 0 <= recent <= capacity:
+        raise InvalidCompressionError(f"recent window {recent} does not fit in budget {capacity}")
+    k = capacity - recent
+    scores = prefix_scores[0].float()
+    guaranteed = int(floor * k)
+    if guaranteed:
+        best = scores.sort(dim=-1, descending=True, stable=True).indices[:, :guaranteed]
+        scores = scores.scatter(1, best, float("inf"))
+    chosen = scores.reshape(-1).sort(descending=True, stable=True).indices[: kv_heads * k]
+    kept = torch.zeros(kv_heads * prefix, dtype=torch.bool, device=device)
+    kept[chosen] = True
+    kept = kept.reshape(kv_heads, prefix)
+    window = torch.arange(prefix, n, device=device)
+    return [torch.cat([kept[h].nonzero().squeeze(1), window]) for h in range(kv_heads)]
 
 
 def group_queries(queries: torch.Tensor, kv_heads: int) -> torch.Tensor:

@@ -34,7 +34,12 @@ if TYPE_CHECKING:
 
 
 def layer_entries(layer) -> int:
-    """Entries a cache layer holds now (a sliding-window layer may hold fewer than it has seen)."""
+    """Entries a cache layer holds now (a sliding-window layer may hold fewer than it has seen;
+    a layer with per-head budgets: the mean over its heads)."""
+    from .ragged import is_ragged
+
+    if is_ragged(layer):
+        return layer.entries_per_head()
     keys = getattr(layer, "keys", None)
     return int(keys.shape[-2]) if keys is not None and keys.numel() else 0
 

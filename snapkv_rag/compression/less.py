@@ -30,6 +30,8 @@ class LESS(CompressionPolicy):
     def __post_init__(self) -> None:
         if not isinstance(self.base, CompressionPolicy) or isinstance(self.base, LESS):
             raise InvalidCompressionError(f"LESS: base must be a sparse policy, got {self.base!r}")
+        if self.base.ragged_heads:
+            raise InvalidCompressionError("LESS: its state needs the same entries in every head; per-head budgets (heads=adaptive) do not combine with it")
         if self.base.max_capacity_prompt is None:
             raise InvalidCompressionError("LESS: the base policy must have a budget (not full)")
 

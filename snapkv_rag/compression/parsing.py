@@ -34,6 +34,9 @@ ALIASES = {
     "chunk_from": "chunk_min_ratio",
     "layers": "layer_budgets",
     "beta": "pyramid_beta",
+    "heads": "head_budgets",
+    "floor": "head_floor",
+    "whole": "whole_layers",
 }
 
 
@@ -41,10 +44,12 @@ def _coerce(text: str) -> Any:
     low = text.lower()
     if low in ("none", "null"):
         return None
-    try:
-        return int(text)
-    except ValueError:
-        return text
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
 
 
 def _items(rest: str) -> list[tuple[str, str]]:

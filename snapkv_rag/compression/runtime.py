@@ -18,8 +18,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ..errors import InvalidCompressionError
 from ..span_attention import active_observer
 from .base import CompressionPolicy
+from .ragged import RaggedHeadsLayer, active_ragged_layer
 
 if TYPE_CHECKING:
     from .decoding import PolicyState
@@ -89,7 +91,10 @@ def _make_attention(base_fn):
             # a layer kept fewer entries than the widest (per-layer budgets): its mask is the
             # widest one's last columns (see CompressionPolicy.for_layer)
             attention_mask = attention_mask[..., -key.shape[2] :]
-        if _fast_decode(module, query, kwargs):
+        ragged = active_ragged_layer(module.layer_idx)
+        if ragged is not None:
+            output = (ragged.attend(query, kwargs.get("scaling")), None)
+        elif _fast_decode(module, query, kwargs):
             output = decode_attention(module, query, key, value, attention_mask, **kwargs)
         else:
             output = base_fn(module, query, key, value, attention_mask, **kwargs)
@@ -165,7 +170,8 @@ class PrefillCompression:
         self.cache = cache
         self.attention_mask = attention_mask
         self.sliding = sliding
-        self.kept_indices: dict[int, torch.Tensor] = {}  # layer -> [batch, kv_heads, k], for inspection
+        # layer -> [batch, kv_heads, k], or per-head budgets: one [k_h] tensor per head (batch of one); for inspection
+        self.kept_indices: dict[int, torch.Tensor | tuple[torch.Tensor, ...]] = {}
         self.kept_attention_mask: torch.Tensor | None = None  # the widest compressed layer's padding mask
         self.widest_kept = 0
         self.full_layers = [i for i, s in enumerate(sliding) if not s]  # the layers a policy compresses
@@ -185,6 +191,9 @@ class PrefillCompression:
             layer = self.cache.layers[layer_idx]
             self.full_kv[layer_idx] = (layer.keys, layer.values)
         position, layers = self.full_layers.index(layer_idx), len(self.full_layers)
+        if self.policy.ragged_heads:
+            self.keep_heads(layer_idx, self.policy.for_layer(position, layers), query, key, scaling)
+            return
         if self.row_policies is None:
             indices = select_for_prompt(self.policy.for_layer(position, layers), query, key, self.attention_mask, scaling)
         else:
@@ -203,6 +212,17 @@ class PrefillCompression:
         if indices.shape[-1] < n:
             self.keep(layer_idx, indices)
 
+    def keep_heads(self, layer_idx: int, policy: CompressionPolicy, query: torch.Tensor, key: torch.Tensor, scaling: float | None) -> None:
+        """Per-head budgets: replace the layer's cache entry by a ragged one holding each head's own entries."""
+        if key.shape[0] != 1 or self.attention_mask is not None or self.state is not None:
+            raise InvalidCompressionError("per-head budgets (heads=adaptive) run one unpadded prompt at a time, without LESS or decode-time cuts")
+        window = policy.query_window
+        queries = query if window is None else query[:, :, query.shape[2] - window :]
+        kept = policy.select_heads(queries, key, scaling=scaling)
+        self.kept_indices[layer_idx] = tuple(kept)
+        layer = self.cache.layers[layer_idx]
+        self.cache.layers[layer_idx] = RaggedHeadsLayer.from_selection(layer.keys, layer.values, kept)
+
     def keep(self, layer_idx: int, indices: torch.Tensor) -> None:
         """Shrink the layer's cache entry to ``indices [batch, kv_heads, k]``; the policy state hears of the rest."""
         layer = self.cache.layers[layer_idx]
@@ -218,12 +238,13 @@ class KeptIndices:
     """Which prompt positions one compressed prefill kept, per layer and KV head.
 
     ``layers``: layer index -> LongTensor ``[batch, kv_heads, k]`` of kept positions in the
-    left-padded prompt of length ``prompt_length`` (on CPU). Layers the policy leaves whole
+    left-padded prompt of length ``prompt_length`` (on CPU), or, with per-head budgets (one
+    prompt), a tuple of one LongTensor ``[k_h]`` per KV head. Layers the policy leaves whole
     (sliding-window layers) are absent.
     """
 
     prompt_length: int
-    layers: dict[int, torch.Tensor]
+    layers: dict[int, torch.Tensor | tuple[torch.Tensor, ...]]
 
     def share(self, row: int = 0) -> torch.Tensor:
         """``[prompt_length]`` floats: the fraction of (compressed layer, KV head) pairs that
@@ -233,10 +254,15 @@ class KeptIndices:
         counts = torch.zeros(n, dtype=torch.float64)
         pairs = 0
         for indices in self.layers.values():
-            heads = indices[row]
-            counts += torch.bincount(heads.flatten(), minlength=n).to(torch.float64)
-            pairs += heads.shape[0]
+            heads = list(indices) if isinstance(indices, tuple) else list(indices[row])
+            for head in heads:
+                counts += torch.bincount(head, minlength=n).to(torch.float64)
+            pairs += len(heads)
         return counts / pairs if pairs else torch.ones(n, dtype=torch.float64)
+
+
+def _on_cpu(indices: torch.Tensor | tuple[torch.Tensor, ...]) -> torch.Tensor | tuple[torch.Tensor, ...]:
+    return tuple(i.detach().cpu() for i in indices) if isinstance(indices, tuple) else indices.detach().cpu()
 
 
 @contextmanager
@@ -290,7 +316,7 @@ def compressing(session: PrefillCompression | None) -> Iterator[PrefillCompressi
         yield session
         recorder = _RECORDER.get()
         if recorder is not None and session is not None:
-            layers = {layer: idx.detach().cpu() for layer, idx in session.kept_indices.items()}
+            layers = {layer: _on_cpu(idx) for layer, idx in session.kept_indices.items()}
             recorder.append(KeptIndices(session.prompt_length, layers))
     finally:
         _ACTIVE.reset(token)

@@ -17,6 +17,7 @@ from .base import (
     CompressionPolicy,
     check_choice,
     check_positive_int,
+    keep_adaptive,
     keep_all,
     keep_recent_and_top,
     reduce_groups,
@@ -26,6 +27,8 @@ from .base import (
 QUESTION_WINDOW = "question"
 FALLBACK_WINDOW = 32
 LAYER_BUDGETS = ("uniform", "pyramid")
+HEAD_BUDGETS = ("uniform", "adaptive")
+KEEP_EVERYTHING = 2**62  # the budget of a layer left whole
 
 
 @dataclass(frozen=True)
@@ -57,6 +60,17 @@ class SnapKV(CompressionPolicy):
       uniform one); the top layer keeps ``(budget - window) / pyramid_beta`` voted entries
       plus the window. Layers then hold different numbers of entries: memory is really saved
       per layer, and such runs decode on their own rather than in a shared batch.
+    - ``head_budgets="adaptive"`` (AdaKV, Feng et al. 2024, arXiv:2407.11550): a layer keeps
+      ``kv_heads * max_capacity_prompt`` entries in all, given to the best-voted (head,
+      position) pairs over all its heads, after each head gets its own best ``head_floor``
+      share of a uniform head's voted entries (AdaKV's safeguard, 0.2). Heads then hold
+      different numbers of entries, which the cache stores ragged
+      (:mod:`snapkv_rag.compression.ragged`): the memory is the kept entries', as for the
+      uniform policy. One prompt at a time (batches run row by row), not with LESS or
+      decode-time cuts.
+    - ``whole_layers=N``: the first ``N`` compressed layers keep the whole prompt (the others
+      keep their budget), for models whose lowest layers spread attention too widely for a
+      window to vote well. The cache then holds more than the budget in those layers.
     """
 
     name = "snapkv"
@@ -71,6 +85,9 @@ class SnapKV(CompressionPolicy):
     chunk_min_ratio: int = 1  # spans only when the prompt is at least this many times the budget
     layer_budgets: str = "uniform"
     pyramid_beta: int = 20
+    head_budgets: str = "uniform"
+    head_floor: float = 0.2  # adaptive heads: the share of a uniform head's voted entries each head is sure of
+    whole_layers: int = 0
     decode_budget: int | None = None  # cut the cache back to this many entries per layer during decoding
     decode_interval: int | None = None  # ... every this many generated tokens (None: 64)
 
@@ -98,6 +115,12 @@ class SnapKV(CompressionPolicy):
         check_positive_int("SnapKV", "chunk_min_ratio", self.chunk_min_ratio)
         check_choice("SnapKV", "layer_budgets", self.layer_budgets, LAYER_BUDGETS)
         check_positive_int("SnapKV", "pyramid_beta", self.pyramid_beta)
+        check_choice("SnapKV", "head_budgets", self.head_budgets, HEAD_BUDGETS)
+        check_positive_int("SnapKV", "whole_layers", self.whole_layers, minimum=0)
+        if isinstance(self.head_floor, bool) or not isinstance(self.head_floor, (int, float)) or not 0 <= self.head_floor <= 1:
+            raise InvalidCompressionError(f"SnapKV: head_floor must be a number from 0 to 1, got {self.head_floor!r}")
+        if self.ragged_heads and self.decode_budget is not None:
+            raise InvalidCompressionError("SnapKV: decode_budget (decode-time cuts) does not combine with head_budgets='adaptive'")
         self.check_decode_budget()
 
     @property
@@ -126,6 +149,8 @@ class SnapKV(CompressionPolicy):
         return self if window == self.window_size else dataclasses.replace(self, window_size=window)
 
     def for_layer(self, position: int, layers: int) -> SnapKV:
+        if position < self.whole_layers:
+            return dataclasses.replace(self, max_capacity_prompt=KEEP_EVERYTHING, layer_budgets="uniform", whole_layers=0)
         if self.layer_budgets == "uniform":
             return self
         if self.window_size == QUESTION_WINDOW:
@@ -146,7 +171,15 @@ class SnapKV(CompressionPolicy):
             del fields["chunk_min_ratio"]
         if fields.get("layer_budgets") == "uniform":
             del fields["layer_budgets"], fields["pyramid_beta"]
+        if fields.get("head_budgets") == "uniform":
+            del fields["head_budgets"], fields["head_floor"]
+        if fields.get("whole_layers") == 0:
+            del fields["whole_layers"]
         return fields
+
+    @property
+    def ragged_heads(self) -> bool:
+        return self.head_budgets == "adaptive"
 
     def for_decode(self) -> SnapKV:
         # decode_budget is a per-layer cap; decode-time cuts bring every layer back to it
@@ -174,14 +207,28 @@ class SnapKV(CompressionPolicy):
         deep_cut = (real >= self.chunk_min_ratio * self.max_capacity_prompt)[:, None, None]  # per row: its real length
         return torch.where(deep_cut, span_scores(pooled, self.chunk_size), pooled)
 
+    def _check_window(self, queries: torch.Tensor) -> None:
+        if queries.shape[2] != self.window_size:
+            raise InvalidCompressionError(f"SnapKV expects {self.window_size} window queries, got {queries.shape[2]}")
+
     def select(self, queries, keys, attention_mask=None, *, scaling=None):
+        if self.ragged_heads:
+            raise InvalidCompressionError("SnapKV(head_budgets='adaptive') keeps different numbers of entries per head: use select_heads")
         b, kv_heads, n, _ = keys.shape
         if n <= self.max_capacity_prompt:
             return keep_all(b, kv_heads, n, keys.device)
-        if queries.shape[2] != self.window_size:
-            raise InvalidCompressionError(f"SnapKV expects {self.window_size} window queries, got {queries.shape[2]}")
+        self._check_window(queries)
         votes = self.votes(queries, keys, attention_mask, scaling)
         return keep_recent_and_top(votes, n, self.max_capacity_prompt, attention_mask)
+
+    def select_heads(self, queries, keys, *, scaling=None):
+        if keys.shape[0] != 1:
+            raise InvalidCompressionError("SnapKV(head_budgets='adaptive') selects for one prompt at a time")
+        n = keys.shape[2]
+        if n > self.max_capacity_prompt:
+            self._check_window(queries)
+        votes = self.votes(queries, keys, None, scaling) if n > self.max_capacity_prompt else keys.new_zeros(1, keys.shape[1], 0)
+        return keep_adaptive(votes, n, self.max_capacity_prompt, float(self.head_floor))
 
 
 def span_scores(votes: torch.Tensor, span: int) -> torch.Tensor:
