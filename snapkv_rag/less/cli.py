@@ -6,6 +6,7 @@ import argparse
 from pathlib import Path
 
 from ..cli_common import add_model_args, load_engine
+from ..rag.cli import add_store_args, open_store
 
 DEFAULT_OUT = Path(__file__).with_name("shipped")
 
@@ -84,6 +85,25 @@ def add_less_parser(sub) -> None:
     d.add_argument("--work-dir", type=Path, default=Path("less-train"), help="collected sequences and the distilled checkpoint (resume from here)")
     d.add_argument("--no-progress", action="store_true")
     d.set_defaults(func=cmd_less_distill)
+
+    c = tasks.add_parser(
+        "calibrate", help="fit LESS's cheap stage on a collection's documents; DocumentQA and ask then use it (or the base, where it measured worse)"
+    )
+    add_model_args(c)
+    add_store_args(c)
+    c.add_argument("--base", default="snapkv", help="base policy (default snapkv)")
+    c.add_argument("--budget", type=int, default=256, help="the base's budget; starts from the shipped kernels of that budget (default 256)")
+    c.add_argument("--kernels", type=Path, default=None, help="start from this kernel file instead of the shipped one")
+    c.add_argument("--prompt-tokens", type=int, default=2048, help="prompt length of each window (default 2048)")
+    c.add_argument("--continuation-tokens", type=int, default=64)
+    c.add_argument("--windows", type=int, default=24, help="training windows, spread over the collection's text (default 24)")
+    c.add_argument("--val-windows", type=int, default=4, help="held-out windows at the end of the text, which decide LESS or the base (default 4)")
+    c.add_argument("--epochs", type=int, default=2)
+    c.add_argument("--lr", type=float, default=1e-2)
+    c.add_argument("--threads", type=int, default=2, help="torch CPU threads (default 2)")
+    c.add_argument("--work-dir", type=Path, default=None, help="folder for the run's temporary window recordings (default: the system's)")
+    c.add_argument("--no-progress", action="store_true")
+    c.set_defaults(func=cmd_less_calibrate)
 
     g = tasks.add_parser("gap", help="where LESS's remaining KL gap comes from: learned vs exact mass and value of the evicted entries, per layer")
     add_model_args(g)
@@ -164,6 +184,39 @@ def cmd_less_distill(args: argparse.Namespace) -> int:
         progress=not args.no_progress,
     )
     print(json.dumps({"kernels": str(out), "seconds": round(time.perf_counter() - start, 1), "threads": args.threads}))
+    return 0
+
+
+def cmd_less_calibrate(args: argparse.Namespace) -> int:
+    import json
+
+    import torch
+
+    from ..errors import LessTrainingError
+    from .calibrate import CalibrationConfig, calibrate, describe_calibration
+
+    if min(args.budget, args.prompt_tokens, args.windows, args.val_windows, args.epochs) < 1 or args.continuation_tokens < 2:
+        raise LessTrainingError("--budget, --prompt-tokens, --windows, --val-windows and --epochs must be positive and --continuation-tokens at least 2")
+    if args.budget >= args.prompt_tokens:
+        raise LessTrainingError(f"--budget ({args.budget}) must be below --prompt-tokens ({args.prompt_tokens}): nothing would be evicted")
+    torch.set_num_threads(args.threads)
+    store = open_store(args, create=False)
+    engine = load_engine(args)
+    config = CalibrationConfig(
+        budget=args.budget,
+        base=args.base,
+        prompt_tokens=args.prompt_tokens,
+        continuation_tokens=args.continuation_tokens,
+        windows=args.windows,
+        val_windows=args.val_windows,
+        epochs=args.epochs,
+        lr=args.lr,
+    )
+    summary = calibrate(engine, store, config, kernels=args.kernels, work=args.work_dir, progress=not args.no_progress)
+    if args.json:
+        print(json.dumps(summary))
+    else:
+        print(describe_calibration(summary))
     return 0
 
 

@@ -112,12 +112,27 @@ def collect(
     there; the collection time, summed over resumed runs, is in its ``seconds.json``);
     returns (train, val) paths. ``tail``: see :func:`~.corpus.overlapping_windows`."""
     policy = parse_compression(base)
-    policies = {b: policy.with_budget(b) for b in budgets}
     length = prompt_tokens + continuation_tokens
     train, val = overlapping_windows(corpus_tokens(engine.tokenizer, "train"), length, sequences, val_sequences, tail)
-    seqs = train + val
     settings = json.dumps([policy.spec(), prompt_tokens, continuation_tokens, sequences, val_sequences] + ([] if tail is None else [tail]))
     directory = work / f"distill-{hashlib.sha256(settings.encode()).hexdigest()[:12]}"  # one directory per data setting
+    paths = collect_windows(engine, policy, budgets, train + val, prompt_tokens, continuation_tokens, directory, progress)
+    return paths[: len(train)], paths[len(train) :]
+
+
+def collect_windows(
+    engine,
+    policy: CompressionPolicy,
+    budgets: list[int],
+    seqs: list[list[int]],
+    prompt_tokens: int,
+    continuation_tokens: int,
+    directory: Path,
+    progress: bool = True,
+) -> list[Path]:
+    """Record each window of ``seqs`` (:func:`record_window`) into ``directory/seqNNNN.pt``, skipping
+    files already there (the collection time, summed over resumed runs, is in ``seconds.json``)."""
+    policies = {b: policy.with_budget(b) for b in budgets}
     directory.mkdir(parents=True, exist_ok=True)
     manifest = directory / "budgets.json"  # the budgets whose selections the files hold
     if manifest.exists() and not set(budgets) <= set(json.loads(manifest.read_text())):
@@ -135,7 +150,7 @@ def collect(
         torch.save(record_window(engine, policies, seq, prompt_tokens, continuation_tokens), path)
         spent = collection_seconds(directory) + time.perf_counter() - start
         timing_path.write_text(json.dumps({"seconds": spent}))
-    return paths[: len(train)], paths[len(train) :]
+    return paths
 
 
 def record_window(engine, policies: dict[int, CompressionPolicy], tokens: list[int], prompt_tokens: int, continuation_tokens: int) -> dict[str, torch.Tensor]:

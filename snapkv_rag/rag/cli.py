@@ -11,7 +11,7 @@ from ..errors import SnapKVRagError
 from ..results import kept_tokens_text
 
 
-def _add_store_args(p: argparse.ArgumentParser) -> None:
+def add_store_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--collection", required=True, help="Chroma collection name (3-512 of letters, digits, . _ -)")
     where = p.add_mutually_exclusive_group()
     where.add_argument("--store", default=None, help="embedded Chroma directory (default ~/.cache/snapkv-rag/chroma)")
@@ -19,7 +19,7 @@ def _add_store_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--embedder", default="default", help="sentence-transformers model path (default: embedded all-MiniLM-L6-v2)")
 
 
-def _store(args, *, create: bool = True):
+def open_store(args, *, create: bool = True):
     from pathlib import Path
 
     from .store import DocumentStore, StoreError
@@ -40,7 +40,7 @@ def _add_kv_args(p) -> None:
 def add_rag_parsers(sub, add_model_args, add_generation_args) -> None:
     ingest = sub.add_parser("ingest", help="add files and folders to a Chroma collection (idempotent)")
     ingest.add_argument("paths", nargs="+", help="files or folders (.txt .md .html .pdf .json .jsonl)")
-    _add_store_args(ingest)
+    add_store_args(ingest)
     ingest.add_argument("--chunk-tokens", type=int, default=200, help="chunk size in embedder tokens")
     ingest.add_argument("--overlap", type=int, default=40, help="tokens shared by consecutive chunks")
     ingest.add_argument("--text-field", default="text", help="the text field of .json/.jsonl records")
@@ -55,7 +55,7 @@ def add_rag_parsers(sub, add_model_args, add_generation_args) -> None:
 
     ask = sub.add_parser("ask", help="answer a question over a collection, with numbered sources")
     ask.add_argument("question")
-    _add_store_args(ask)
+    add_store_args(ask)
     ask.add_argument(
         "--context-tokens",
         type=int,
@@ -99,7 +99,7 @@ def cmd_ingest(args) -> int:
     if missing:
         # Checked before anything is read or written: a typo in a script must not pass as a partial ingest.
         raise MissingPathError(f"no such file or folder: {', '.join(missing)} (nothing was ingested)")
-    store = _store(args)
+    store = open_store(args)
     report = store.ingest(
         args.paths,
         chunk_tokens=args.chunk_tokens,
@@ -185,7 +185,7 @@ def cmd_ask(args) -> int:
     from .qa import DocumentQA, small_model_note
 
     sampling, compression = _qa_kwargs(args)
-    store = _store(args, create=False)
+    store = open_store(args, create=False)
     qa = DocumentQA(
         load_engine(args),
         store,

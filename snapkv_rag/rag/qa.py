@@ -13,7 +13,8 @@ from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..compression import SnapKV
+from ..compression import SnapKV, parse_compression
+from ..less.calibrate import policy_for_collection
 from ..metrics import parse_citations
 from ..results import GenerationResult
 from ..span_attention import sentence_attention
@@ -267,6 +268,15 @@ class DocumentQA:
             raise ValueError('precompute_kv needs kv_reuse="chunks"')
         return precompute_chunk_kv(self.engine, self.store.all_chunks(), self.kv_store, progress=progress)
 
+    def policy(self, compression: Any = _DEFAULT) -> Any:
+        """The compression an ask uses: ``compression`` (default: this QA's), where a LESS policy
+        without kernels of its own takes the collection's calibration (``snapkv-rag less
+        calibrate``): its kernels, or its base policy where LESS measured worse than the base."""
+        chosen = self.compression if compression is _DEFAULT else compression
+        if isinstance(chosen, str) and chosen.strip().lower().startswith("less"):
+            chosen = parse_compression(chosen)
+        return policy_for_collection(chosen, self.store, self.engine.model)
+
     def retrieve(self, question: str) -> StuffedContext:
         return self.retriever.retrieve(question)
 
@@ -277,7 +287,7 @@ class DocumentQA:
         if "attention" in self.routes:
             sampling.setdefault("attend_to", [chunk_segment(c) for c in context.chunks])
         return {
-            "compression": self.compression if compression is _DEFAULT else compression,
+            "compression": self.policy(compression),
             "question": context.question_text,
             "max_new_tokens": sampling.pop("max_new_tokens", self.max_new_tokens),
             **reuse,
