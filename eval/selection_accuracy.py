@@ -5,7 +5,8 @@ The 40 sample questions over examples/sample_corpus (or questions over the gener
 fixed number of LLM tokens, answered (32 new tokens, greedy, the engine's default dtype) with
 the full cache and with SnapKV (question window) at 4x and 8x, as the paper's token-level
 selection and with the options: span-aware keep (``chunk=N``, ChunkKV), per-layer budgets
-(``layers=pyramid``, PyramidKV) and both. Each question's full prompt K/V is computed once and
+(``layers=pyramid``, PyramidKV) and both; ``labels`` (not a SnapKV option) also keeps every
+document's ``[n] title`` line (``keep_texts``). Each question's full prompt K/V is computed once and
 reused by the compressed runs (the prefix cache; selection is then exactly as after a full
 prefill). Accuracy = the gold answer string appears in the answer; "lost" = right with the full
 cache, wrong compressed; "identical" = the same answer text as the full cache.
@@ -38,8 +39,14 @@ BUDGETS: dict[str, dict[float, int]] = {"1K": {4: 256, 8: 128}, "1.5K": {1.5: 10
 DEFAULT_OPTIONS = ["", "chunk=8", "layers=pyramid", "chunk=8,layers=pyramid"]
 
 
+LABELS = "labels"  # not a SnapKV option: the run keeps each document's "[n] title" line (keep_texts)
+
+
 def method_spec(budget: int, options: str) -> str:
-    return f"snapkv:budget={budget},window=question" + (f",{options}" if options else "")
+    """The method's name: the SnapKV spec, with ``+labels`` when its options include ``labels``."""
+    parts = [o for o in options.split(",") if o]
+    spec = f"snapkv:budget={budget},window=question" + "".join(f",{o}" for o in parts if o != LABELS)
+    return spec + ("+labels" if LABELS in parts else "")
 
 
 def summary_lines(records: list[dict], size: str, options: list[str]) -> list[str]:
@@ -82,7 +89,8 @@ def main() -> int:
         for q in questions:
             context = qa.retrieve(q.question)
             for method in methods:
-                answer = qa.answer_context(context, compression=method)
+                keep = {"keep_texts": context.labels()} if method and method.endswith("+labels") else {}
+                answer = qa.answer_context(context, compression=method and method.removesuffix("+labels"), **keep)
                 stats = answer.result.stats
                 records.append(
                     {

@@ -43,6 +43,7 @@ Compression = CompressionPolicy | str | None
 _OUTPUT_KEYS = ("tools", "tool_choice", "response_format", "parallel_tool_calls", "max_tool_calls")
 _SEGMENT_KEYS = ("reuse_segments", "segment_store", "recompute")
 _ATTEND_KEY = "attend_to"
+_KEEP_KEY = "keep_texts"
 
 
 @dataclass(frozen=True)
@@ -280,8 +281,10 @@ class Engine:
             raise InvalidGenerationParameterError(f"prefix_cache must be True or False, got {prefix_cache!r}", param="prefix_cache")
         reuse = {k: sampling.pop(k) for k in _SEGMENT_KEYS if k in sampling}
         attend_to = sampling.pop(_ATTEND_KEY, None)
-        if per_row and attend_to is not None:
-            raise InvalidGenerationParameterError("attend_to applies to one prompt (generate/stream), not generate_batch", param=_ATTEND_KEY)
+        keep_texts = sampling.pop(_KEEP_KEY, None)
+        for key, value in ((_ATTEND_KEY, attend_to), (_KEEP_KEY, keep_texts)):
+            if per_row and value is not None:
+                raise InvalidGenerationParameterError(f"{key} applies to one prompt (generate/stream), not generate_batch", param=key)
         if per_row and reuse.get("reuse_segments") is not None:
             raise InvalidGenerationParameterError("reuse_segments applies to one prompt (generate/stream), not generate_batch", param="reuse_segments")
         options = {k: v for k, v in sampling.items() if k in _OUTPUT_KEYS}
@@ -297,16 +300,47 @@ class Engine:
         row_policy = row_policies[0] if isinstance(row_policies, list) else row_policies
         segments, note = self._segment_request(prompts[0], rows[0], chat, specs[0], row_policy, reuse) if reuse else (None, None)
         attention_spans, attention_note = self._attention_spans(prompts[0], rows[0], chat, specs[0], attend_to)
+        protected_spans = self._protected_spans(prompts[0], rows[0], chat, specs[0], keep_texts)
         constraint = self._constraint(specs, params.max_new_tokens)
         redo = None
         if self.call_gate is not None and not per_row and len(prompts) == 1 and gated(specs[0]):
             # sampling has lost the segment and attention keys above; put them back for the second preparation
-            again = {**sampling, **reuse, **({_ATTEND_KEY: attend_to} if attend_to is not None else {})}
+            again = {**sampling, **reuse, **{k: v for k, v in ((_ATTEND_KEY, attend_to), (_KEEP_KEY, keep_texts)) if v is not None}}
 
             def redo(tool_choice: Any) -> Request:
                 return self._prepare(prompts, compression, chat, {**again, "tool_choice": tool_choice}, questions, prefix_cache=prefix_cache)
 
-        return Request(rows, params, policy, row_policies, tuple(specs), constraint, prefix_cache, segments, note, redo, None, attention_spans, attention_note)
+        return Request(
+            rows,
+            params,
+            policy,
+            row_policies,
+            tuple(specs),
+            constraint,
+            prefix_cache,
+            segments,
+            note,
+            redo,
+            None,
+            attention_spans,
+            attention_note,
+            protected_spans,
+        )
+
+    def _text_spans(self, prompt: PromptLike, row: list[int], chat: bool | None, spec: OutputSpec, texts: Any, key: str) -> list[tuple[int, int]]:
+        if isinstance(texts, (str, bytes)) or not isinstance(texts, Sequence) or not all(isinstance(t, str) and t for t in texts) or not texts:
+            raise InvalidGenerationParameterError(f"{key} must be a non-empty list of non-empty strings (texts that appear in the prompt)", param=key)
+        return text_token_spans(self.tokenizer, prompt, texts, len(row), chat=chat, tools=spec.tools if spec.renders_tools else ())
+
+    def _protected_spans(self, prompt: PromptLike, row: list[int], chat: bool | None, spec: OutputSpec, texts: Any) -> tuple[tuple[int, int], ...] | None:
+        """Validate ``keep_texts``; the token spans of the texts found (None: nothing to keep)."""
+        if texts is None:
+            return None
+        spans = self._text_spans(prompt, row, chat, spec, texts, _KEEP_KEY)
+        missing = [t for t, (a, b) in zip(texts, spans) if b <= a]
+        if missing:
+            raise InvalidGenerationParameterError(f"keep_texts: {missing[0][:80]!r} does not appear in the rendered prompt", param=_KEEP_KEY)
+        return tuple(spans)
 
     def _attention_spans(
         self, prompt: PromptLike, row: list[int], chat: bool | None, spec: OutputSpec, texts: Any
@@ -315,11 +349,7 @@ class Engine:
         a text not found gets an empty span), or None and why nothing will be recorded."""
         if texts is None:
             return None, None
-        if isinstance(texts, (str, bytes)) or not isinstance(texts, Sequence) or not all(isinstance(t, str) and t for t in texts) or not texts:
-            raise InvalidGenerationParameterError(
-                "attend_to must be a non-empty list of non-empty strings (texts that appear in the prompt)", param=_ATTEND_KEY
-            )
-        spans = text_token_spans(self.tokenizer, prompt, texts, len(row), chat=chat, tools=spec.tools if spec.renders_tools else ())
+        spans = self._text_spans(prompt, row, chat, spec, texts, _ATTEND_KEY)
         if not any(b > a for a, b in spans):
             return None, "none of the attend_to texts was found in the rendered prompt"
         return tuple(spans), None
@@ -453,6 +483,7 @@ class Engine:
                 segments=request.segments,
                 eos_ids=self._eos_ids,
                 attention_spans=request.attention_spans,
+                protected_spans=request.protected_spans,
             )
             member = Member(run, request, self.tokenizer, self._eos_ids, cancel)
             steps = run.prefill_steps(self._prefill_chunk(rows))
@@ -619,6 +650,9 @@ class Engine:
         are ``str``; tool calls stream as :class:`~snapkv_rag.tools.ToolCallDelta`.
         ``prefix_cache=False``: this call neither reuses nor stores prompt K/V in the prefix
         cache (segment reuse below is separate: it follows ``reuse_segments``).
+        ``keep_texts``: texts that appear in the prompt (document labels, titles) whose tokens
+        every compressed layer and head keeps whatever the policy's scores, as many as fit beside
+        its window (one prompt; decode-time cuts may still drop them later).
 
         Segment reuse (blended prefill, see :mod:`snapkv_rag.blending`): ``reuse_segments``, texts
         that appear in the prompt (document chunks, tool-log blocks), or ``"offered"`` for the texts

@@ -151,6 +151,7 @@ class DecodeRun:
         segments: SegmentRequest | None = None,
         eos_ids: frozenset[int] = frozenset(),
         attention_spans: Sequence[tuple[int, int]] | None = None,
+        protected_spans: Sequence[tuple[int, int]] | None = None,
     ):
         from transformers import DynamicCache
 
@@ -193,6 +194,9 @@ class DecodeRun:
         first = self._row_policy(0)
         self.policy_state: PolicyState | None = first.decode_state(model, self.sliding) if first is not None else None
         # attention over given prompt spans during decoding (attention citations), one prompt only
+        if protected_spans and len(rows) != 1:
+            raise ValueError("protected spans apply to one prompt")
+        self.protected_spans = list(protected_spans or [])
         self.span_attention: SpanAttention | None = None
         self.span_attention_note: str | None = None
         if attention_spans:
@@ -204,6 +208,16 @@ class DecodeRun:
                 self.span_attention_note = "not recorded under per-head budgets (heads=adaptive)"
             else:
                 self.span_attention = SpanAttention(attention_spans, len(rows[0]), self.sliding)
+
+    def _protected_mask(self) -> torch.Tensor | None:
+        """``[batch, width]`` bool over the prompt layout: the positions of ``protected_spans`` (one prompt)."""
+        if not self.protected_spans:
+            return None
+        mask = torch.zeros(self.attention_mask.shape, dtype=torch.bool, device=self.device)
+        offset = self.padded_length - self.row_lengths[0]
+        for start, end in self.protected_spans:
+            mask[0, offset + start : offset + end] = True
+        return mask
 
     @property
     def ragged_heads(self) -> bool:
@@ -285,7 +299,7 @@ class DecodeRun:
         padding_mask = mask if self.has_padding else None
         self.session = None
         if self.policy is not None:
-            self.session = PrefillCompression(self.policy, self.cache, padding_mask, self.sliding, self.policy_state)
+            self.session = PrefillCompression(self.policy, self.cache, padding_mask, self.sliding, self.policy_state, self._protected_mask())
             if self.prefix_cache is not None:
                 self.session.full_kv = {}
         seconds = 0.0
@@ -371,7 +385,9 @@ class DecodeRun:
         cache = self.cache = blending_cache(self.model, prompt, positions)
         positions = positions.to(self.device)
         self._last_position = torch.tensor([[n - 1]], device=self.device)
-        self.session = PrefillCompression(self.policy, self.cache, None, self.sliding, self.policy_state) if self.policy is not None else None
+        self.session = (
+            PrefillCompression(self.policy, self.cache, None, self.sliding, self.policy_state, self._protected_mask()) if self.policy is not None else None
+        )
         with compressing(self.session):
             self._forward(self.input_ids[:, positions], blended_mask(positions, n, self.device), positions[None])
         self.cache = plain_cache(self.model, cache)  # the blending cache's closure holds the placed segments

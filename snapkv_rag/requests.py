@@ -71,6 +71,8 @@ class Request:
     # single-prompt calls with attend_to: the token spans of the texts found (see snapkv_rag.span_attention)
     attention_spans: tuple[tuple[int, int], ...] | None = None
     attention_note: str | None = None  # why attend_to records nothing (no text found)
+    # single-prompt calls with keep_texts: the token spans every compressed layer keeps
+    protected_spans: tuple[tuple[int, int], ...] | None = None
 
     def spec(self, row: int) -> OutputSpec:
         return self.specs[row] if self.specs else TEXT

@@ -1,6 +1,6 @@
 """The compression-policy contract and the selection step every policy shares.
 
-``policy.select(queries, keys, attention_mask=None, *, scaling=None) -> indices``
+``policy.select(queries, keys, attention_mask=None, *, scaling=None, protected=None) -> indices``
 
 - ``queries``: post-RoPE queries of the last ``policy.query_window`` prompt positions,
   ``[batch, q_heads, window, head_dim]`` (all positions when ``query_window`` is None,
@@ -14,6 +14,9 @@
   than ``k`` keeps all of them and fills its remaining slots with its *earliest* padding
   positions. Those filler slots therefore come first and are the same for every head, so
   ``attention_mask.gather(1, indices[:, 0])`` is the row's mask over the kept entries.
+- ``protected``: ``[batch, n]`` bool, positions every head keeps whatever their score (texts a
+  caller names with ``keep_texts``, such as document labels), as many as fit beside the window
+  (the earliest first when they do not all fit); None: none.
 """
 
 from __future__ import annotations
@@ -74,7 +77,9 @@ class CompressionPolicy(ABC):
         """True when the KV heads of a layer keep different numbers of entries (:meth:`select_heads`)."""
         return False
 
-    def select_heads(self, queries: torch.Tensor, keys: torch.Tensor, *, scaling: float | None = None) -> list[torch.Tensor]:
+    def select_heads(
+        self, queries: torch.Tensor, keys: torch.Tensor, *, scaling: float | None = None, protected: torch.Tensor | None = None
+    ) -> list[torch.Tensor]:
         """Per-head selection for one unpadded prompt (``batch == 1``): one ascending LongTensor of
         kept positions per KV head, of different lengths. Only policies with :attr:`ragged_heads`."""
         raise InvalidCompressionError(f"{type(self).__name__} selects the same number of entries for every head")
@@ -87,6 +92,7 @@ class CompressionPolicy(ABC):
         attention_mask: torch.Tensor | None = None,
         *,
         scaling: float | None = None,
+        protected: torch.Tensor | None = None,
     ) -> torch.Tensor: ...
 
     def with_budget(self, budget: int) -> CompressionPolicy:
@@ -174,8 +180,10 @@ def keep_recent_and_top(
     n: int,
     capacity: int,
     attention_mask: torch.Tensor | None,
+    protected: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Keep the last ``n - p`` positions and the ``capacity - (n - p)`` best-scored prefix ones.
+    """Keep the last ``n - p`` positions and the ``capacity - (n - p)`` best-scored prefix ones
+    (``protected`` prefix positions first, see the module contract).
 
     ``prefix_scores``: ``[batch, kv_heads, p]``, non-negative, one per prefix position.
     Returns ``[batch, kv_heads, min(n, capacity)]`` ascending (see the module contract).
@@ -188,7 +196,7 @@ def keep_recent_and_top(
     if not 0 <= recent <= capacity:
         raise InvalidCompressionError(f"recent window {recent} does not fit in budget {capacity}")
     k = capacity - recent
-    scores = prefix_scores.float()
+    scores = protect(prefix_scores.float(), protected)
     if attention_mask is not None:
         # Real tokens score >= 0; padding ranks below every real token, earliest first.
         real = attention_mask[:, :prefix].bool()[:, None, :]
@@ -201,14 +209,23 @@ def keep_recent_and_top(
     return torch.cat([top, window], dim=-1)
 
 
-def keep_adaptive(prefix_scores: torch.Tensor, n: int, capacity: int, floor: float) -> list[torch.Tensor]:
+def protect(prefix_scores: torch.Tensor, protected: torch.Tensor | None) -> torch.Tensor:
+    """``prefix_scores [b, h, p]`` with ``protected [b, n]`` prefix positions raised above every score."""
+    if protected is None:
+        return prefix_scores
+    prefix = prefix_scores.shape[-1]
+    return prefix_scores.masked_fill(protected[:, None, :prefix].to(prefix_scores.device), float("inf"))
+
+
+def keep_adaptive(prefix_scores: torch.Tensor, n: int, capacity: int, floor: float, protected: torch.Tensor | None = None) -> list[torch.Tensor]:
     """AdaKV's allocation of one layer's budget over its heads, for one row.
 
     ``prefix_scores``: ``[1, kv_heads, p]`` comparable across heads (attention-derived votes).
     Every head keeps the last ``n - p`` positions; the ``kv_heads * (capacity - (n - p))``
     voted entries the layer may hold go to the best-scored (head, position) pairs of all its
     heads, after each head is first given its own best ``floor * (capacity - (n - p))``
-    (AdaKV's safeguard; ``floor=1`` is the uniform per-head top-k). Returns one ascending
+    (AdaKV's safeguard; ``floor=1`` is the uniform per-head top-k), or all its ``protected``
+    positions when they are more (up to its uniform share). Returns one ascending
     LongTensor per head; their lengths sum to ``kv_heads * min(n, capacity)``.
     """
     _, kv_heads, prefix = prefix_scores.shape
@@ -219,15 +236,17 @@ def keep_adaptive(prefix_scores: torch.Tensor, n: int, capacity: int, floor: flo
     if not 0 <= recent <= capacity:
         raise InvalidCompressionError(f"recent window {recent} does not fit in budget {capacity}")
     k = capacity - recent
-    scores = prefix_scores[0].float()
-    guaranteed = int(floor * k)
+    scores = protect(prefix_scores.float(), protected)[0]
+    # each head's own best first: the safeguard's share, or all its protected positions that fit
+    protected_count = int(protected[0, :prefix].sum()) if protected is not None else 0
+    guaranteed = max(int(floor * k), min(protected_count, k))
+    kept = torch.zeros(kv_heads, prefix, dtype=torch.bool, device=device)
     if guaranteed:
-        best = scores.sort(dim=-1, descending=True, stable=True).indices[:, :guaranteed]
-        scores = scores.scatter(1, best, float("inf"))
-    chosen = scores.reshape(-1).sort(descending=True, stable=True).indices[: kv_heads * k]
-    kept = torch.zeros(kv_heads * prefix, dtype=torch.bool, device=device)
-    kept[chosen] = True
-    kept = kept.reshape(kv_heads, prefix)
+        kept.scatter_(1, scores.sort(dim=-1, descending=True, stable=True).indices[:, :guaranteed], True)
+    shared = kv_heads * (k - guaranteed)
+    if shared:
+        chosen = scores.masked_fill(kept, float("-inf")).reshape(-1).sort(descending=True, stable=True).indices[:shared]
+        kept.view(-1)[chosen] = True
     window = torch.arange(prefix, n, device=device)
     return [torch.cat([kept[h].nonzero().squeeze(1), window]) for h in range(kv_heads)]
 

@@ -17,6 +17,6 @@ class FullCache(CompressionPolicy):
     def max_capacity_prompt(self) -> None:  # type: ignore[override]
         return None
 
-    def select(self, queries, keys, attention_mask=None, *, scaling=None):
+    def select(self, queries, keys, attention_mask=None, *, scaling=None, protected=None):
         b, kv_heads, n, _ = keys.shape
         return keep_all(b, kv_heads, n, keys.device)

@@ -69,10 +69,10 @@ class H2O(CompressionPolicy):
             total += reduce_groups(weights.sum(dim=3), self.gqa_reduce)
         return total
 
-    def select(self, queries, keys, attention_mask=None, *, scaling=None):
+    def select(self, queries, keys, attention_mask=None, *, scaling=None, protected=None):
         b, kv_heads, n, _ = keys.shape
         if n <= self.max_capacity_prompt:
             return keep_all(b, kv_heads, n, keys.device)
         prefix = n - self.recent_tokens
         scores = self.accumulated_attention(queries, keys, attention_mask, scaling)[..., :prefix]
-        return keep_recent_and_top(scores, n, self.max_capacity_prompt, attention_mask)
+        return keep_recent_and_top(scores, n, self.max_capacity_prompt, attention_mask, protected)

@@ -60,8 +60,8 @@ class LESS(CompressionPolicy):
     def with_budget(self, budget: int) -> LESS:
         return dataclasses.replace(self, base=self.base.with_budget(budget))
 
-    def select(self, queries, keys, attention_mask=None, *, scaling=None):
-        return self.base.select(queries, keys, attention_mask, scaling=scaling)
+    def select(self, queries, keys, attention_mask=None, *, scaling=None, protected=None):
+        return self.base.select(queries, keys, attention_mask, scaling=scaling, protected=protected)
 
     @property
     def decode_budget(self) -> int | None:  # type: ignore[override]

@@ -32,11 +32,11 @@ class RandomKeep(CompressionPolicy):
             raise InvalidCompressionError(f"RandomKeep: recent ({self.recent}) must be smaller than max_capacity_prompt ({self.max_capacity_prompt})")
         self.check_decode_budget()
 
-    def select(self, queries, keys, attention_mask=None, *, scaling=None):
+    def select(self, queries, keys, attention_mask=None, *, scaling=None, protected=None):
         b, kv_heads, n, _ = keys.shape
         if n <= self.max_capacity_prompt:
             return keep_all(b, kv_heads, n, keys.device)
         prefix = n - self.recent
         gen = torch.Generator().manual_seed(self.seed)
         scores = torch.rand(b, kv_heads, prefix, generator=gen).to(keys.device)
-        return keep_recent_and_top(scores, n, self.max_capacity_prompt, attention_mask)
+        return keep_recent_and_top(scores, n, self.max_capacity_prompt, attention_mask, protected)

@@ -141,11 +141,16 @@ def sliding_layers(config) -> list[bool]:
     return [False] * text.num_hidden_layers
 
 
-def select_for_prompt(policy: CompressionPolicy, query: torch.Tensor, key: torch.Tensor, mask: torch.Tensor | None, scaling) -> torch.Tensor:
+def select_for_prompt(
+    policy: CompressionPolicy, query: torch.Tensor, key: torch.Tensor, mask: torch.Tensor | None, scaling, protected: torch.Tensor | None = None
+) -> torch.Tensor:
     """``policy``'s kept indices over a prompt's keys; a windowed policy votes with the prompt's last queries."""
+    return policy.select(voting_queries(policy, query), key, mask, scaling=scaling, protected=protected)
+
+
+def voting_queries(policy: CompressionPolicy, query: torch.Tensor) -> torch.Tensor:
     window = policy.query_window
-    queries = query if window is None else query[:, :, query.shape[2] - window :]
-    return policy.select(queries, key, mask, scaling=scaling)
+    return query if window is None else query[:, :, query.shape[2] - window :]
 
 
 class PrefillCompression:
@@ -163,6 +168,7 @@ class PrefillCompression:
         attention_mask: torch.Tensor | None,
         sliding: list[bool],
         state: PolicyState | None = None,
+        protected: torch.Tensor | None = None,
     ):
         rows = [policy] if isinstance(policy, CompressionPolicy) else list(policy)
         self.row_policies = rows if len(set(rows)) > 1 else None
@@ -180,6 +186,7 @@ class PrefillCompression:
         self.full_kv: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None
         # the policy's decode-time state, told what each layer's selection evicts
         self.state = state
+        self.protected = protected  # [batch, n] bool: prompt positions every layer keeps (keep_texts)
 
     def compress_layer(self, module, query: torch.Tensor, key: torch.Tensor, scaling: float | None) -> None:
         layer_idx = module.layer_idx
@@ -195,12 +202,19 @@ class PrefillCompression:
             self.keep_heads(layer_idx, self.policy.for_layer(position, layers), query, key, scaling)
             return
         if self.row_policies is None:
-            indices = select_for_prompt(self.policy.for_layer(position, layers), query, key, self.attention_mask, scaling)
+            indices = select_for_prompt(self.policy.for_layer(position, layers), query, key, self.attention_mask, scaling, self.protected)
         else:
             mask = self.attention_mask
             indices = torch.cat(
                 [
-                    select_for_prompt(p.for_layer(position, layers), query[i : i + 1], key[i : i + 1], None if mask is None else mask[i : i + 1], scaling)
+                    select_for_prompt(
+                        p.for_layer(position, layers),
+                        query[i : i + 1],
+                        key[i : i + 1],
+                        None if mask is None else mask[i : i + 1],
+                        scaling,
+                        None if self.protected is None else self.protected[i : i + 1],
+                    )
                     for i, p in enumerate(self.row_policies)
                 ]
             )
@@ -216,9 +230,7 @@ class PrefillCompression:
         """Per-head budgets: replace the layer's cache entry by a ragged one holding each head's own entries."""
         if key.shape[0] != 1 or self.attention_mask is not None or self.state is not None:
             raise InvalidCompressionError("per-head budgets (heads=adaptive) run one unpadded prompt at a time, without LESS or decode-time cuts")
-        window = policy.query_window
-        queries = query if window is None else query[:, :, query.shape[2] - window :]
-        kept = policy.select_heads(queries, key, scaling=scaling)
+        kept = policy.select_heads(voting_queries(policy, query), key, scaling=scaling, protected=self.protected)
         self.kept_indices[layer_idx] = tuple(kept)
         layer = self.cache.layers[layer_idx]
         self.cache.layers[layer_idx] = RaggedHeadsLayer.from_selection(layer.keys, layer.values, kept)

@@ -211,7 +211,7 @@ class SnapKV(CompressionPolicy):
         if queries.shape[2] != self.window_size:
             raise InvalidCompressionError(f"SnapKV expects {self.window_size} window queries, got {queries.shape[2]}")
 
-    def select(self, queries, keys, attention_mask=None, *, scaling=None):
+    def select(self, queries, keys, attention_mask=None, *, scaling=None, protected=None):
         if self.ragged_heads:
             raise InvalidCompressionError("SnapKV(head_budgets='adaptive') keeps different numbers of entries per head: use select_heads")
         b, kv_heads, n, _ = keys.shape
@@ -219,16 +219,16 @@ class SnapKV(CompressionPolicy):
             return keep_all(b, kv_heads, n, keys.device)
         self._check_window(queries)
         votes = self.votes(queries, keys, attention_mask, scaling)
-        return keep_recent_and_top(votes, n, self.max_capacity_prompt, attention_mask)
+        return keep_recent_and_top(votes, n, self.max_capacity_prompt, attention_mask, protected)
 
-    def select_heads(self, queries, keys, *, scaling=None):
+    def select_heads(self, queries, keys, *, scaling=None, protected=None):
         if keys.shape[0] != 1:
             raise InvalidCompressionError("SnapKV(head_budgets='adaptive') selects for one prompt at a time")
         n = keys.shape[2]
         if n > self.max_capacity_prompt:
             self._check_window(queries)
         votes = self.votes(queries, keys, None, scaling) if n > self.max_capacity_prompt else keys.new_zeros(1, keys.shape[1], 0)
-        return keep_adaptive(votes, n, self.max_capacity_prompt, float(self.head_floor))
+        return keep_adaptive(votes, n, self.max_capacity_prompt, float(self.head_floor), protected)
 
 
 def span_scores(votes: torch.Tensor, span: int) -> torch.Tensor:

@@ -33,11 +33,11 @@ class StreamingLLM(CompressionPolicy):
             )
         self.check_decode_budget()
 
-    def select(self, queries, keys, attention_mask=None, *, scaling=None):
+    def select(self, queries, keys, attention_mask=None, *, scaling=None, protected=None):
         b, kv_heads, n, _ = keys.shape
         if n <= self.max_capacity_prompt:
             return keep_all(b, kv_heads, n, keys.device)
         prefix = n - (self.max_capacity_prompt - self.sink_tokens)
         # Earlier positions score higher, so the top `sink_tokens` are the first real tokens.
         earliness = torch.arange(prefix, 0, -1, device=keys.device, dtype=torch.float32)
-        return keep_recent_and_top(earliness.expand(b, kv_heads, prefix), n, self.max_capacity_prompt, attention_mask)
+        return keep_recent_and_top(earliness.expand(b, kv_heads, prefix), n, self.max_capacity_prompt, attention_mask, protected)

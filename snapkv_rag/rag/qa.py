@@ -214,6 +214,8 @@ class DocumentQA:
     ``recommended_kv_reuse`` ("chunks", but "prefix" for the embedded 135M model, whose
     answers suffer from blended reuse); see :mod:`snapkv_rag.rag.kv_reuse`.
     ``recompute``: the share of reused chunk tokens recomputed (None: the engine's default).
+    ``keep_labels``: every compressed layer keeps each document's opening line (``[n] title``,
+    the engine's ``keep_texts``), so the numbers an answer cites are never evicted.
     """
 
     def __init__(
@@ -236,6 +238,7 @@ class DocumentQA:
         kv_dir: str | None = None,
         kv_cache_bytes: int | None = None,
         recompute: float | None = None,
+        keep_labels: bool = False,
     ):
         unknown = set(routes) - set(ROUTES)
         if unknown:
@@ -261,6 +264,7 @@ class DocumentQA:
         self.kv_reuse = resolve_kv_reuse(kv_reuse, engine)
         self.kv_store = chunk_kv_store(store, kv_dir, kv_cache_bytes) if self.kv_reuse == "chunks" else None
         self.recompute = recompute
+        self.keep_labels = keep_labels
 
     def precompute_kv(self, *, progress: bool = False) -> tuple[int, int]:
         """Compute every stored chunk's K/V now (``kv_reuse="chunks"``); returns ``(computed, already stored)``."""
@@ -286,8 +290,11 @@ class DocumentQA:
             reuse["recompute"] = self.recompute
         if "attention" in self.routes:
             sampling.setdefault("attend_to", [chunk_segment(c) for c in context.chunks])
+        policy = self.policy(compression)
+        if self.keep_labels and policy is not None and context.chunks:
+            sampling.setdefault("keep_texts", context.labels())
         return {
-            "compression": self.policy(compression),
+            "compression": policy,
             "question": context.question_text,
             "max_new_tokens": sampling.pop("max_new_tokens", self.max_new_tokens),
             **reuse,

@@ -58,6 +58,10 @@ class StuffedContext:
         """Each document's text as it appears in the prompt: the reusable segments (the "[n] title" labels change with position, so they stay out)."""
         return [chunk_segment(c) for c in self.chunks]
 
+    def labels(self) -> list[str]:
+        """Each stuffed document's opening line (``[n] title``), in prompt order."""
+        return [document_label(i, c) for i, c in enumerate(self.chunks, start=1)]
+
     def chunk_for(self, number: int) -> StoredChunk | None:
         return self.chunks[number - 1] if 1 <= number <= len(self.chunks) else None
 
@@ -82,9 +86,13 @@ def chunk_segment(chunk: StoredChunk) -> str:
     return chunk.text.strip()
 
 
+def document_label(number: int, chunk: StoredChunk) -> str:
+    """The line that opens a stuffed document: its number and title."""
+    return f"[{number}] {chunk.title}" if chunk.title else f"[{number}]"
+
+
 def format_document(number: int, chunk: StoredChunk) -> str:
-    title = f" {chunk.title}" if chunk.title else ""
-    return f"[{number}]{title}\n{chunk_segment(chunk)}"
+    return f"{document_label(number, chunk)}\n{chunk_segment(chunk)}"
 
 
 def build_messages(question: str, chunks: Sequence[StoredChunk], system_prompt: str = SYSTEM_PROMPT) -> tuple[list[dict[str, str]], str]:
