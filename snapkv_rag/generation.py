@@ -53,7 +53,7 @@ def plain_cache(model, cache):
 
 def cache_bytes(cache) -> int:
     return sum(
-        layer.keys.numel() * layer.keys.element_size() + layer.values.numel() * layer.values.element_size()
+        layer.held_bytes() if is_ragged(layer) else layer.keys.numel() * layer.keys.element_size() + layer.values.numel() * layer.values.element_size()
         for layer in cache.layers
         if getattr(layer, "keys", None) is not None and layer.keys.numel()
     )

@@ -177,3 +177,27 @@ def test_spec_round_trips_and_bad_combinations_are_one_clear_error():
         LESS(base=ADAPTIVE)
     with pytest.raises(InvalidCompressionError, match="select_heads"):
         ADAPTIVE.select(torch.zeros(1, 4, 8, 16), torch.zeros(1, 2, 40, 16))
+
+
+def test_layers_that_keep_everything_stay_dense_and_exact(tokenizer):
+    engine = tiny_engine("llama", tokenizer)
+    ids = prompt_ids(engine)
+    roomy = SnapKV(window_size=8, max_capacity_prompt=len(ids) + 10, kernel_size=3, head_budgets="adaptive")
+    run, logits, _ = run_with(engine, ids, roomy)
+    _, full, _ = run_with(engine, ids, None)
+    assert not any(isinstance(layer, RaggedHeadsLayer) for layer in run.cache.layers)
+    assert torch.equal(logits, full)
+    whole = SnapKV(window_size=8, max_capacity_prompt=24, kernel_size=3, head_budgets="adaptive", whole_layers=1)
+    run, _ = prefill(engine, ids, whole)
+    assert [isinstance(layer, RaggedHeadsLayer) for layer in run.cache.layers] == [False, True]
+    assert run.kept_tokens_per_layer == [len(ids), 24]
+
+
+def test_reported_bytes_include_the_rows_after_the_last_head():
+    layer = RaggedHeadsLayer([torch.zeros(n, 8) for n in (3, 5)], [torch.zeros(n, 8) for n in (3, 5)])
+    from snapkv_rag.generation import cache_bytes
+
+    class Cache:
+        layers = [layer]
+
+    assert cache_bytes(Cache()) == layer.held_bytes() == 2 * (8 + RaggedHeadsLayer.BUCKET) * 8 * 4

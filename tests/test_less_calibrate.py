@@ -8,8 +8,18 @@ import pytest
 from conftest import tiny_engine
 
 from snapkv_rag.compression import LESS, SnapKV
-from snapkv_rag.errors import LessTrainingError
-from snapkv_rag.less.calibrate import REPORT, CalibrationConfig, calibrate, calibration_dir, collection_text, describe_calibration, policy_for_collection
+from snapkv_rag.errors import InvalidCompressionError, LessTrainingError
+from snapkv_rag.less.calibrate import (
+    REPORT,
+    CalibrationConfig,
+    calibrate,
+    calibration_dir,
+    calibration_key,
+    calibration_note,
+    collection_text,
+    describe_calibration,
+    policy_for_collection,
+)
 from snapkv_rag.less.kernels import LessKernels, load_kernels, model_signature
 from snapkv_rag.rag import DocumentQA, DocumentStore
 from snapkv_rag.rag.embeddings import Embedder
@@ -64,28 +74,42 @@ def test_calibration_writes_kernels_and_a_report_that_decides_by_held_out_kl(eng
         assert policy == SnapKV(max_capacity_prompt=16, window_size=4)
 
 
-def _write(store, summary: dict) -> None:
+def _write(store, engine, base, summary: dict) -> None:
     out = calibration_dir(store)
     out.mkdir(parents=True, exist_ok=True)
-    (out / REPORT).write_text(json.dumps({"llama-2l-snapkv-b16": summary}))
+    (out / REPORT).write_text(json.dumps({calibration_key(model_signature(engine.model), base): summary}))
 
 
 def test_document_qa_uses_the_calibration_and_the_base_where_less_measured_worse(engine, store, tmp_path):
     path = start_kernels(engine).save(tmp_path / "k.safetensors")
     base = SnapKV(max_capacity_prompt=16, window_size=4)
     qa = DocumentQA(engine, store, compression=LESS(base=base), context_tokens=200, max_new_tokens=4)
-    _write(store, {"use": "less", "kernels": str(path)})
+    _write(store, engine, base, {"use": "less", "kernels": str(path)})
     assert qa.policy() == LESS(base=base, kernels=str(path))
     assert qa.policy("less:base=snapkv,budget=16,window=4") == LESS(base=base, kernels=str(path))
     assert qa.policy("less:base=snapkv,budget=32,window=4").kernels is None  # no calibration at that budget: as given
-    _write(store, {"use": "base", "kernels": str(path)})
+    assert qa.policy("less:base=snapkv,budget=16,window=8").kernels is None  # nor for another window
+    assert calibration_note(LESS(base=base), qa.policy()) is not None
+    _write(store, engine, base, {"use": "base", "kernels": str(path)})
     assert qa.policy() == base
+    assert "worse" in calibration_note(LESS(base=base), base)
     answer = qa.ask("Which ferry?")  # runs with the base policy: no kernels needed
     assert answer.result.stats.compression["method"] == "snapkv"
     explicit = LESS(base=base, kernels=str(path))
     assert qa.policy(explicit) is explicit  # kernels given: the calibration does not override them
     assert qa.policy("snapkv:budget=16") == "snapkv:budget=16"
+    _write(store, engine, base, {"use": "less", "kernels": str(tmp_path / "gone.safetensors")})
+    with pytest.raises(InvalidCompressionError, match="calibrate again"):
+        qa.policy()
     (calibration_dir(store) / REPORT).unlink()
+
+
+@pytest.mark.parametrize("base", ["full", "less:base=snapkv", "snapkv:window=4,heads=adaptive"])
+def test_a_base_that_is_not_a_uniform_sparse_policy_is_one_clear_error(engine, store, base):
+    with pytest.raises(LessTrainingError, match="sparse policy"):
+        calibrate(
+            engine, store, CalibrationConfig(budget=16, base=base, prompt_tokens=48, continuation_tokens=8), kernels=start_kernels(engine), progress=False
+        )
 
 
 def test_too_little_text_is_one_clear_error(engine, store):

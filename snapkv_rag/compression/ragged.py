@@ -28,9 +28,8 @@ _CACHE: ContextVar[object | None] = ContextVar("snapkv_rag_ragged_cache", defaul
 class RaggedHeadsLayer(DynamicLayer):
     """One layer's K/V for a batch of one, ``lengths[h]`` entries for KV head ``h``.
 
-    ``keys``/``values`` are ``[1, 1, sum(lengths), dim]`` (the flat layout, so code that counts
-    bytes from them counts what is held, but for ``BUCKET`` rows of zeros after the last head);
-    new tokens are appended to every head.
+    ``keys``/``values`` are ``[1, 1, sum(lengths), dim]`` (the flat layout; :meth:`held_bytes`
+    adds the ``BUCKET`` rows of zeros after the last head); new tokens are appended to every head.
 
     Attention reads each head over its length rounded up to ``BUCKET`` (the extra columns, the
     next head's entries or the zero rows, are masked out): a bf16 matrix product of a shape
@@ -95,6 +94,10 @@ class RaggedHeadsLayer(DynamicLayer):
         self._store(key_pieces, value_pieces)
         return key_states, value_states
 
+    def held_bytes(self) -> int:
+        """Bytes of K and V held, the zero rows after the last head included."""
+        return sum(t.numel() * t.element_size() for t in (self._key_buffer, self._value_buffer))
+
     def entries_per_head(self) -> int:
         """The mean entries a head holds (rounded), the figure a uniform layer's length compares with."""
         return round(sum(self.lengths) / self.heads)
@@ -118,6 +121,8 @@ class RaggedHeadsLayer(DynamicLayer):
             # transposed query keeps a stride of q_heads * dim on its size-1 axis, which sent
             # torch.matmul to a path 7x slower on the CPU (bf16)
             q = query[0, h * group : (h + 1) * group].reshape(group * t, dim)
+            if t > 1:  # a teacher-forced or blended forward: float32 throughout, as SDPA accumulates
+                q, keys, values = q.float(), keys.float(), values.float()
             scores = torch.mm(q, keys.t()).float().view(group, t, width) * scale
             scores[..., n:] = float("-inf")  # columns past this head's entries
             if t > 1:
@@ -126,7 +131,7 @@ class RaggedHeadsLayer(DynamicLayer):
                 scores[..., :n] = scores[..., :n].masked_fill(blocked, float("-inf"))
             probs = torch.softmax(scores, dim=-1).to(values.dtype)
             outputs.append(torch.mm(probs.view(group * t, width), values).view(group, t, dim))
-        return torch.cat(outputs).transpose(0, 1)[None].contiguous()
+        return torch.cat(outputs).transpose(0, 1)[None].to(query.dtype).contiguous()
 
 
 def is_ragged(layer) -> bool:

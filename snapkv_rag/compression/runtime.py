@@ -198,7 +198,7 @@ class PrefillCompression:
             layer = self.cache.layers[layer_idx]
             self.full_kv[layer_idx] = (layer.keys, layer.values)
         position, layers = self.full_layers.index(layer_idx), len(self.full_layers)
-        if self.policy.ragged_heads:
+        if self.policy.ragged_heads and n > self.policy.for_layer(position, layers).max_capacity_prompt:
             self.keep_heads(layer_idx, self.policy.for_layer(position, layers), query, key, scaling)
             return
         if self.row_policies is None:

@@ -212,11 +212,11 @@ class SnapKV(CompressionPolicy):
             raise InvalidCompressionError(f"SnapKV expects {self.window_size} window queries, got {queries.shape[2]}")
 
     def select(self, queries, keys, attention_mask=None, *, scaling=None, protected=None):
-        if self.ragged_heads:
-            raise InvalidCompressionError("SnapKV(head_budgets='adaptive') keeps different numbers of entries per head: use select_heads")
         b, kv_heads, n, _ = keys.shape
         if n <= self.max_capacity_prompt:
             return keep_all(b, kv_heads, n, keys.device)
+        if self.ragged_heads:
+            raise InvalidCompressionError("SnapKV(head_budgets='adaptive') keeps different numbers of entries per head: use select_heads")
         self._check_window(queries)
         votes = self.votes(queries, keys, attention_mask, scaling)
         return keep_recent_and_top(votes, n, self.max_capacity_prompt, attention_mask, protected)

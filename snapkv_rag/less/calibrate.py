@@ -19,6 +19,7 @@ policy without explicit kernels.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 import tempfile
@@ -29,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from ..compression import LESS, CompressionPolicy
-from ..errors import LessTrainingError
+from ..errors import InvalidCompressionError, LessTrainingError
 from .corpus import overlapping_windows
 from .distill import DistillConfig, collect_windows, distill
 from .kernels import LessKernels, load_kernels, model_signature
@@ -58,8 +59,10 @@ def calibration_dir(store) -> Path:
     return location / "less-calibration" / store.name
 
 
-def _file_stem(signature: dict[str, Any], base: str, budget: int) -> str:
-    return f"{signature['model_type']}-{signature['num_layers']}l-{base}-b{budget}"
+def calibration_key(signature: dict[str, Any], base: CompressionPolicy) -> str:
+    """One calibration per model and base policy (its full spec: window, options, budget)."""
+    digest = hashlib.sha256(base.spec().encode()).hexdigest()[:8]
+    return f"{signature['model_type']}-{signature['num_layers']}l-{base.name}-b{base.max_capacity_prompt}-{digest}"
 
 
 def collection_text(store) -> str:
@@ -109,7 +112,7 @@ def calibrate(
         settings = DistillConfig(epochs=config.epochs, lr=config.lr, scale_lr=config.lr, seed=config.seed, params="calibration")
         trained, report = distill(engine, LessKernels(start_kernels.layers, header), train_paths, val_paths, config.budget, settings, progress)
     use_less = report["val_kl"] < report["val_kl_base"]
-    stem = _file_stem(signature, policy.base.name, config.budget)
+    stem = calibration_key(signature, policy.base)
     path = LessKernels(trained.layers, {**header, "calibration": {"collection": store.name, "distill": report}}).save(out / f"{stem}.safetensors")
     summary = {
         "collection": store.name,
@@ -141,9 +144,12 @@ def _existing(work: Path | None) -> str | None:
 
 
 def _base_policy(config: CalibrationConfig) -> CompressionPolicy:
-    from ..compression import parse_compression
+    from ..compression import FullCache, parse_compression
 
-    return parse_compression(config.base).with_budget(config.budget)
+    base = parse_compression(config.base)
+    if isinstance(base, (FullCache, LESS)) or base.ragged_heads:
+        raise LessTrainingError(f"the base must be a sparse policy with the same entries in every head (snapkv, h2o, ...), not {config.base!r}")
+    return base.with_budget(config.budget)
 
 
 def _write_report(out: Path, stem: str, summary: dict[str, Any]) -> None:
@@ -154,12 +160,13 @@ def _write_report(out: Path, stem: str, summary: dict[str, Any]) -> None:
     path.write_text(json.dumps(reports, indent=2, sort_keys=True))
 
 
-def calibration_for(store, model, base: str, budget: int) -> dict[str, Any] | None:
-    """The stored calibration report of ``store``'s collection for this model, base and budget (None: none)."""
+def calibration_for(store, model, base: CompressionPolicy) -> dict[str, Any] | None:
+    """The stored calibration report of ``store``'s collection for this model and base policy
+    (the same spec: a calibration measured with another window or budget does not apply); None: none."""
     path = calibration_dir(store) / REPORT
     if not path.exists():
         return None
-    return json.loads(path.read_text()).get(_file_stem(model_signature(model), base, budget))
+    return json.loads(path.read_text()).get(calibration_key(model_signature(model), base))
 
 
 def policy_for_collection(policy: CompressionPolicy | None, store, model) -> CompressionPolicy | None:
@@ -167,16 +174,27 @@ def policy_for_collection(policy: CompressionPolicy | None, store, model) -> Com
     calibrated kernels, or its base policy where calibration measured LESS worse than the base."""
     if not isinstance(policy, LESS) or policy.kernels is not None:
         return policy
-    report = calibration_for(store, model, policy.base.name, policy.max_capacity_prompt)
+    report = calibration_for(store, model, policy.base)
     if report is None:
         return policy
     if report["use"] == "base":
         return policy.base
     kernels = Path(report["kernels"])
     if not kernels.is_file():
-        return policy
+        raise InvalidCompressionError(
+            f"LESS: the calibration of collection {store.name!r} names {kernels}, which no longer exists; run snapkv-rag less calibrate again"
+        )
     load_kernels(kernels).check_model(model_signature(model), str(kernels))
     return LESS(base=policy.base, kernels=str(kernels))
+
+
+def calibration_note(requested: CompressionPolicy | None, used: CompressionPolicy | None) -> str | None:
+    """A line saying how the collection's calibration changed a LESS request (None: it did not)."""
+    if not isinstance(requested, LESS) or requested == used:
+        return None
+    if isinstance(used, LESS):
+        return f"LESS uses the kernels calibrated on this collection ({used.kernels})"
+    return "LESS measured worse than its base policy on this collection when calibrated, so the base policy answered (snapkv-rag less calibrate)"
 
 
 def describe_calibration(summary: dict[str, Any]) -> str:

@@ -182,6 +182,7 @@ def _reuse_note(stats, prompt_tokens: int) -> str:
 
 def cmd_ask(args) -> int:
     from ..cli_common import load_engine
+    from ..less.calibrate import calibration_note
     from .qa import DocumentQA, small_model_note
 
     sampling, compression = _qa_kwargs(args)
@@ -210,7 +211,7 @@ def cmd_ask(args) -> int:
         sys.stdout.write(piece)
         sys.stdout.flush()
     print("\n".join(_describe(stream.answer)))
-    note = small_model_note(qa.engine, "--model PATH_OR_HUB_ID takes a larger instruct model.")
-    if note:
+    notes = [calibration_note(qa.compression, qa.policy()), small_model_note(qa.engine, "--model PATH_OR_HUB_ID takes a larger instruct model.")]
+    for note in filter(None, notes):
         print(f"note: {note}", file=sys.stderr)
     return 0
