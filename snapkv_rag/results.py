@@ -88,6 +88,7 @@ class GenerationStats:
     weights: str = "native"  # the linear layers' weights: "native" (the dtype's) or "int8" (weight-only)
     tool_decision: dict[str, Any] | None = None  # tool_choice="auto" under a call gate: the tool chosen (None: prose), its score, the threshold
     span_attention: str | None = None  # attend_to: "recorded (N spans)", or why it was not (None: not asked)
+    protected_prompt_tokens: int = 0  # keep_texts: their prompt tokens (kept by every compressed layer, as many as fit)
 
     @property
     def compression_ratio(self) -> float:
@@ -165,6 +166,7 @@ def row_stats(run: DecodeRun, row: int, request: Request, peak: PeakMemory, kv_f
         span_attention=f"recorded ({len(run.span_attention.spans)} spans)"
         if run.span_attention is not None
         else (run.span_attention_note or request.attention_note),
+        protected_prompt_tokens=sum(end - start for start, end in run.protected_spans) if run.session is not None else 0,
         threads=torch.get_num_threads(),
         model=model,
         version=__version__,

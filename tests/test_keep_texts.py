@@ -80,7 +80,10 @@ def test_bad_keep_texts_are_one_clear_error(tokenizer):
     with pytest.raises(InvalidGenerationParameterError, match="one prompt"):
         engine.generate_batch([LONG, LONG], max_new_tokens=2, compression=POLICIES[0], chat=False, keep_texts=[TEXT])
     # the full cache keeps everything anyway
-    assert engine.generate(LONG, max_new_tokens=2, chat=False, keep_texts=[TEXT]).stats.compression is None
+    full = engine.generate(LONG, max_new_tokens=2, chat=False, keep_texts=[TEXT])
+    assert full.stats.compression is None and full.stats.protected_prompt_tokens == 0
+    kept = engine.generate(LONG, max_new_tokens=2, compression=POLICIES[0], chat=False, keep_texts=[TEXT])
+    assert kept.stats.protected_prompt_tokens == len(engine.tokenizer(TEXT, add_special_tokens=False)["input_ids"])
 
 
 def test_document_qa_keeps_the_document_labels_when_asked(tokenizer, tmp_path):

@@ -83,6 +83,25 @@ def test_reuse_segments_extension_stores_and_reuses_document_kv(client, engine):
         assert err.value.body["param"] == param
 
 
+def test_keep_texts_extension_keeps_its_texts_under_the_servers_compression(client, engine):
+    from snapkv_rag.compression import recording_kept_indices
+
+    messages = [{"role": "user", "content": LONG_QUESTION}]
+    label = "Fact 7: the harbour light number 7 is green."
+    response = client.chat.completions.create(model="tiny", messages=messages, max_tokens=4, extra_body={"keep_texts": [label]})
+    with recording_kept_indices() as kept:
+        direct = engine.generate(messages, max_new_tokens=4, compression="snapkv:budget=64", keep_texts=[label])
+    assert response.choices[0].message.content == direct.text
+    assert response.model_extra["snapkv"]["protected_prompt_tokens"] == direct.stats.protected_prompt_tokens > 0
+    plain = engine.generate(messages, max_new_tokens=4, compression="snapkv:budget=64")
+    assert plain.stats.protected_prompt_tokens == 0
+    assert kept[-1].share().sum().item() == pytest.approx(64) and plain.stats.kept_tokens_per_layer[0] == 64
+    for body in ({"keep_texts": "text"}, {"keep_texts": ["not in this prompt"]}):
+        with pytest.raises(openai.BadRequestError) as err:
+            client.chat.completions.create(model="tiny", messages=messages, max_tokens=2, extra_body=body)
+        assert err.value.body["param"] == "keep_texts"
+
+
 def test_chat_answer_is_the_engines_own_with_the_servers_compression(client, engine):
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": LONG_QUESTION}]
     response = client.chat.completions.create(model="tiny", messages=messages, max_tokens=12)

@@ -8,6 +8,7 @@ ignored. Extensions: ``compression``, a policy spec (``"snapkv:budget=512"``, ``
 that overrides the server's default for this request; ``reuse_segments``, texts of the
 prompt (the documents a client stuffed) whose K/V the server stores once and reuses at any
 position later, with ``recompute`` (0-1) the share recomputed (see :mod:`snapkv_rag.blending`);
+``keep_texts``, texts of the prompt (document labels) that the compression never evicts;
 vLLM's ``ignore_eos`` and ``min_tokens``. Field types and ranges are declared as pydantic
 models (:class:`CompletionFields`, :class:`ChatFields`); the first violation is one 400 naming
 its field. Every response carries the engine's stats for it under ``snapkv``.
@@ -153,6 +154,7 @@ _COMMON = {
     "compression",
     "reuse_segments",
     "recompute",
+    "keep_texts",
     "ignore_eos",
     "min_tokens",  # vLLM's extensions, which benchmark clients send
 }
@@ -174,7 +176,7 @@ class StreamOptions(BaseModel):
 
 class CompletionFields(BaseModel):
     """The fields of ``/v1/completions`` (and, with :class:`ChatFields`, of chat): OpenAI's, this
-    server's extensions (``compression``, ``reuse_segments``, ``recompute``) and vLLM's
+    server's extensions (``compression``, ``reuse_segments``, ``recompute``, ``keep_texts``) and vLLM's
     (``ignore_eos``, ``min_tokens``). Unknown and unsupported fields are refused before this
     (:func:`_check_fields`), with OpenAI's codes."""
 
@@ -191,6 +193,7 @@ class CompletionFields(BaseModel):
     compression: StrictStr | None = None  # a policy spec such as 'snapkv:budget=1024' or 'full'
     reuse_segments: list[StrictStr] | None = Field(default=None, max_length=MAX_REUSE_SEGMENTS)
     recompute: Number | None = Field(default=None, ge=0, le=1)
+    keep_texts: list[StrictStr] | None = Field(default=None, max_length=MAX_REUSE_SEGMENTS)
     ignore_eos: StrictBool | None = None
     min_tokens: StrictInt | None = Field(default=None, ge=0)
 
@@ -221,7 +224,7 @@ class CompletionFields(BaseModel):
         for key in ("temperature", "top_p", "recompute"):
             if getattr(self, key) is not None:
                 out[key] = float(getattr(self, key))
-        for key in ("stop", "seed", "reuse_segments"):
+        for key in ("stop", "seed", "reuse_segments", "keep_texts"):
             if getattr(self, key) is not None:
                 out[key] = getattr(self, key)
         if self.ignore_eos:
