@@ -1,13 +1,13 @@
 """LESS calibrated on a collection's documents (issue 30): does it beat its base on that collection's RAG prompts?
 
-Ingests examples/sample_corpus into a temporary store, runs ``snapkv-rag less calibrate``'s
+Ingests examples/sample_corpus (or the generated corpus of 120 site reports) into a temporary store, runs ``snapkv-rag less calibrate``'s
 function on it (budget 256 over 2,048-token windows of the corpus text: 8x), then, for the
 sample questions, builds document QA's stuffed prompt (``--size`` tokens of retrieval-ranked
 chunks), lets the full cache answer greedily (``--new-tokens``) and teacher-forces that answer
 through SnapKV alone, LESS with the shipped kernels and LESS with the calibrated kernels. KL is
 the mean KL(full || method) over the answer's tokens; "gap closed" is ``1 - KL_less / KL_base``.
 
-    .venv/bin/python eval/less_calibration.py [--size 2K] [--questions 40] [--budget 256]
+    .venv/bin/python eval/less_calibration.py [--corpus sample|generated] [--size 2K] [--questions 40] [--budget 256]
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from corpora import load_corpus  # noqa: E402
+from corpora import CORPORA, load_corpus  # noqa: E402
 from results_io import write_records, write_table  # noqa: E402
 
 from snapkv_rag import Engine  # noqa: E402
@@ -43,6 +43,7 @@ def kl(full: torch.Tensor, other: torch.Tensor) -> float:
 
 def main() -> int:
     ap = argparse.ArgumentParser()
+    ap.add_argument("--corpus", choices=CORPORA, default="sample")
     ap.add_argument("--size", choices=sorted(SIZES), default="2K")
     ap.add_argument("--questions", type=int, default=None)
     ap.add_argument("--budget", type=int, default=256)
@@ -51,12 +52,13 @@ def main() -> int:
     ap.add_argument("--epochs", type=int, default=2)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    out = Path(args.out or ROOT / f"eval/results/less_calibration_{args.size}")
+    suffix = "" if args.corpus == "sample" else f"_{args.corpus}"
+    out = Path(args.out or ROOT / f"eval/results/less_calibration_{args.size}{suffix}")
     engine = Engine.default()
     base = SnapKV(max_capacity_prompt=args.budget)  # the shipped kernels' base: SnapKV with its fixed window of 32
     records = []
     with tempfile.TemporaryDirectory(prefix="snapkv-less-calibration-") as tmp:
-        corpus, questions = load_corpus("sample", Path(tmp), args.questions)
+        corpus, questions = load_corpus(args.corpus, Path(tmp), args.questions)
         store = DocumentStore("less-calibration", path=Path(tmp) / "store")
         store.ingest([corpus])
         summary = calibrate(engine, store, CalibrationConfig(budget=args.budget, windows=args.windows, epochs=args.epochs), progress=True)
