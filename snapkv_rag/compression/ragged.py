@@ -31,11 +31,13 @@ class RaggedHeadsLayer(DynamicLayer):
     ``keys``/``values`` are ``[1, 1, sum(lengths), dim]`` (the flat layout; :meth:`held_bytes`
     adds the ``BUCKET`` rows of zeros after the last head); new tokens are appended to every head.
 
-    Attention reads each head over its length rounded up to ``BUCKET`` (the extra columns, the
-    next head's entries or the zero rows, are masked out): a bf16 matrix product of a shape
-    oneDNN has not seen costs about 0.6 ms on this CPU to set up, and 2 x 90 head lengths
-    growing by one every step would pay it 180 times a step (93 ms/token against SnapKV's 23
-    at 3K tokens, measured); rounded lengths repeat, so their kernels are set up once.
+    Attention reads heads over lengths rounded up to ``BUCKET`` (masked past each head's
+    entries): a bf16 matrix product of a shape oneDNN has not seen costs about 0.6 ms on this
+    CPU to set up, and 2 x 90 head lengths growing by one every step would pay it 180 times a
+    step (93 ms/token against SnapKV's 23 at 3K tokens, measured); rounded lengths repeat, so
+    their kernels are set up once. A decode token copies the heads into one padded block
+    (:meth:`_attend_one`); a forward of several tokens reads each head in place, the zero rows
+    after the last head giving it room to round up.
     """
 
     BUCKET = 64
@@ -112,6 +114,8 @@ class RaggedHeadsLayer(DynamicLayer):
         _, q_heads, t, dim = query.shape
         group = q_heads // self.heads
         scale = scaling if scaling is not None else dim**-0.5
+        if t == 1:
+            return self._attend_one(query, group, scale)
         outputs = []
         for h, start in enumerate(self._offsets()):
             n = self.lengths[h]
@@ -120,18 +124,37 @@ class RaggedHeadsLayer(DynamicLayer):
             # 2-D products on rows with unit stride: a [group, 1, dim] slice of the model's
             # transposed query keeps a stride of q_heads * dim on its size-1 axis, which sent
             # torch.matmul to a path 7x slower on the CPU (bf16)
-            q = query[0, h * group : (h + 1) * group].reshape(group * t, dim)
-            if t > 1:  # a teacher-forced or blended forward: float32 throughout, as SDPA accumulates
-                q, keys, values = q.float(), keys.float(), values.float()
-            scores = torch.mm(q, keys.t()).float().view(group, t, width) * scale
+            # a teacher-forced or blended forward: float32 throughout, as SDPA accumulates
+            q = query[0, h * group : (h + 1) * group].reshape(group * t, dim).float()
+            scores = torch.mm(q, keys.float().t()).view(group, t, width) * scale
             scores[..., n:] = float("-inf")  # columns past this head's entries
-            if t > 1:
-                new = torch.arange(n, device=keys.device) - (n - t)  # >= 0 for this forward's tokens
-                blocked = new[None, :] > torch.arange(t, device=keys.device)[:, None]
-                scores[..., :n] = scores[..., :n].masked_fill(blocked, float("-inf"))
-            probs = torch.softmax(scores, dim=-1).to(values.dtype)
-            outputs.append(torch.mm(probs.view(group * t, width), values).view(group, t, dim))
+            new = torch.arange(n, device=keys.device) - (n - t)  # >= 0 for this forward's tokens
+            blocked = new[None, :] > torch.arange(t, device=keys.device)[:, None]
+            scores[..., :n] = scores[..., :n].masked_fill(blocked, float("-inf"))
+            probs = torch.softmax(scores, dim=-1)
+            outputs.append(torch.mm(probs.view(group * t, width), values.float()).view(group, t, dim))
         return torch.cat(outputs).transpose(0, 1)[None].to(query.dtype).contiguous()
+
+    def _attend_one(self, query: torch.Tensor, group: int, scale: float) -> torch.Tensor:
+        """One decode token: the heads copied into one zero-padded ``[heads, width, dim]`` block
+        (width rounded up to ``BUCKET``) and attended by two batched products, a third faster than
+        six per-head ones; scores in the input dtype, softmax in float32, as ``decode_attention``."""
+        q_heads, dim = query.shape[1], query.shape[3]
+        width = -(-max(self.lengths) // self.BUCKET) * self.BUCKET
+        keys = self._key_buffer.new_zeros(self.heads, width, dim)
+        values = self._value_buffer.new_zeros(self.heads, width, dim)
+        for h, start in enumerate(self._offsets()):
+            n = self.lengths[h]
+            keys[h, :n] = self._key_buffer[start : start + n]
+            values[h, :n] = self._value_buffer[start : start + n]
+        # [q_heads, dim] rows with unit stride (a [group, 1, dim] slice of the model's transposed
+        # query keeps a stride of q_heads * dim on its size-1 axis, which sent products to a slow path)
+        q = query[0, :, 0].reshape(self.heads, group, dim)
+        scores = torch.bmm(q, keys.transpose(1, 2)).float() * scale  # [heads, group, width]
+        lengths = torch.tensor(self.lengths, device=keys.device)
+        scores.masked_fill_((torch.arange(width, device=keys.device)[None, :] >= lengths[:, None])[:, None, :], float("-inf"))
+        probs = torch.softmax(scores, dim=-1).to(values.dtype)
+        return torch.bmm(probs, values).reshape(1, 1, q_heads, dim)
 
 
 def is_ragged(layer) -> bool:
