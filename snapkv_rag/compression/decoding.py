@@ -29,6 +29,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from .ragged import is_ragged
+
 if TYPE_CHECKING:
     from .base import CompressionPolicy
 
@@ -36,8 +38,6 @@ if TYPE_CHECKING:
 def layer_entries(layer) -> int:
     """Entries a cache layer holds now (a sliding-window layer may hold fewer than it has seen;
     a layer with per-head budgets: the mean over its heads)."""
-    from .ragged import is_ragged
-
     if is_ragged(layer):
         return layer.entries_per_head()
     keys = getattr(layer, "keys", None)

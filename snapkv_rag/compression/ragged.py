@@ -15,6 +15,7 @@ among the tokens of one forward.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -67,30 +68,27 @@ class RaggedHeadsLayer(DynamicLayer):
         """Keep ``kept[h]`` (positions, ascending) of head ``h`` from dense ``[1, heads, n, dim]`` K/V."""
         return cls([keys[0, h, idx] for h, idx in enumerate(kept)], [values[0, h, idx] for h, idx in enumerate(kept)])
 
-    def _offsets(self) -> list[int]:
-        offsets, total = [], 0
-        for length in self.lengths:
-            offsets.append(total)
-            total += length
-        return offsets
+    def _spans(self) -> list[tuple[int, int]]:
+        """``(start, length)`` of each head's entries in the buffers."""
+        starts = [0, *itertools.accumulate(self.lengths)]
+        return list(zip(starts, self.lengths))
 
     def head_keys(self, head: int) -> torch.Tensor:
-        start = self._offsets()[head]
-        return self.keys[0, 0, start : start + self.lengths[head]]
+        start, n = self._spans()[head]
+        return self._key_buffer[start : start + n]
 
     def head_values(self, head: int) -> torch.Tensor:
-        start = self._offsets()[head]
-        return self.values[0, 0, start : start + self.lengths[head]]
+        start, n = self._spans()[head]
+        return self._value_buffer[start : start + n]
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
         """Append ``[1, heads, t, dim]`` new entries to every head; returns them (attention reads the layer)."""
         if key_states.shape[0] != 1 or key_states.shape[1] != self.heads:
             raise ValueError(f"a ragged cache layer takes [1, {self.heads}, t, dim] states, got {list(key_states.shape)}")
         key_pieces, value_pieces = [], []
-        for h, start in enumerate(self._offsets()):
-            end = start + self.lengths[h]
-            key_pieces += [self.keys[0, 0, start:end], key_states[0, h]]
-            value_pieces += [self.values[0, 0, start:end], value_states[0, h]]
+        for h in range(self.heads):
+            key_pieces += [self.head_keys(h), key_states[0, h]]
+            value_pieces += [self.head_values(h), value_states[0, h]]
         added = key_states.shape[2]
         self.lengths = [length + added for length in self.lengths]
         self._store(key_pieces, value_pieces)
@@ -117,8 +115,7 @@ class RaggedHeadsLayer(DynamicLayer):
         if t == 1:
             return self._attend_one(query, group, scale)
         outputs = []
-        for h, start in enumerate(self._offsets()):
-            n = self.lengths[h]
+        for h, (start, n) in enumerate(self._spans()):
             width = -(-n // self.BUCKET) * self.BUCKET
             keys, values = self._key_buffer[start : start + width], self._value_buffer[start : start + width]
             # 2-D products on rows with unit stride: a [group, 1, dim] slice of the model's
@@ -143,10 +140,9 @@ class RaggedHeadsLayer(DynamicLayer):
         width = -(-max(self.lengths) // self.BUCKET) * self.BUCKET
         keys = self._key_buffer.new_zeros(self.heads, width, dim)
         values = self._value_buffer.new_zeros(self.heads, width, dim)
-        for h, start in enumerate(self._offsets()):
-            n = self.lengths[h]
-            keys[h, :n] = self._key_buffer[start : start + n]
-            values[h, :n] = self._value_buffer[start : start + n]
+        for h, n in enumerate(self.lengths):
+            keys[h, :n] = self.head_keys(h)
+            values[h, :n] = self.head_values(h)
         # [q_heads, dim] rows with unit stride (a [group, 1, dim] slice of the model's transposed
         # query keeps a stride of q_heads * dim on its size-1 axis, which sent products to a slow path)
         q = query[0, :, 0].reshape(self.heads, group, dim)

@@ -198,11 +198,12 @@ class PrefillCompression:
             layer = self.cache.layers[layer_idx]
             self.full_kv[layer_idx] = (layer.keys, layer.values)
         position, layers = self.full_layers.index(layer_idx), len(self.full_layers)
-        if self.policy.ragged_heads and n > self.policy.for_layer(position, layers).max_capacity_prompt:
-            self.keep_heads(layer_idx, self.policy.for_layer(position, layers), query, key, scaling)
+        layer_policy = self.policy.for_layer(position, layers)
+        if layer_policy.ragged_heads and n > layer_policy.max_capacity_prompt:
+            self.keep_heads(layer_idx, layer_policy, query, key, scaling)
             return
         if self.row_policies is None:
-            indices = select_for_prompt(self.policy.for_layer(position, layers), query, key, self.attention_mask, scaling, self.protected)
+            indices = select_for_prompt(layer_policy, query, key, self.attention_mask, scaling, self.protected)
         else:
             mask = self.attention_mask
             indices = torch.cat(

@@ -90,7 +90,7 @@ def calibrate(
             f"(one training and {config.val_windows} held-out windows of {length}); use --prompt-tokens or --val-windows lower"
         )
     train_windows, val_windows = overlapping_windows(tokens, length, config.windows, config.val_windows)
-    policy = LESS(base=_base_policy(config), kernels=kernels)
+    policy = LESS(base=_base_policy(config), kernels=str(kernels) if isinstance(kernels, Path) else kernels)
     start_kernels = policy.load_kernels(engine.model)
     signature = model_signature(engine.model)
     out = calibration_dir(store)
@@ -121,7 +121,7 @@ def calibrate(
         "base_spec": base_spec,
         "budget": config.budget,
         "kernels": str(path),
-        "start_kernels": policy.kernels_label() if kernels is None or isinstance(kernels, (str, Path)) else "in-memory",
+        "start_kernels": policy.kernels_label(),
         "use": "less" if use_less else "base",
         "val_kl_base": report["val_kl_base"],
         "val_kl_start": report["val_kl_stage1"],
