@@ -63,7 +63,9 @@ def test_training_is_resumable_deterministic_and_lowers_the_loss(engine, tmp_pat
     assert header["base"] == "snapkv" and header["budget"] == 16 and header["rank"] == 4 and header["features"] == features
     assert header.get("mass_rank", 0) == (3 if mass else 0) and all(layer.mass_rank == header.get("mass_rank", 0) for layer in kernels.layers.values())
     assert header["training"]["lr"] == (1e-2 if features == "exp" else 3e-3)
-    assert header["data"]["license"].startswith("PSF") and header["data"]["sequences"] == 6
+    data = header["data"]
+    assert data["text"] == "mixed" and data["pydoc"]["license"].startswith("PSF") and data["sequences"] == 6
+    assert data["packages"] and all(p["license"] and p["version"] for p in data["packages"])  # each package README's licence is on record
     assert header["model"] == model_signature(engine.model) and header["training"]["seed"] == 0
     assert header["training"]["capture_seconds"] > 0 and header["training"]["train_seconds"] > 0
     for stats in header["validation"].values():

@@ -69,6 +69,12 @@ def add_eval_parser(sub) -> None:
                 help="documents: synthetic document-QA prompts, greedy reference; heldout: the LESS held-out text, its own continuation, "
                 "perplexity, and for each less:... method its base policy and baseline+ (same memory)",
             )
+            p.add_argument(
+                "--heldout-text",
+                choices=("pydoc", "packages", "mixed"),
+                default="pydoc",
+                help="--text heldout: whose held-out split (LESS training texts: Python reference topics, package READMEs, both)",
+            )
             p.add_argument("--prompts-per-length", type=int, default=1, help="--text heldout: windows per prompt length")
             p.add_argument("--decode-tokens", type=int, default=16, help="--text heldout: greedy steps timed per prompt for base and LESS")
         if name == "speed":
@@ -170,6 +176,7 @@ def _run_task(args, methods):
             continuation_tokens=args.continuation_tokens,
             per_length=args.prompts_per_length,
             decode_tokens=args.decode_tokens,
+            text=args.heldout_text,
             progress=progress,
         )
     if args.task == "fidelity":

@@ -40,12 +40,15 @@ def heldout_starts(lengths: Sequence[int], continuation_tokens: int, per_length:
     return starts
 
 
-def heldout_prompts(tokenizer, lengths: Sequence[int], continuation_tokens: int, per_length: int) -> list[tuple[int, list[int], list[int]]]:
-    """``(length, prompt_ids, continuation_ids)`` from consecutive, non-overlapping held-out windows
-    (every prompt, of every length, is different text; see :func:`heldout_starts`)."""
+def heldout_prompts(
+    tokenizer, lengths: Sequence[int], continuation_tokens: int, per_length: int, text: str = "pydoc"
+) -> list[tuple[int, list[int], list[int]]]:
+    """``(length, prompt_ids, continuation_ids)`` from consecutive, non-overlapping windows of the
+    held-out split of ``text`` (:mod:`snapkv_rag.less.corpus`; every prompt, of every length, is
+    different text; see :func:`heldout_starts`)."""
     from ..less.corpus import corpus_tokens
 
-    tokens = corpus_tokens(tokenizer, "heldout")
+    tokens = corpus_tokens(tokenizer, "heldout", text)
     out = []
     starts = heldout_starts(lengths, continuation_tokens, per_length)
     for start, length in zip(starts, (n for n in lengths for _ in range(per_length))):
@@ -103,10 +106,11 @@ def run_heldout_fidelity(
     continuation_tokens: int = 64,
     per_length: int = 1,
     decode_tokens: int = 16,
+    text: str = "pydoc",
     progress: bool = True,
 ) -> list[Record]:
     runs = expand_methods(methods, engine)
-    prompts = heldout_prompts(engine.tokenizer, lengths, continuation_tokens, per_length)
+    prompts = heldout_prompts(engine.tokenizer, lengths, continuation_tokens, per_length, text)
     starts = heldout_starts(lengths, continuation_tokens, per_length)
     bar = tqdm(total=len(prompts) * (len(runs) + 1), desc="fidelity (held-out)", disable=not progress, leave=False)
     records: list[Record] = []
@@ -121,7 +125,11 @@ def run_heldout_fidelity(
 
         _, full_logits = teacher_force(None)
         full_ppl = _perplexity(full_logits, continuation)
-        records.append(_record(engine, FULL, "full", length, index, prompt, continuation, 0.0, full_ppl, full_ppl, None, {"heldout_start": starts[index]}))
+        records.append(
+            _record(
+                engine, FULL, "full", length, index, prompt, continuation, 0.0, full_ppl, full_ppl, None, {"heldout_start": starts[index], "heldout_text": text}
+            )
+        )
         bar.update()
         for method, role in runs:
             run, logits = teacher_force(method.policy)
@@ -134,6 +142,7 @@ def run_heldout_fidelity(
                 "low_rank_state_bytes": run.policy_stats().get("low_rank_state_bytes", 0),
                 "kept_tokens": run.kept_tokens_per_layer[0],
                 "heldout_start": starts[index],
+                "heldout_text": text,
                 **timing,
             }
             records.append(

@@ -224,6 +224,8 @@ def summarize_heldout(records: Sequence[Record]) -> str:
             kl = {role: m(role, "kl_mean") for role in ("base", "baseline+", "less")}
             ppl = {role: m(role, "perplexity") for role in ("base", "baseline+", "less")}
             full_ppl = _mean([r["perplexity"] for r in full[length]])
+            base_kl = {r["prompt_index"]: r["kl_mean"] for r in group.get("base", [])}
+            less_better = sum(r["kl_mean"] < base_kl.get(r["prompt_index"], math.nan) for r in group["less"])
             base_ms, less_ms, low_ms = (
                 m("base", "decode_ms_per_token", median),
                 m("less", "decode_ms_per_token", median),
@@ -242,6 +244,7 @@ def summarize_heldout(records: Sequence[Record]) -> str:
                     kl["baseline+"],
                     kl["less"],
                     gap_closed(kl["less"], kl["base"], 0.0),
+                    f"{less_better}/{len(group['less'])}",
                     gap_closed(kl["baseline+"], kl["base"], 0.0),
                     full_ppl,
                     ppl["base"],
@@ -264,6 +267,7 @@ def summarize_heldout(records: Sequence[Record]) -> str:
         "KL baseline+",
         "KL LESS",
         "KL gap closed (LESS)",
+        "prompts LESS below base",
         "KL gap closed (baseline+)",
         "ppl full",
         "ppl base",

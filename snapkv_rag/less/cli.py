@@ -7,6 +7,7 @@ from pathlib import Path
 
 from ..cli_common import add_model_args, load_engine
 from ..rag.cli import add_store_args, open_store
+from .corpus import TEXTS
 
 DEFAULT_OUT = Path(__file__).with_name("shipped")
 
@@ -31,6 +32,12 @@ def add_less_parser(sub) -> None:
         help="windows per prompt length, --val-sequences of each validate (one number: every length; default: about 80K prompt tokens each, 40 at 2048)",
     )
     p.add_argument("--val-sequences", type=int, default=4)
+    p.add_argument(
+        "--text",
+        choices=TEXTS,
+        default="mixed",
+        help="training text: the Python reference topics (pydoc), installed packages' READMEs (packages) or both (mixed, the default)",
+    )
     p.add_argument("--rank", type=int, default=8)
     p.add_argument("--features", choices=("exp", "mlp"), default="exp", help="feature maps: exponential (default) or less.md's MLPs")
     p.add_argument(
@@ -145,6 +152,7 @@ def cmd_less_train(args: argparse.Namespace) -> int:
         distill_sequences=args.distill_sequences,
         distill_lr=args.distill_lr,
         distill_params=args.distill_params,
+        text=args.text,
     )
     config.check()
     torch.set_num_threads(args.threads)

@@ -84,13 +84,14 @@ def collect_lengths(
     val_sequences: int,
     work: Path,
     progress: bool = True,
+    text: str = "pydoc",
 ) -> tuple[list[Path], list[Path]]:
     """:func:`collect` for each prompt length (``sequences[i]`` training windows of ``prompt_tokens[i]``),
     every length's validation windows in the tail the longest length needs; returns all (train, val) paths."""
     tail = validation_tail(val_sequences, prompt_tokens, continuation_tokens)
     train, val = [], []
     for n, count in zip(prompt_tokens, sequences):
-        t, v = collect(engine, base, budgets, n, continuation_tokens, count, val_sequences, work, progress, tail=tail)
+        t, v = collect(engine, base, budgets, n, continuation_tokens, count, val_sequences, work, progress, tail=tail, text=text)
         train += t
         val += v
     return train, val
@@ -107,14 +108,17 @@ def collect(
     work: Path,
     progress: bool = True,
     tail: int | None = None,
+    text: str = "pydoc",
 ) -> tuple[list[Path], list[Path]]:
     """Write one file per window under ``work/distill-<settings hash>`` (skipping those already
     there; the collection time, summed over resumed runs, is in its ``seconds.json``);
     returns (train, val) paths. ``tail``: see :func:`~.corpus.overlapping_windows`."""
     policy = parse_compression(base)
     length = prompt_tokens + continuation_tokens
-    train, val = overlapping_windows(corpus_tokens(engine.tokenizer, "train"), length, sequences, val_sequences, tail)
-    settings = json.dumps([policy.spec(), prompt_tokens, continuation_tokens, sequences, val_sequences] + ([] if tail is None else [tail]))
+    train, val = overlapping_windows(corpus_tokens(engine.tokenizer, "train", text), length, sequences, val_sequences, tail)
+    settings = json.dumps(
+        [policy.spec(), prompt_tokens, continuation_tokens, sequences, val_sequences] + ([] if tail is None else [tail]) + ([] if text == "pydoc" else [text])
+    )
     directory = work / f"distill-{hashlib.sha256(settings.encode()).hexdigest()[:12]}"  # one directory per data setting
     paths = collect_windows(engine, policy, budgets, train + val, prompt_tokens, continuation_tokens, directory, progress)
     return paths[: len(train)], paths[len(train) :]

@@ -38,7 +38,7 @@ from tqdm.auto import tqdm
 from ..compression import CompressionPolicy, parse_compression
 from ..compression.runtime import select_for_prompt
 from ..errors import LessTrainingError
-from .corpus import LICENSE, SOURCE, corpus_tokens, overlapping_windows, validation_tail
+from .corpus import TEXTS, corpus_tokens, manifest, overlapping_windows, validation_tail
 from .distill import DistillConfig, collect_lengths, collection_seconds, distill
 from .kernels import FEATURE_KINDS, FORMAT, LayerKernels, LessKernels, load_kernels, model_signature
 from .state import merge
@@ -72,6 +72,7 @@ class TrainConfig:
     )
     distill_lr: float = 1e-2
     distill_params: str = "calibration"  # or "all" (every kernel tensor; overfits 120 windows, see distill.py)
+    text: str = "mixed"  # training text (:mod:`.corpus`): "pydoc", "packages" or "mixed"
 
     def __post_init__(self) -> None:
         self.prompt_tokens = _as_list(self.prompt_tokens)
@@ -114,6 +115,8 @@ class TrainConfig:
             raise LessTrainingError(f"features must be one of {', '.join(FEATURE_KINDS)}, got {self.features!r}")
         if self.mass_features < 0 or (self.mass_rank and self.features != "exp"):
             raise LessTrainingError(f"mass_rank must be >= 0, and needs features='exp' (got {self.mass_rank} with {self.features!r})")
+        if self.text not in TEXTS:
+            raise LessTrainingError(f"text must be one of {', '.join(TEXTS)}, got {self.text!r}")
         if self.distill_params not in ("calibration", "all"):
             raise LessTrainingError(f"distill_params must be 'calibration' or 'all', got {self.distill_params!r}")
         for budget in self.budgets:
@@ -180,7 +183,7 @@ def capture(engine, config: TrainConfig, work: Path, progress: bool = True) -> d
 
     base = parse_compression(config.base)
     policies = {b: base.with_budget(b) for b in config.budgets}
-    tokens = corpus_tokens(engine.tokenizer, "train")
+    tokens = corpus_tokens(engine.tokenizer, "train", config.text)
     root = work / "capture"
     root.mkdir(parents=True, exist_ok=True)
     timing_path = root / "seconds.json"  # capture time so far, across resumed runs
@@ -336,6 +339,22 @@ def kernel_name(model_tag: str, base: str, budget: int) -> str:
     return f"{model_tag}-{base}-b{budget}.safetensors"
 
 
+def _collect_distill_windows(engine, config: TrainConfig, work: Path, progress: bool):
+    """Stage 2's recorded training and validation windows (:func:`.distill.collect_lengths`)."""
+    return collect_lengths(
+        engine,
+        config.base,
+        config.budgets,
+        config.prompt_tokens,
+        config.continuation_tokens,
+        config.distill_counts,
+        config.val_sequences,
+        work,
+        progress,
+        text=config.text,
+    )
+
+
 def train(engine, config: TrainConfig, work: Path, out_dir: Path, *, model_tag: str, progress: bool = True) -> list[Path]:
     """Capture (or reuse the capture), train every layer per budget, write one kernel file per budget."""
     config.check()
@@ -351,9 +370,7 @@ def train(engine, config: TrainConfig, work: Path, out_dir: Path, *, model_tag: 
     signature = model_signature(engine.model)
     base_name = parse_compression(config.base).name
     if config.distill_epochs:
-        distill_train, distill_val = collect_lengths(
-            engine, config.base, config.budgets, config.prompt_tokens, config.continuation_tokens, config.distill_counts, config.val_sequences, work, progress
-        )
+        distill_train, distill_val = _collect_distill_windows(engine, config, work, progress)
     paths = []
     for budget in config.budgets:
         layers_dir = work / f"kernels-b{budget}"
@@ -405,7 +422,7 @@ def train(engine, config: TrainConfig, work: Path, out_dir: Path, *, model_tag: 
             **({"mass_rank": config.mass_rank} if config.mass_rank else {}),
             "features": config.features,
             "hidden": config.hidden,
-            "data": {"source": SOURCE, "license": LICENSE, "split": "train", **data_info, "validation_sequences": config.val_sequences},
+            "data": {**manifest(config.text, "train"), **data_info, "validation_sequences": config.val_sequences},
             "training": {**settings, "capture_seconds": round(capture_seconds, 3), "train_seconds": round(seconds, 3), "threads": torch.get_num_threads()},
             "validation": report,
         }
@@ -463,12 +480,11 @@ def distill_file(
         distill_sequences=sequences,
         distill_lr=lr,
         distill_params=params,
+        text=header["data"].get("text", "pydoc"),  # files from before the text choice trained on pydoc
     )
     config.check()
     work.mkdir(parents=True, exist_ok=True)
-    train_paths, val_paths = collect_lengths(
-        engine, config.base, config.budgets, config.prompt_tokens, config.continuation_tokens, config.distill_counts, config.val_sequences, work, progress
-    )
+    train_paths, val_paths = _collect_distill_windows(engine, config, work, progress)
     layers, report = _stage2(engine, stage1, train_paths, val_paths, header["budget"], config, progress)
     training = {
         **done,
