@@ -341,3 +341,108 @@ def test_less_folds_what_decode_time_cuts_evict(less_engine):
     run_base = DecodeRun(less_engine.model, [less_engine.tokenizer(PROMPT)["input_ids"]], GenerationParams(max_new_tokens=20), cutting, less_engine._pad_id)
     cont = sparse.token_ids
     assert not torch.allclose(run_less.teacher_force(cont)[-1], run_base.teacher_force(cont)[-1], atol=1e-4)
+
+
+# ------------------------------------------------------------------------- head checks
+def test_probe_in_spec_strings_and_bad_values():
+    policy = parse_compression("less:base=snapkv,budget=256,probe=32")
+    assert policy.probe == 32 and parse_compression(policy.spec()) == policy and policy.settings()["probe"] == 32
+    assert parse_compression("less:base=snapkv,budget=256").probe == 0
+    for bad in ("less:base=snapkv,budget=256,probe=-1", "less:base=snapkv,budget=256,probe=x"):
+        with pytest.raises(InvalidCompressionError, match="probe"):
+            parse_compression(bad)
+
+
+class _Estimates:
+    """Stands in for one layer's kernels: returns given (log mass, value) estimates."""
+
+    def __init__(self, estimate):
+        self.estimate = estimate
+
+
+HKV, GROUP, N, D, EVICTED = 2, 2, 16, 8, 10  # the first EVICTED of N positions are evicted
+
+
+def _inputs():
+    torch.manual_seed(0)
+    return torch.randn(1, HKV * GROUP, N, D), torch.randn(1, HKV, N, D), torch.randn(1, HKV, N, D)
+
+
+def _exact_evicted(q):
+    """The evicted entries' exact (logsumexp, softmax-weighted value) for queries ``q [1, hq, t, d]``."""
+    _, keys, values = _inputs()
+    t = q.shape[2]
+    s = (q.reshape(1, HKV, GROUP * t, D) @ keys[:, :, :EVICTED].transpose(-1, -2)).view(1, HKV, GROUP, t, -1) * D**-0.5
+    return s.logsumexp(-1), s.softmax(-1) @ values[:, :, None, :EVICTED]
+
+
+def _wrong(q):
+    """Claims a huge mass with a far-off value."""
+    shape = (1, HKV, GROUP, q.shape[2])
+    return torch.full(shape, 50.0), torch.full(shape + (D,), 100.0)
+
+
+def _check(estimate, probe=4) -> LowRankState:
+    query, keys, values = _inputs()
+    state = LowRankState(LessKernels({}), torch.device("cpu"), probe)
+    state.kernels = LessKernels({0: _Estimates(lambda q, _state: estimate(q))})
+    state.layers[0] = (torch.zeros(1),)
+    state.check_heads(0, query, keys, values, torch.arange(EVICTED, N).expand(1, HKV, N - EVICTED), None, None)
+    return state
+
+
+def test_a_state_that_recovers_the_evicted_attention_stays_on():
+    state = _check(_exact_evicted)
+    assert state.heads_checked == HKV and state.heads_off == 0 and state.has_state(0)
+
+
+def test_a_state_that_makes_the_probe_worse_is_switched_off_and_estimates_no_mass():
+    state = _check(_wrong)
+    assert state.heads_off == HKV and not state.has_state(0)  # every head off: the layer's state is dropped
+
+    def wrong_in_head_1(q):
+        log_mass, value = _exact_evicted(q)
+        bad_mass, bad_value = _wrong(q)
+        log_mass[:, 1], value[:, 1] = bad_mass[:, 1], bad_value[:, 1]
+        return log_mass, value
+
+    state = _check(wrong_in_head_1)
+    assert state.heads_on[0].tolist() == [[True, False]] and state.heads_off == 1
+    log_mass, _ = state.estimate(0, _inputs()[0][:, :, -1:], D**-0.5)
+    assert torch.isfinite(log_mass[:, 0]).all() and torch.isneginf(log_mass[:, 1]).all()
+
+
+def test_probe_only_uses_queries_after_the_last_evicted_position():
+    seen = []
+
+    def record(q):
+        seen.append(q.shape[2])
+        return _exact_evicted(q)
+
+    _check(record, probe=32)
+    assert seen == [N - EVICTED]  # the queries at positions 10-15, not 32
+
+
+def test_probe_switches_off_a_state_that_hurts_end_to_end(less_engine, monkeypatch):
+    """Kernels whose estimate claims a huge mass of a far-off value make every probe worse: with
+    the check LESS gives the base policy's logits exactly, without it they differ. (Random
+    kernels are no test here: on a random tiny model attention is nearly flat, and their
+    mean-of-evicted-values state helps.)"""
+    from snapkv_rag.less.kernels import LayerKernels
+
+    real_estimate = LayerKernels.estimate
+
+    def wrong(self, queries, state):
+        log_mass, value = real_estimate(self, queries, state)
+        return log_mass + 50.0, torch.full_like(value, 100.0)
+
+    monkeypatch.setattr(LayerKernels, "estimate", wrong)
+    kernels = active_kernels(less_engine)
+    cont = less_engine.generate(PROMPT, max_new_tokens=6, ignore_eos=True).token_ids
+    base = less_engine.score(PROMPT, cont, compression=BASE)
+    unchecked = less_engine.score(PROMPT, cont, compression=LESS(base=BASE, kernels=kernels))
+    checked_policy = LESS(base=BASE, kernels=kernels, probe=4)
+    assert (unchecked - base).abs().max() > 1e-3
+    assert torch.equal(less_engine.score(PROMPT, cont, compression=checked_policy), base)
+    stats = less_engine.generate(PROMPT, max_new_tokens=4, ignore_eos=True, compression=checked_policy).stats.policy_stats
+    assert stats["low_rank_heads_off"] == stats["low_rank_heads_checked"] > 0 and stats["low_rank_state_bytes"] == 0

@@ -132,8 +132,18 @@ class PolicyState:
         """Whether the cache may shrink between decode steps (teacher forcing then goes one token at a time)."""
         return self.compaction is not None
 
-    def evicted(self, layer_idx: int, keys: torch.Tensor, values: torch.Tensor, kept: torch.Tensor, attention_mask: torch.Tensor | None) -> None:
-        """A selection keeps ``kept [b, kv_heads, k]`` of ``keys``/``values [b, kv_heads, n, d]``."""
+    def evicted(
+        self,
+        layer_idx: int,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        kept: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        query: torch.Tensor | None = None,
+        scaling: float | None = None,
+    ) -> None:
+        """A selection keeps ``kept [b, kv_heads, k]`` of ``keys``/``values [b, kv_heads, n, d]``;
+        at prefill ``query [b, q_heads, n, d]`` are the prompt's queries of that layer."""
 
     def attend(self, layer_idx: int, query: torch.Tensor, key: torch.Tensor, attention_mask, output: torch.Tensor, scaling: float | None) -> torch.Tensor:
         """The layer's attention ``output [b, t, q_heads, d]``, possibly amended."""

@@ -26,6 +26,9 @@ class LESS(CompressionPolicy):
     name = "less"
     base: CompressionPolicy = field(default_factory=lambda: SnapKV(max_capacity_prompt=256))
     kernels: Any = None  # str path | LessKernels | None (shipped)
+    # the prompt's last queries that check each head's state at prefill; heads it makes worse
+    # for them are switched off (:meth:`~snapkv_rag.less.state.LowRankState.check_heads`); 0: off
+    probe: int = 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.base, CompressionPolicy) or isinstance(self.base, LESS):
@@ -34,6 +37,8 @@ class LESS(CompressionPolicy):
             raise InvalidCompressionError("LESS: its state needs the same entries in every head; per-head budgets (heads=adaptive) do not combine with it")
         if self.base.max_capacity_prompt is None:
             raise InvalidCompressionError("LESS: the base policy must have a budget (not full)")
+        if not isinstance(self.probe, int) or self.probe < 0:
+            raise InvalidCompressionError(f"LESS: probe must be a whole number >= 0 (prompt queries that check each head), got {self.probe!r}")
 
     @property
     def max_capacity_prompt(self) -> int:  # type: ignore[override]
@@ -76,7 +81,7 @@ class LESS(CompressionPolicy):
         from ..less.state import LessPolicyState, LowRankState
 
         device = next(model.parameters()).device
-        return LessPolicyState(LowRankState(self.load_kernels(model), device), self.base, sliding)
+        return LessPolicyState(LowRankState(self.load_kernels(model), device, self.probe), self.base, sliding)
 
     def kernels_label(self) -> str:
         if self.kernels is None:
@@ -91,12 +96,14 @@ class LESS(CompressionPolicy):
             "max_capacity_prompt": self.max_capacity_prompt,
             "base": self.base.settings(),
             "kernels": self.kernels_label(),
+            "probe": self.probe,
             "question_aware": self.question_aware,
         }
 
     def spec(self) -> str:
         fields = ",".join(f"{k}={v}" for k, v in self.base.spec_fields().items())
         spec = f"less:base={self.base.name}" + (f",{fields}" if fields else "")
+        spec += f",probe={self.probe}" if self.probe else ""
         return spec + (f",kernels={self.kernels}" if isinstance(self.kernels, str) else "")
 
     def load_kernels(self, model):

@@ -63,20 +63,25 @@ def _items(rest: str) -> list[tuple[str, str]]:
 
 
 def _parse_less(rest: str) -> CompressionPolicy:
-    """``less:base=snapkv,budget=256[,kernels=PATH][,<base settings>]``: LESS over a base policy."""
+    """``less:base=snapkv,budget=256[,kernels=PATH][,probe=N][,<base settings>]``: LESS over a base policy."""
     from .less import LESS
 
-    base, kernels, others = "snapkv", None, []
+    base, kernels, probe, others = "snapkv", None, 0, []
     for key, value in _items(rest):
         if key == "base":
             base = value
         elif key == "kernels":
             kernels = value
+        elif key == "probe":
+            try:
+                probe = int(value)
+            except ValueError:
+                raise InvalidCompressionError(f"LESS: probe must be a whole number, got {value!r}") from None
         else:
             others.append(f"{key}={value}")
     if base.lower() in ("less", "full", "none"):
         raise InvalidCompressionError(f"LESS: base must be a sparse policy, got {base!r}")
-    return LESS(base=parse_compression(f"{base}:{','.join(others)}"), kernels=kernels)
+    return LESS(base=parse_compression(f"{base}:{','.join(others)}"), kernels=kernels, probe=probe)
 
 
 def parse_compression(spec: str) -> CompressionPolicy:

@@ -225,7 +225,7 @@ class PrefillCompression:
             self.widest_kept = indices.shape[-1]
             self.kept_attention_mask = self.attention_mask.gather(1, indices[:, 0]) if indices.shape[-1] < n else self.attention_mask
         if indices.shape[-1] < n:
-            self.keep(layer_idx, indices)
+            self.keep(layer_idx, indices, query, scaling)
 
     def keep_heads(self, layer_idx: int, policy: CompressionPolicy, query: torch.Tensor, key: torch.Tensor, scaling: float | None) -> None:
         """Per-head budgets: replace the layer's cache entry by a ragged one holding each head's own entries."""
@@ -236,11 +236,11 @@ class PrefillCompression:
         layer = self.cache.layers[layer_idx]
         self.cache.layers[layer_idx] = RaggedHeadsLayer.from_selection(layer.keys, layer.values, kept)
 
-    def keep(self, layer_idx: int, indices: torch.Tensor) -> None:
+    def keep(self, layer_idx: int, indices: torch.Tensor, query: torch.Tensor | None = None, scaling: float | None = None) -> None:
         """Shrink the layer's cache entry to ``indices [batch, kv_heads, k]``; the policy state hears of the rest."""
         layer = self.cache.layers[layer_idx]
         if self.state is not None:
-            self.state.evicted(layer_idx, layer.keys, layer.values, indices, self.attention_mask)
+            self.state.evicted(layer_idx, layer.keys, layer.values, indices, self.attention_mask, query, scaling)
         gather = indices.unsqueeze(-1).expand(-1, -1, -1, layer.keys.shape[-1])
         layer.keys = layer.keys.gather(2, gather)
         layer.values = layer.values.gather(2, gather)

@@ -58,9 +58,12 @@ def visible_keys(attention_mask: torch.Tensor | None, batch: int, t: int, m: int
 class LowRankState:
     """The folded state of every compressed layer of one decode run, and its cost."""
 
-    def __init__(self, kernels: LessKernels, device: torch.device):
+    def __init__(self, kernels: LessKernels, device: torch.device, probe: int = 0):
         self.kernels = kernels.to(device)
         self.layers: dict[int, tuple[torch.Tensor, ...]] = {}  # layer -> (H, z), or (mu, log z[, mass-only log z]) for exp kernels
+        self.probe = probe  # prompt queries that check each head's state (:meth:`check_heads`); 0: none
+        self.heads_on: dict[int, torch.Tensor] = {}  # layer -> bool [b, kv_heads]: heads whose state passed the check
+        self.heads_checked = 0
         self.folded_entries = 0  # evicted (row, layer, KV head, position) entries folded so far
         self.attend_seconds = 0.0  # time spent in the low-rank part of attention, all layers
 
@@ -83,6 +86,49 @@ class LowRankState:
         if attention_mask is not None:
             evicted &= attention_mask[:, None, :n].bool()
         self.fold(layer_idx, keys, values, evicted)
+
+    def check_heads(self, layer_idx: int, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, kept: torch.Tensor, attention_mask, scaling) -> None:
+        """Switch off the heads whose state makes the prompt's own last queries attend worse.
+
+        The last ``probe`` prompt queries (``query [b, q_heads, n, d]``) saw every prompt key, so
+        their exact attention output is known at prefill. Per KV head (its GQA group, all probe
+        queries), the squared error against it of the kept entries alone and of the kept entries
+        merged with the state decide: a head keeps its state only where the state lowers the
+        error. Only queries after the last evicted position probe (the state holds no entry a
+        probe query could not see)."""
+        if not self.probe or not self.has_state(layer_idx):
+            return
+        b, hkv, n, d = keys.shape
+        hq = query.shape[1]
+        evicted = torch.ones(b, hkv, n, dtype=torch.bool, device=keys.device).scatter_(2, kept, False)
+        if attention_mask is not None:
+            evicted &= attention_mask[:, None, :n].bool()
+        positions = torch.arange(n, device=keys.device)
+        qn = query.shape[2]  # the prompt's last qn positions (all n, or a suffix after reused entries)
+        t = min(self.probe, qn, n - 1 - int((evicted * positions).amax()))
+        if t < 1:
+            return
+        scale = d**-0.5 if scaling is None else scaling
+        q = query[:, :, qn - t :].float()
+        g = hq // hkv
+        scores = (q.reshape(b, hkv, g * t, d) @ keys.float().transpose(-1, -2)).view(b, hkv, g, t, n) * scale
+        scores = scores.masked_fill(~visible_keys(attention_mask, b, t, n, keys.device)[:, None, None], float("-inf"))
+        v = values.float()[:, :, None]
+        exact = scores.softmax(-1) @ v
+        sparse_scores = scores.masked_fill(evicted[:, :, None, None, :], float("-inf"))
+        sparse = (sparse_scores.softmax(-1) @ v).nan_to_num(0.0)
+        merged = merge(sparse, sparse_scores.logsumexp(-1), *self.kernels.layers[layer_idx].estimate(q, self.layers[layer_idx]))
+        on = ((merged - exact) ** 2).sum((2, 3, 4)) <= ((sparse - exact) ** 2).sum((2, 3, 4))
+        self.heads_checked += on.numel()
+        if bool(on.all()):
+            return
+        if not bool(on.any()):  # no head keeps it: drop the layer's state
+            del self.layers[layer_idx]
+        self.heads_on[layer_idx] = on
+
+    @property
+    def heads_off(self) -> int:
+        return sum(int((~on).sum()) for on in self.heads_on.values())
 
     def has_state(self, layer_idx: int) -> bool:
         return layer_idx in self.layers
@@ -110,8 +156,13 @@ class LowRankState:
 
     def estimate(self, layer_idx: int, query: torch.Tensor, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
         """``(log mass, value)`` of this layer's evicted entries for ``query [b, q_heads, t, d]``,
-        each shaped ``[b, kv_heads, group, t(, d)]`` (:meth:`LayerKernels.estimate`)."""
-        return self.kernels.layers[layer_idx].estimate(query, self.layers[layer_idx])
+        each shaped ``[b, kv_heads, group, t(, d)]`` (:meth:`LayerKernels.estimate`); heads switched
+        off by :meth:`check_heads` estimate no mass."""
+        log_mass, value = self.kernels.layers[layer_idx].estimate(query, self.layers[layer_idx])
+        on = self.heads_on.get(layer_idx)
+        if on is not None:
+            log_mass = log_mass.masked_fill(~on[:, :, None, None], float("-inf"))
+        return log_mass, value
 
     @property
     def nbytes(self) -> int:
@@ -130,8 +181,10 @@ class LessPolicyState(PolicyState):
         self.step_seconds: list[float] = []  # per decode step: time in the low-rank part
         self._attend_before = 0.0
 
-    def evicted(self, layer_idx, keys, values, kept, attention_mask) -> None:
+    def evicted(self, layer_idx, keys, values, kept, attention_mask, query=None, scaling=None) -> None:
         self.low_rank.fold_selection(layer_idx, keys, values, kept, attention_mask)
+        if query is not None:
+            self.low_rank.check_heads(layer_idx, query, keys, values, kept, attention_mask, scaling)
 
     def attend(self, layer_idx, query, key, attention_mask, output, scaling):
         output = super().attend(layer_idx, query, key, attention_mask, output, scaling)
@@ -149,5 +202,6 @@ class LessPolicyState(PolicyState):
             **super().stats(),
             "low_rank_state_bytes": self.low_rank.nbytes,  # the whole batch's; the engine reports a row's
             "low_rank_folded_entries": self.low_rank.folded_entries,
+            **({"low_rank_heads_checked": self.low_rank.heads_checked, "low_rank_heads_off": self.low_rank.heads_off} if self.low_rank.probe else {}),
             "low_rank_ms_per_step": statistics.median(steps) * 1000 if steps else None,
         }
