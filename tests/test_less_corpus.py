@@ -70,6 +70,16 @@ def test_package_documents_are_permissive_and_leave_out_this_project():
     assert len({d.key for d in docs}) == len(docs)
 
 
+def test_a_document_is_in_the_same_split_in_every_text():
+    """Held-out pydoc or package text must stay unseen by kernels trained on "mixed"."""
+    mixed = {d.key: d.split for d in documents("mixed")}
+    for text in ("pydoc", "packages"):
+        for doc in documents(text):
+            assert mixed[doc.key] == doc.split
+    mixed_train = corpus_text("train", "mixed")
+    assert not any(d.text in mixed_train for d in documents("pydoc") if d.split == "heldout")
+
+
 @pytest.mark.parametrize("text", ["packages", "mixed"])
 def test_splits_are_disjoint_by_document(text):
     docs = documents(text)

@@ -42,7 +42,7 @@ MAX_DOCUMENT_CHARS = 30_000  # a few READMEs carry whole changelogs; keep any on
 
 @dataclass(frozen=True)
 class Document:
-    key: str  # "<source>:<name>", what the split and the order hash
+    key: str  # a pydoc topic's name, or "packages:<name>": what the split and the order hash
     text: str
     source: str
     version: str
@@ -130,8 +130,8 @@ def documents(text: str = "pydoc") -> list[Document]:
         return pydoc_documents()
     if text == "packages":
         docs = package_documents()
-    elif text == "mixed":
-        docs = [Document(f"pydoc:{d.key}", d.text, d.source, d.version, d.license) for d in pydoc_documents()] + package_documents()
+    elif text == "mixed":  # a topic keeps its key, so it falls in the same split as in "pydoc"
+        docs = pydoc_documents() + package_documents()
     else:
         raise LessTrainingError(f"unknown training text {text!r}; choose one of {', '.join(TEXTS)}")
     return sorted(docs, key=lambda d: _order(d.key))
