@@ -12,7 +12,7 @@ from snapkv_rag.compression import H2O, LESS, SnapKV, parse_compression
 from snapkv_rag.errors import InvalidCompressionError
 from snapkv_rag.generation import DecodeRun
 from snapkv_rag.less.kernels import LessKernels, find_shipped, load_kernels, model_signature
-from snapkv_rag.less.state import LowRankState
+from snapkv_rag.less.state import LowRankState, evicted_mask
 from snapkv_rag.prefix_cache import PrefixCache
 from snapkv_rag.sampling import GenerationParams
 
@@ -387,7 +387,8 @@ def _check(estimate, probe=4) -> LowRankState:
     state = LowRankState(LessKernels({}), torch.device("cpu"), probe)
     state.kernels = LessKernels({0: _Estimates(lambda q, _state: estimate(q))})
     state.layers[0] = (torch.zeros(1),)
-    state.check_heads(0, query, keys, values, torch.arange(EVICTED, N).expand(1, HKV, N - EVICTED), None, None)
+    evicted = evicted_mask(keys, torch.arange(EVICTED, N).expand(1, HKV, N - EVICTED), None)
+    state.check_heads(0, query, keys, values, evicted, None, None)
     return state
 
 

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 from ..cli_common import add_model_args, load_engine
+from ..less.corpus import TEXTS
 
 DEFAULT_METHODS = ["snapkv", "streamingllm", "h2o", "random"]
 
@@ -71,7 +72,7 @@ def add_eval_parser(sub) -> None:
             )
             p.add_argument(
                 "--heldout-text",
-                choices=("pydoc", "packages", "mixed"),
+                choices=TEXTS,
                 default="pydoc",
                 help="--text heldout: whose held-out split (LESS training texts: Python reference topics, package READMEs, both)",
             )

@@ -55,6 +55,24 @@ def visible_keys(attention_mask: torch.Tensor | None, batch: int, t: int, m: int
     return mask > torch.finfo(mask.dtype).min / 2
 
 
+def evicted_mask(keys: torch.Tensor, kept: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
+    """Bool ``[b, kv_heads, n]``: what a selection ``kept [b, kv_heads, k]`` leaves out of
+    ``keys [b, kv_heads, n, d]``; left padding (``attention_mask [b, n] == 0``) is never evicted."""
+    b, h, n, _ = keys.shape
+    evicted = torch.ones(b, h, n, dtype=torch.bool, device=keys.device).scatter_(2, kept, False)
+    if attention_mask is not None:
+        evicted &= attention_mask[:, None, :n].bool()
+    return evicted
+
+
+def grouped_scores(query: torch.Tensor, key: torch.Tensor, scale: float) -> torch.Tensor:
+    """fp32 scores ``[b, kv_heads, group, t, m]`` of ``query [b, q_heads, t, d]`` over ``key [b, kv_heads, m, d]``."""
+    b, hq, t, d = query.shape
+    hkv, m = key.shape[1], key.shape[2]
+    g = hq // hkv
+    return (query.float().reshape(b, hkv, g * t, d) @ key.float().transpose(-1, -2)).view(b, hkv, g, t, m) * scale
+
+
 class LowRankState:
     """The folded state of every compressed layer of one decode run, and its cost."""
 
@@ -81,13 +99,11 @@ class LowRankState:
     def fold_selection(self, layer_idx: int, keys: torch.Tensor, values: torch.Tensor, kept: torch.Tensor, attention_mask: torch.Tensor | None) -> None:
         """Fold what a selection ``kept [b, kv_heads, k]`` leaves out of ``keys [b, kv_heads, n, d]``
         (left padding, ``attention_mask [b, n] == 0``, is never folded)."""
-        b, h, n, _ = keys.shape
-        evicted = torch.ones(b, h, n, dtype=torch.bool, device=keys.device).scatter_(2, kept, False)
-        if attention_mask is not None:
-            evicted &= attention_mask[:, None, :n].bool()
-        self.fold(layer_idx, keys, values, evicted)
+        self.fold(layer_idx, keys, values, evicted_mask(keys, kept, attention_mask))
 
-    def check_heads(self, layer_idx: int, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, kept: torch.Tensor, attention_mask, scaling) -> None:
+    def check_heads(
+        self, layer_idx: int, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, evicted: torch.Tensor, attention_mask, scaling
+    ) -> None:
         """Switch off the heads whose state makes the prompt's own last queries attend worse.
 
         The last ``probe`` prompt queries (``query [b, q_heads, n, d]``) saw every prompt key, so
@@ -95,14 +111,10 @@ class LowRankState:
         queries), the squared error against it of the kept entries alone and of the kept entries
         merged with the state decide: a head keeps its state only where the state lowers the
         error. Only queries after the last evicted position probe (the state holds no entry a
-        probe query could not see)."""
+        probe query could not see). ``evicted``: :func:`evicted_mask` of the selection."""
         if not self.probe or not self.has_state(layer_idx):
             return
-        b, hkv, n, d = keys.shape
-        hq = query.shape[1]
-        evicted = torch.ones(b, hkv, n, dtype=torch.bool, device=keys.device).scatter_(2, kept, False)
-        if attention_mask is not None:
-            evicted &= attention_mask[:, None, :n].bool()
+        b, _, n, d = keys.shape
         positions = torch.arange(n, device=keys.device)
         qn = query.shape[2]  # the prompt's last qn positions (all n, or a suffix after reused entries)
         t = min(self.probe, qn, n - 1 - int((evicted * positions).amax()))
@@ -110,9 +122,7 @@ class LowRankState:
             return
         scale = d**-0.5 if scaling is None else scaling
         q = query[:, :, qn - t :].float()
-        g = hq // hkv
-        scores = (q.reshape(b, hkv, g * t, d) @ keys.float().transpose(-1, -2)).view(b, hkv, g, t, n) * scale
-        scores = scores.masked_fill(~visible_keys(attention_mask, b, t, n, keys.device)[:, None, None], float("-inf"))
+        scores = grouped_scores(q, keys, scale).masked_fill(~visible_keys(attention_mask, b, t, n, keys.device)[:, None, None], float("-inf"))
         v = values.float()[:, :, None]
         exact = scores.softmax(-1) @ v
         sparse_scores = scores.masked_fill(evicted[:, :, None, None, :], float("-inf"))
@@ -142,8 +152,7 @@ class LowRankState:
         hkv, m = key.shape[1], key.shape[2]
         g = hq // hkv
         scale = d**-0.5 if scaling is None else scaling
-        q = query.float().reshape(b, hkv, g, t, d)
-        scores = (q.reshape(b, hkv, g * t, d) @ key.float().transpose(-1, -2)).view(b, hkv, g, t, m) * scale
+        scores = grouped_scores(query, key, scale)
         if attention_mask is not None or t > 1:  # one unpadded decode query sees every cached key
             visible = visible_keys(attention_mask, b, t, m, query.device)
             scores = scores.masked_fill(~visible[:, None, None], float("-inf"))
@@ -182,9 +191,10 @@ class LessPolicyState(PolicyState):
         self._attend_before = 0.0
 
     def evicted(self, layer_idx, keys, values, kept, attention_mask, query=None, scaling=None) -> None:
-        self.low_rank.fold_selection(layer_idx, keys, values, kept, attention_mask)
+        evicted = evicted_mask(keys, kept, attention_mask)
+        self.low_rank.fold(layer_idx, keys, values, evicted)
         if query is not None:
-            self.low_rank.check_heads(layer_idx, query, keys, values, kept, attention_mask, scaling)
+            self.low_rank.check_heads(layer_idx, query, keys, values, evicted, attention_mask, scaling)
 
     def attend(self, layer_idx, query, key, attention_mask, output, scaling):
         output = super().attend(layer_idx, query, key, attention_mask, output, scaling)

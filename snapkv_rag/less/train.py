@@ -364,7 +364,7 @@ def train(engine, config: TrainConfig, work: Path, out_dir: Path, *, model_tag: 
     if settings_path.exists() and json.loads(settings_path.read_text()) != settings:
         raise LessTrainingError(f"{work} holds a run with other settings ({settings_path}); use another --work-dir or delete it")
     settings_path.write_text(json.dumps(settings, indent=2))
-    data_info = capture(engine, config, work, progress)
+    data_info = {**manifest(config.text, "train"), **capture(engine, config, work, progress)}
     capture_seconds = data_info.pop("capture_seconds")
     meta = torch.load(work / "capture" / "meta.pt")
     signature = model_signature(engine.model)
@@ -422,7 +422,7 @@ def train(engine, config: TrainConfig, work: Path, out_dir: Path, *, model_tag: 
             **({"mass_rank": config.mass_rank} if config.mass_rank else {}),
             "features": config.features,
             "hidden": config.hidden,
-            "data": {**manifest(config.text, "train"), **data_info, "validation_sequences": config.val_sequences},
+            "data": {**data_info, "validation_sequences": config.val_sequences},
             "training": {**settings, "capture_seconds": round(capture_seconds, 3), "train_seconds": round(seconds, 3), "threads": torch.get_num_threads()},
             "validation": report,
         }
