@@ -1,8 +1,10 @@
-"""Packed against plain linear weights in the engine, in one process, interleaved (issue 25).
+"""Packed and fused against plain linear weights in the engine, in one process, interleaved (issue 25).
 
-Not a test. One engine (the embedded model, ``--dtype``); its oneDNN-packed linear layers and plain
-``nn.Linear`` copies of them are swapped in turn, so both layouts decode the same prompts on the
-same cache through the same engine, round after round, and the machine's drift hits both alike.
+Not a test. One engine (the embedded model, ``--dtype``, default the engine's); three layouts of its
+linear layers are swapped in turn: plain ``nn.Linear`` copies, each layer packed for oneDNN alone
+(``packed``), and the loader's default, siblings that read one input sharing one packed weight
+(``packed+fused``). All decode the same prompts on the same cache through the same engine, round
+after round, and the machine's drift hits them alike.
 Decode: ms per token over ``--tokens`` greedy steps after a prompt whose K/V comes from the
 prefix cache (prefilled once); full cache and SnapKV 1024 (question window). Prefill: seconds for
 a whole prompt with no reuse, at the ``--prefill-lengths``.
@@ -38,20 +40,25 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--dtype", default=None, help="default: the engine's choice for this CPU")
     parser.add_argument("--out", type=Path, default=ROOT / "eval" / "results" / "packed_weights")
     args = parser.parse_args()
 
     from snapkv_rag import Engine
-    from snapkv_rag.packed_linear import packed_layers, replace_module
+    from snapkv_rag.packed_linear import FusedMember, PackedLinear, packed_layers, replace_module
 
     torch.set_num_threads(args.threads)
     engine = Engine.default(dtype=args.dtype)
     model = engine.model
+    dtype = str(model.dtype).removeprefix("torch.")
     layers = packed_layers(model)
     if not layers:
-        sys.exit(f"nothing was packed ({args.dtype} on this CPU): no comparison to make")
-    layouts = {"packed": dict(layers), "plain": {name: layer.to_linear() for name, layer in layers}}
+        sys.exit(f"nothing was packed ({dtype} on this CPU): no comparison to make")
+    layouts = {
+        "plain": {name: layer.to_linear() for name, layer in layers},
+        "packed": {name: PackedLinear(layer.to_linear()) if isinstance(layer, FusedMember) else layer for name, layer in layers},
+        "packed+fused": dict(layers),
+    }
 
     def use(layout: str) -> None:
         for name, module in layouts[layout].items():
@@ -76,7 +83,7 @@ def main() -> None:
                 result = engine.generate(prompt, max_new_tokens=1, prefix_cache=False)
                 records.append({"kind": "prefill", "length": n, "layout": layout, "round": round_, "s": result.stats.prefill_seconds})
                 print(f"prefill {n:>5} {layout}: {result.stats.prefill_seconds:.2f} s", flush=True)
-    use("packed")
+    use("packed+fused")
     write_records(args.out, records)
 
     def median(**match) -> float:
@@ -84,21 +91,28 @@ def main() -> None:
         return statistics.median(r[key] for r in records if all(r[k] == v for k, v in match.items()))
 
     lines = [
-        f"SmolLM2-135M-Instruct, {args.dtype}, {args.threads} threads, one process, layouts interleaved; median of {args.rounds} rounds.",
+        f"SmolLM2-135M-Instruct, {dtype}, {args.threads} threads, one process, layouts interleaved; median of {args.rounds} rounds.",
         "",
-        "| | plain `nn.Linear` | packed for oneDNN (default) | speed-up |",
-        "|---|---|---|---|",
+        "| | plain `nn.Linear` | packed, each layer alone | packed+fused (default) | fused vs packed | fused vs plain |",
+        "|---|---|---|---|---|---|",
     ]
+
+    def row(label: str, unit: str, **match) -> str:
+        plain, packed, fused = (median(**match, layout=layout) for layout in layouts)
+        digits = 1 if unit == "ms" else 2
+        return (
+            f"| {label} | {plain:.{digits}f} {unit} | {packed:.{digits}f} {unit} | {fused:.{digits}f} {unit} | {packed / fused:.2f}x | {plain / fused:.2f}x |"
+        )
+
     for n in [int(x) for x in args.lengths.split(",")]:
         for method in METHODS:
-            plain, packed = median(kind="decode", length=n, method=method, layout="plain"), median(kind="decode", length=n, method=method, layout="packed")
-            lines.append(f"| decode at {n:,}, {method} | {plain:.1f} ms | {packed:.1f} ms | {plain / packed:.2f}x |")
+            lines.append(row(f"decode at {n:,}, {method}", "ms", kind="decode", length=n, method=method))
     for n in [int(x) for x in args.prefill_lengths.split(",")]:
-        plain, packed = median(kind="prefill", length=n, layout="plain"), median(kind="prefill", length=n, layout="packed")
-        lines.append(f"| prefill {n:,} tokens | {plain:.2f} s | {packed:.2f} s | {plain / packed:.2f}x |")
+        lines.append(row(f"prefill {n:,} tokens", "s", kind="prefill", length=n))
     lines += [
         "",
-        f"Command: `.venv/bin/python eval/packed_weights.py --lengths {args.lengths} --prefill-lengths {args.prefill_lengths} --rounds {args.rounds} --dtype {args.dtype}`",
+        f"Command: `.venv/bin/python eval/packed_weights.py --lengths {args.lengths} --prefill-lengths {args.prefill_lengths} --rounds {args.rounds}"
+        + (f" --dtype {args.dtype}`" if args.dtype else "`"),
     ]
     write_table(args.out, lines)
 

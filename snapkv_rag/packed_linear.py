@@ -8,13 +8,19 @@ on: the decoder's linear layers took 1.4-1.6x less time for 1 to 16 rows and 1.0
 prefill chunks of 512-2048 rows in bf16 with bitwise identical results; 1.5-2.2x less in fp32,
 within 1e-4 (another kernel: a different summation order). eval/RESULTS.md, "Packed weights".
 
+Sibling layers that read the same input (a layer's query, key and value projections; the MLP's
+gate and up projections) are packed as one weight (:class:`FusedLinears`): one oneDNN call instead
+of three or two, 5-7% off a decode step here (eval/RESULTS.md, "Fused projections"). Which layers
+share an input is found by running the model once on two tokens, so no model family is named.
+
 The packed tensor is opaque and has no gradient, so a forward that needs one (LESS distillation
 trains through the model) goes through :func:`unpacked_linears`, which puts plain layers back.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import threading
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
 import torch
@@ -64,6 +70,9 @@ class PackedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype != self.dtype or x.device.type != "cpu" or (x.requires_grad and torch.is_grad_enabled()):
             return F.linear(x, self.weight.to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
+        return self.packed_product(x)
+
+    def packed_product(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
     def to_linear(self) -> nn.Linear:
@@ -82,15 +91,136 @@ class PackedLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, packed=onednn"
 
 
+class FusedLinears:
+    """One packed weight for sibling layers that read the same input: the rows of each, stacked.
+
+    Each sibling becomes a :class:`FusedMember`. The first member called with an input computes
+    every sibling's output in one product; the others take their columns of it while the input is
+    the same tensor. The shared product is held per thread until every member has taken its part.
+    """
+
+    def __init__(self, linears: Sequence[nn.Linear | PackedLinear]):
+        weights = [m.weight.detach() for m in linears]
+        biases = [m.bias for m in linears]
+        if len({w.shape[1] for w in weights}) != 1 or len({w.dtype for w in weights}) != 1:
+            raise ValueError("fused layers need one input width and one dtype")
+        if any(b is None for b in biases) and not all(b is None for b in biases):
+            raise ValueError("fused layers need a bias on all of them or on none")
+        stacked = nn.Linear(weights[0].shape[1], sum(w.shape[0] for w in weights), bias=biases[0] is not None, dtype=weights[0].dtype)
+        with torch.no_grad():
+            stacked.weight.copy_(torch.cat(weights))
+            if stacked.bias is not None:
+                stacked.bias.copy_(torch.cat([b.detach() for b in biases if b is not None]))
+        self.packed = PackedLinear(stacked)
+        self.bounds: list[tuple[int, int]] = []
+        start = 0
+        for w in weights:
+            self.bounds.append((start, start + w.shape[0]))
+            start += w.shape[0]
+        self._local = threading.local()
+
+    def output(self, x: torch.Tensor, index: int) -> torch.Tensor:
+        local = self._local
+        served = getattr(local, "served", None)
+        if getattr(local, "x", None) is not x or served is None or index in served:
+            # the identity check is safe: the held reference keeps x's id from being reused
+            local.x, local.out, served = x, self.packed.packed_product(x), set()
+            local.served = served
+        out = local.out
+        served.add(index)
+        if len(served) == len(self.bounds):
+            local.x = local.out = local.served = None
+        start, stop = self.bounds[index]
+        return out[..., start:stop]
+
+
+class FusedMember(PackedLinear):
+    """One layer of a :class:`FusedLinears` group: its rows of the stacked weight."""
+
+    def __init__(self, group: FusedLinears, index: int, linear: nn.Linear | PackedLinear):
+        nn.Module.__init__(self)
+        self.group = group  # not a submodule: the members share it
+        self.index = index
+        self.copy_of_tied_weight = False
+        self.in_features = linear.in_features
+        self.out_features = linear.out_features
+        self.dtype = group.packed.dtype
+        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        start, stop = self.group.bounds[self.index]
+        return self.group.packed.weight[start:stop].contiguous()
+
+    @property
+    def packed_bytes(self) -> int:
+        return self.in_features * self.out_features * self.dtype.itemsize
+
+    def packed_product(self, x: torch.Tensor) -> torch.Tensor:
+        return self.group.output(x, self.index)
+
+    def extra_repr(self) -> str:
+        start, stop = self.group.bounds[self.index]
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, packed=onednn, fused rows {start}:{stop}"
+
+
+def sibling_groups(model: nn.Module, layers: Sequence[tuple[str, nn.Module]]) -> list[list[str]]:
+    """Names of ``layers`` that read one input tensor inside one parent module, found by running
+    ``model`` on two tokens (groups of two or more, in call order; [] if that forward fails)."""
+    inputs: dict[str, int] = {}
+    keep: list[torch.Tensor] = []  # hold the inputs, so no two of them share an id
+
+    def recorder(name: str):
+        def record(_module, args):
+            if name not in inputs and args and isinstance(args[0], torch.Tensor):
+                inputs[name] = id(args[0])
+                keep.append(args[0])
+
+        return record
+
+    handles = [module.register_forward_pre_hook(recorder(name)) for name, module in layers]
+    try:
+        with torch.inference_mode():
+            model(input_ids=torch.tensor([[0, 1]]), use_cache=False)
+    except Exception:  # a model that cannot run bare token ids keeps its layers apart
+        return []
+    finally:
+        for handle in handles:
+            handle.remove()
+    groups: dict[tuple[str, int], list[str]] = {}
+    for name in inputs:  # dicts keep insertion order: call order
+        groups.setdefault((name.rpartition(".")[0], inputs[name]), []).append(name)
+    return [names for names in groups.values() if len(names) > 1]
+
+
+def fuse_sibling_linears(model: nn.Module) -> int:
+    """Pack sibling :class:`PackedLinear` layers that read the same input as one weight
+    (:class:`FusedLinears`); returns how many groups were made."""
+    layers = [(name, m) for name, m in packed_layers(model) if type(m) is PackedLinear and not m.copy_of_tied_weight]
+    by_name = dict(layers)
+    fused = 0
+    for names in sibling_groups(model, layers):
+        members = [by_name[n] for n in names]
+        try:
+            group = FusedLinears(members)
+        except ValueError:
+            continue
+        for index, (name, linear) in enumerate(zip(names, members)):
+            replace_module(model, name, FusedMember(group, index, linear))
+        fused += 1
+    return fused
+
+
 def replace_module(model: nn.Module, name: str, module: nn.Module) -> None:
     """Put ``module`` where ``model.get_submodule(name)`` is."""
     parent_name, _, attr = name.rpartition(".")
     setattr(model.get_submodule(parent_name) if parent_name else model, attr, module)
 
 
-def pack_linear_weights(model: nn.Module) -> int:
+def pack_linear_weights(model: nn.Module, *, fuse: bool = True) -> int:
     """Replace every plain CPU ``nn.Linear`` of ``model`` in a packable dtype by a
-    :class:`PackedLinear`; returns how many were replaced (0 where oneDNN cannot pack them)."""
+    :class:`PackedLinear`; returns how many were replaced (0 where oneDNN cannot pack them).
+    ``fuse``: siblings that read one input share one packed weight (:func:`fuse_sibling_linears`)."""
     targets = [
         (name, module)
         for name, module in model.named_modules()
@@ -104,6 +234,8 @@ def pack_linear_weights(model: nn.Module) -> int:
     config = getattr(model, "config", None)
     if targets and config is not None and hasattr(config, "tie_word_embeddings"):
         config.tie_word_embeddings = False  # the head holds its own packed copy; a tie_weights() must not undo it
+    if fuse and targets:
+        fuse_sibling_linears(model)
     return len(targets)
 
 
@@ -121,8 +253,12 @@ def packed_parameter_count(model: nn.Module) -> int:
 
 
 def weight_layout(model: nn.Module) -> str:
-    """``"onednn-packed"`` where linear weights were packed (:func:`pack_linear_weights`), else ``"plain"``."""
-    return "onednn-packed" if packed_layers(model) else "plain"
+    """``"onednn-packed"`` where linear weights were packed (:func:`pack_linear_weights`),
+    ``"onednn-packed+fused"`` where siblings share a packed weight too, else ``"plain"``."""
+    layers = packed_layers(model)
+    if not layers:
+        return "plain"
+    return "onednn-packed+fused" if any(isinstance(m, FusedMember) for _, m in layers) else "onednn-packed"
 
 
 @contextmanager
