@@ -96,10 +96,13 @@ class LowRankState:
         self.layers[layer_idx] = state
         self.folded_entries += int(evicted.sum())
 
-    def fold_selection(self, layer_idx: int, keys: torch.Tensor, values: torch.Tensor, kept: torch.Tensor, attention_mask: torch.Tensor | None) -> None:
+    def fold_selection(self, layer_idx: int, keys: torch.Tensor, values: torch.Tensor, kept: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
         """Fold what a selection ``kept [b, kv_heads, k]`` leaves out of ``keys [b, kv_heads, n, d]``
-        (left padding, ``attention_mask [b, n] == 0``, is never folded)."""
-        self.fold(layer_idx, keys, values, evicted_mask(keys, kept, attention_mask))
+        (left padding, ``attention_mask [b, n] == 0``, is never folded); returns that
+        :func:`evicted_mask`."""
+        evicted = evicted_mask(keys, kept, attention_mask)
+        self.fold(layer_idx, keys, values, evicted)
+        return evicted
 
     def check_heads(
         self, layer_idx: int, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, evicted: torch.Tensor, attention_mask, scaling
@@ -191,8 +194,7 @@ class LessPolicyState(PolicyState):
         self._attend_before = 0.0
 
     def evicted(self, layer_idx, keys, values, kept, attention_mask, query=None, scaling=None) -> None:
-        evicted = evicted_mask(keys, kept, attention_mask)
-        self.low_rank.fold(layer_idx, keys, values, evicted)
+        evicted = self.low_rank.fold_selection(layer_idx, keys, values, kept, attention_mask)
         if query is not None:
             self.low_rank.check_heads(layer_idx, query, keys, values, evicted, attention_mask, scaling)
 
