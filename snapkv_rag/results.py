@@ -94,6 +94,12 @@ class GenerationStats:
     def compression_ratio(self) -> float:
         return self.prompt_kv_bytes_full / self.prompt_kv_bytes_kept if self.prompt_kv_bytes_kept else 1.0
 
+    @property
+    def compression_ratio_text(self) -> str:
+        """The ratio for people: two decimals below 2 (1,064 tokens kept as 1,024 is 1.04, not 1.0), else one."""
+        ratio = self.compression_ratio
+        return f"{ratio:.2f}" if ratio < 2 else f"{ratio:.1f}"
+
     def to_dict(self) -> dict[str, Any]:
         return {**asdict(self), "compression_ratio": self.compression_ratio}
 

@@ -272,7 +272,7 @@ def test_impossible_compression_settings(app_env):
     at = with_documents(start())
     at.number_input(key="budget").set_value(32)  # the question window may reach 64 entries
     at.run()
-    assert "max_window (64) must be smaller than max_capacity_prompt (32)" in texts(at.sidebar.error)
+    assert "max_window (64) must be smaller than budget (32)" in texts(at.sidebar.error)
     ask(at, "When does the first ferry leave?")
     assert "Fix the compression settings" in texts(at.chat_message[1].error)
 

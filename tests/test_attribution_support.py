@@ -46,6 +46,13 @@ def test_a_wrong_time_is_not_supported_by_the_ferry_file(attributor):
     assert right.numbers == (3,) and right.missing == ()
 
 
+def test_an_echoed_question_is_neither_cited_nor_flagged(attributor):
+    q = "What time does the cinema on Tessaly open on Sundays?"
+    echo, answer = attributor.attribute(q, f"## Question: {q} The cinema opens at 12:30.", CHUNKS)
+    assert (echo.numbers, echo.missing) == ((), ())  # its "cinema" is the user's word, not a claim
+    assert not answer.supported and "cinema" in answer.missing
+
+
 def test_a_partly_invented_sentence_is_cited_where_its_true_facts_are(attributor):
     q = "What time does the first ferry leave Tessaly on weekdays?"
     (support,) = attributor.attribute(q, "The first ferry leaves at 6:15, which is 1 hour and 40 minutes.", CHUNKS)
@@ -72,6 +79,7 @@ def test_the_cli_says_not_supported():
         kept_tokens_per_layer=[10],
         compression=None,
         compression_ratio=1.0,
+        compression_ratio_text="1.00",
         prefill_seconds=0.1,
         decode_ms_per_token=None,
         segment_reuse=None,
@@ -86,4 +94,4 @@ def test_the_cli_says_not_supported():
         unsupported=[SentenceSupport("The primary school is 100.", (), (), ("100",))],
     )
     text = "\n".join(_describe(answer))
-    assert 'NOT SUPPORTED by any document: "The primary school is 100." (no document contains 100)' in text
+    assert 'NOT SUPPORTED by the stuffed documents: "The primary school is 100." (no stuffed document contains 100)' in text

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from conftest import FAMILIES, gemma3_engine, tiny_engine, tiny_model
@@ -123,6 +125,9 @@ def test_stats_report_compression(tokenizer):
     assert stats.prompt_kv_bytes_full == n * per_token
     assert stats.prompt_kv_bytes_kept == 24 * per_token
     assert stats.compression_ratio == pytest.approx(n / 24)
+    assert stats.compression_ratio_text == f"{n / 24:.1f}"
+    slightly = dataclasses.replace(stats, prompt_kv_bytes_full=1064, prompt_kv_bytes_kept=1024)
+    assert slightly.compression_ratio_text == "1.04"  # a few tokens evicted do not read as 1.0x
     assert stats.compression["method"] == "snapkv" and stats.compression["max_capacity_prompt"] == 24
     assert stats.compression["question_aware"] is True
 

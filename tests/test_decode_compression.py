@@ -64,6 +64,18 @@ def test_impossible_decode_budgets_are_refused_with_the_reason(spec, message):
         parse_compression(spec)
 
 
+def test_errors_name_settings_as_the_spec_wrote_them():
+    with pytest.raises(InvalidCompressionError, match=r"^SnapKV: budget must be an integer >= 1, got 0$"):
+        parse_compression("snapkv:budget=0")
+    with pytest.raises(InvalidCompressionError, match="max_capacity_prompt must be"):
+        parse_compression("snapkv:max_capacity_prompt=0")
+    with pytest.raises(InvalidCompressionError, match=r"window \(32\) must be smaller than budget \(4\)"):
+        parse_compression("snapkv:budget=4")
+    with pytest.raises(InvalidCompressionError, match=r"settings: .*\bbudget\b.*\bwindow\b") as error:
+        parse_compression("snapkv:bogus=3")
+    assert "max_capacity_prompt" not in str(error.value)
+
+
 # ---------------------------------------------------------------------------- bound
 @pytest.mark.parametrize("policy", DECODING, ids=lambda p: p.name)
 def test_a_1200_token_generation_keeps_the_cache_within_its_bound(long_engine, policy):

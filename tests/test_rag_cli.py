@@ -77,6 +77,7 @@ def test_sources_name_each_route_once():
         kept_tokens_per_layer=[],
         compression=None,
         compression_ratio=1.0,
+        compression_ratio_text="1.00",
         prefill_seconds=0.1,
         decode_ms_per_token=None,
         segment_reuse=None,
@@ -101,7 +102,7 @@ def test_sources_name_each_route_once():
         (["--collection", "missing"], "no collection 'missing'"),
         (["--collection", "x"], "not valid"),
         (["--collection", "notes", "--context-tokens", "999999"], "does not fit"),
-        (["--collection", "notes", "--compression", "snapkv:window=questions"], "window_size"),
+        (["--collection", "notes", "--compression", "snapkv:window=questions"], "window (or 'question') must be"),
     ],
 )
 def test_ask_errors_exit_2_with_one_line(docs, tmp_path, model_dir, capsys, extra, message):
@@ -113,10 +114,18 @@ def test_ask_errors_exit_2_with_one_line(docs, tmp_path, model_dir, capsys, extr
     assert err.startswith("snapkv-rag: error:") and message in err and err.count("\n") == 1
 
 
-def test_ingest_of_nothing_usable_fails(tmp_path, capsys):
+def test_ingest_of_nothing_usable_fails_and_leaves_no_collection(docs, tmp_path, model_dir, capsys):
     (tmp_path / "only.bin").write_bytes(b"\x00")
-    assert main(["ingest", str(tmp_path / "only.bin"), "--collection", "empty", "--store", str(tmp_path / "s"), "--no-progress"]) == 1
-    assert "unsupported file type" in capsys.readouterr().err
+    store = str(tmp_path / "s")
+    assert main(["ingest", str(tmp_path / "only.bin"), "--collection", "empty", "--store", store, "--no-progress"]) == 1
+    out = capsys.readouterr()
+    assert "unsupported file type" in out.err and "no collection was created" in out.out
+    assert main(["ask", "q?", "--collection", "empty", "--store", store, "--model", model_dir]) == 2
+    assert "no collection 'empty'" in capsys.readouterr().err
+    # a collection that already holds documents stays when a later ingest skips everything
+    assert main(["ingest", str(docs), "--collection", "notes", "--store", store, "--no-progress"]) == 0
+    assert main(["ingest", str(docs / "empty.md"), "--collection", "notes", "--store", store, "--json"]) == 1
+    assert json.loads(capsys.readouterr().out.splitlines()[-1])["total_chunks"] == 2
 
 
 def test_ask_reuses_chunk_kv_by_default_and_ingest_can_precompute_it(docs, tmp_path, model_dir, capsys):
@@ -137,3 +146,13 @@ def test_ask_reuses_chunk_kv_by_default_and_ingest_can_precompute_it(docs, tmp_p
     assert "prompt tokens reused from stored chunk K/V, 0 recomputed; 2 chunks found, 0 computed now" in capsys.readouterr().out
     assert main([*args, "--recompute", "2"]) == 2
     assert "recompute must be a number in [0, 1]" in capsys.readouterr().err
+
+
+def test_ask_on_an_empty_collection_says_so_before_loading_a_model(tmp_path, capsys):
+    from snapkv_rag.rag import DocumentStore
+
+    store = str(tmp_path / "store")
+    DocumentStore("blank", path=store)  # made by hand: ingest leaves no empty collection
+    assert main(["ask", "q?", "--collection", "blank", "--store", store, "--model", str(tmp_path / "no-such-model")]) == 2
+    err = capsys.readouterr().err
+    assert "collection 'blank' has no documents" in err and "no-such-model" not in err

@@ -84,7 +84,7 @@ def stats_row(run: Run) -> dict[str, str]:
         "Prefill": fmt_seconds(s.prefill_seconds),
         "Time to first token": fmt_seconds(run.ttft),
         "Decode": "–" if s.decode_ms_per_token is None else f"{s.decode_ms_per_token:.0f} ms/token",
-        "KV cache kept / full": f"{fmt_bytes(s.prompt_kv_bytes_kept)} / {fmt_bytes(s.prompt_kv_bytes_full)} ({s.compression_ratio:.1f}×)",
+        "KV cache kept / full": f"{fmt_bytes(s.prompt_kv_bytes_kept)} / {fmt_bytes(s.prompt_kv_bytes_full)} ({s.compression_ratio_text}×)",
         "Prompt entries kept per layer": f"{kept:,} / {s.prompt_tokens_padded:,}",
         "Documents stuffed": f"{len(a.context.chunks)} ({a.context.document_tokens:,} tokens)",
         "Sources cited": " ".join(f"[{n}]" for n in cited_numbers(a)) or "none",
@@ -109,9 +109,9 @@ def render_unsupported(answer: Answer) -> None:
     for s in {(s.sentence, s.missing): s for s in answer.unsupported}.values():  # a repeated sentence once
         facts = ", ".join(md_escape(f) for f in s.missing)
         if s.supported:
-            st.warning(f"Partly supported: “{md_escape(s.sentence)}” — no document contains {facts}.", icon=":material/warning:")
+            st.warning(f"Partly supported: “{md_escape(s.sentence)}” — no stuffed document contains {facts}.", icon=":material/warning:")
         else:
-            st.warning(f"Not supported by the documents: “{md_escape(s.sentence)}” — no document contains {facts}.", icon=":material/block:")
+            st.warning(f"Not supported by the stuffed documents: “{md_escape(s.sentence)}” — no stuffed document contains {facts}.", icon=":material/block:")
 
 
 def render_sources(answer: Answer) -> None:

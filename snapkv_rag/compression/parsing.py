@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import Any
 
 from ..errors import InvalidCompressionError
@@ -99,12 +100,29 @@ def parse_compression(spec: str) -> CompressionPolicy:
         raise InvalidCompressionError(f"unknown compression method {name!r}; choose one of {', '.join(sorted({*POLICIES, 'less'}))}")
     allowed = {f.name for f in dataclasses.fields(cls)}
     kwargs: dict[str, Any] = {}
+    typed: dict[str, str] = {}  # field -> the name the user wrote, for errors in their words
     for key, value in _items(rest):
-        key = ALIASES.get(key, key)
-        if key not in allowed:
-            raise InvalidCompressionError(f"{cls.name} has no setting {key!r}; settings: {', '.join(sorted(allowed)) or 'none'}")
-        kwargs[key] = _coerce(value)
-    return cls(**kwargs)
+        field = ALIASES.get(key, key)
+        if field not in allowed:
+            raise InvalidCompressionError(f"{cls.name} has no setting {key!r}; settings: {', '.join(setting_names(allowed)) or 'none'}")
+        kwargs[field] = _coerce(value)
+        typed[field] = key
+    try:
+        return cls(**kwargs)
+    except InvalidCompressionError as error:
+        message = str(error)
+        for field in allowed:
+            message = re.sub(rf"\b{field}\b", typed.get(field) or _short_name(field), message)
+        raise InvalidCompressionError(message) from None
+
+
+def _short_name(field: str) -> str:
+    return next((alias for alias, target in ALIASES.items() if target == field), field)
+
+
+def setting_names(fields: set[str]) -> list[str]:
+    """The settings a spec may name: a field's short alias where it has one (``budget``), else the field."""
+    return sorted(_short_name(field) for field in fields)
 
 
 def as_policy(compression: CompressionPolicy | str | None) -> CompressionPolicy | None:

@@ -301,6 +301,9 @@ class EvidenceAttributor:
             scores = [with_attention(row, shares, self.attention_weight) for row, shares in zip(scores, attention)]
         out = []
         for sentence, row in zip(sentences, scores):
+            if sentence.endswith("?"):  # a question (often the user's own, echoed) claims nothing to cite or check
+                out.append(SentenceSupport(sentence, (), (), ()))
+                continue
             gate = fact_gate(sentence, question, chunk_texts) if self.fact_check else None
             chosen = choose_gated(row, gate, self.threshold, self.margin)
             missing = tuple(sorted(gate[1])) if gate else ()

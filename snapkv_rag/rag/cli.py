@@ -110,6 +110,12 @@ def cmd_ingest(args) -> int:
         # tqdm.write prints above the progress bar instead of into it.
         on_skip=None if args.json else (lambda s: tqdm.write(f"snapkv-rag: {s}", file=sys.stderr)),
     )
+    if store.discard_if_new_and_empty():
+        if args.json:
+            print(json.dumps({**report.to_dict(), "collection": None, "store": store.location, "total_chunks": 0}))
+        else:
+            print(f"{store.name}: {report.summary()}; nothing was ingested, so no collection was created")
+        return 1
     kv = _precompute_kv(args, store) if args.precompute_kv else None
     if args.json:
         print(json.dumps({**report.to_dict(), "collection": store.name, "store": store.location, "total_chunks": store.count(), **(kv or {})}))
@@ -151,8 +157,8 @@ def _describe(answer) -> list[str]:
     if not answer.sources:
         lines.append("  (no document supports the answer)")
     for s in {(s.sentence, s.missing): s for s in answer.unsupported}.values():  # a repeated sentence once
-        how = "partly supported" if s.supported else "NOT SUPPORTED by any document"
-        lines.append(f'  {how}: "{s.sentence}" (no document contains {", ".join(s.missing)})')
+        how = "partly supported" if s.supported else "NOT SUPPORTED by the stuffed documents"
+        lines.append(f'  {how}: "{s.sentence}" (no stuffed document contains {", ".join(s.missing)})')
     if answer.invalid_citations:
         lines.append(f"  invalid citations: {answer.invalid_citations}")
     ctx, stats = answer.context, answer.result.stats
@@ -160,7 +166,7 @@ def _describe(answer) -> list[str]:
     lines.append(
         f"Stuffed {len(ctx.chunks)} chunks, {ctx.document_tokens} of {ctx.budget_tokens} tokens ({ctx.left_out} candidates left out{dropped}); "
         f"prompt {answer.result.usage.prompt_tokens} tokens, KV kept {kept_tokens_text(stats.kept_tokens_per_layer)} per layer "
-        f"({stats.compression['method'] if stats.compression else 'full cache'}, {stats.compression_ratio:.1f}x); "
+        f"({stats.compression['method'] if stats.compression else 'full cache'}, {stats.compression_ratio_text}x); "
         f"prefill {stats.prefill_seconds:.1f} s{_reuse_note(stats, answer.result.usage.prompt_tokens)}"
         + (f", decode {stats.decode_ms_per_token:.0f} ms/token" if stats.decode_ms_per_token else "")
     )
@@ -187,6 +193,10 @@ def cmd_ask(args) -> int:
 
     sampling, compression = _qa_kwargs(args)
     store = open_store(args, create=False)
+    if store.count() == 0:  # said before the model loads (seconds)
+        from .stuffing import EmptyCollectionError
+
+        raise EmptyCollectionError.named(store.name)
     qa = DocumentQA(
         load_engine(args),
         store,

@@ -147,10 +147,11 @@ class DocumentStore:
 
     def _open_collection(self, create: bool):
         wanted = {"hnsw:space": "cosine", "embedder": self.embedder.model_name}
+        names = [c if isinstance(c, str) else c.name for c in self.client.list_collections()]
+        self.created = create and self.name not in names  # made by this open: see discard_if_new_and_empty
         if create:
             collection = self.client.get_or_create_collection(self.name, embedding_function=None, metadata=wanted)
         else:
-            names = [c if isinstance(c, str) else c.name for c in self.client.list_collections()]
             if self.name not in names:
                 raise StoreError(
                     f"no collection {self.name!r} in {self.location}; existing: {', '.join(sorted(names)) or 'none'} "
@@ -163,6 +164,15 @@ class DocumentStore:
                 f"collection {self.name!r} was embedded with {have!r}, not {self.embedder.model_name!r}; use the same embedder or another collection"
             )
         return collection
+
+    def discard_if_new_and_empty(self) -> bool:
+        """Delete the collection if this store created it and it still holds nothing (an ingest
+        whose every file was skipped leaves no empty collection behind); whether it did."""
+        if not self.created or self.count():
+            return False
+        self.client.delete_collection(self.name)
+        self.created = False
+        return True
 
     # ----------------------------------------------------------------- writing
     def ingest(

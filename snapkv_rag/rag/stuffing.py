@@ -26,6 +26,10 @@ ORDERS = ("score", "source")
 class EmptyCollectionError(SnapKVRagError, LookupError):
     """The collection holds no documents to answer from."""
 
+    @classmethod
+    def named(cls, name: str) -> EmptyCollectionError:
+        return cls(f"collection {name!r} has no documents; add some first (snapkv-rag ingest PATH --collection {name})")
+
 
 class ContextBudgetError(SnapKVRagError, ValueError):
     """The requested context budget cannot hold the prompt (or the whole collection)."""
@@ -230,9 +234,7 @@ class StuffingRetriever:
         budget, cap = self._budget(question)
         candidates, duplicates = self._candidates(question, budget)
         if not candidates and self.store.count() == 0:
-            raise EmptyCollectionError(
-                f"collection {self.store.name!r} has no documents; add some first (snapkv-rag ingest PATH --collection {self.store.name})"
-            )
+            raise EmptyCollectionError.named(self.store.name)
         # A separator of two newlines joins blocks; count it with the block.
         packing = pack_greedy(
             len(candidates),

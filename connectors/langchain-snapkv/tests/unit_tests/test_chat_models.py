@@ -34,7 +34,7 @@ def test_message_translation_round_trip():
 
 def test_invalid_compression_fails_at_construction(tiny_engine):
     # pydantic wraps the engine's InvalidCompressionError (a ValueError) in a ValidationError
-    with pytest.raises(ValueError, match="max_capacity_prompt must be an integer"):
+    with pytest.raises(ValueError, match="budget must be an integer"):
         ChatSnapKV(engine=tiny_engine, compression="snapkv:budget=-3")
     with pytest.raises(TypeError, match="snapkv_rag.Engine"):
         ChatSnapKV(engine=object())
