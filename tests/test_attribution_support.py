@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from snapkv_rag.rag.attribution import EvidenceAttributor, fact_gate, key_facts
+from snapkv_rag.rag.attribution import EvidenceAttributor, fact_gate, key_facts, split_sentences
 
 LIGHTHOUSE = "# Tessaly Lighthouse\n\nThe lighthouse on Tessaly Island was built in 1871 and its lamp can be seen 22 nautical miles away."
 BAKERY = "The island bakery opens at 7:00 and sells rye bread, honey cake and buns. It is run by Mara Penhallow."
@@ -44,6 +44,27 @@ def test_a_wrong_time_is_not_supported_by_the_ferry_file(attributor):
     assert wrong.numbers == () and wrong.missing == ("12:30",)
     (right,) = attributor.attribute(q, "The first ferry leaves at 6:15.", CHUNKS)
     assert right.numbers == (3,) and right.missing == ()
+
+
+def test_abbreviations_titles_and_decimals_do_not_end_a_sentence():
+    assert split_sentences("It leaves at 6:40 a.m. on weekdays, e.g. Monday. Dr. Hale and J. R. Penn run St. Aldric's. It costs 3.40 crowns!") == [
+        "It leaves at 6:40 a.m. on weekdays, e.g. Monday.",
+        "Dr. Hale and J. R. Penn run St. Aldric's.",
+        "It costs 3.40 crowns!",
+    ]
+    # a marker after the full stop stays with its sentence; a line break always ends one
+    assert split_sentences("The last one is at 9 p.m. [2] Tickets cost 3.40.\n- one\n- two") == [
+        "The last one is at 9 p.m. [2]",
+        "Tickets cost 3.40.",
+        "- one",
+        "- two",
+    ]
+
+
+def test_a_time_with_am_is_one_sentence_partly_supported(attributor):
+    q = "What time does the first ferry leave Tessaly on weekdays?"
+    (support,) = attributor.attribute(q, "The first ferry leaves at 6:15 a.m. on weekdays, which is 1 hour and 40 minutes.", CHUNKS)
+    assert support.numbers == (3,) and set(support.missing) == {"1 hour", "40 minutes"}
 
 
 def test_an_echoed_question_is_neither_cited_nor_flagged(attributor):

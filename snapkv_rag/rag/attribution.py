@@ -37,7 +37,14 @@ DEFAULT_THRESHOLDS = {"hybrid": 0.6, "embedding": 0.3, "lexical": 0.3}
 DEFAULT_MARGINS = {"hybrid": 0.2, "embedding": 0.1, "lexical": 0.2}  # eval/RESULTS.md, "Citations on the RAG pipeline"
 DEFAULT_ATTENTION_WEIGHT = 0.25  # the attention route: the least harmful weight measured (eval/RESULTS.md, "Citations from the run's own attention")
 # A sentence ends at . ! ? followed by a space or the end; "1.25" and "3.40" stay whole.
-_SENTENCE = re.compile(r"(?:[^.!?\n]|[.!?]+(?=[^\s.!?]))+[.!?]*")
+# A sentence ends at . ! or ? (then closing quotes and any [n] markers, which stay with it) before
+# whitespace and a capital or a digit, or at a line break; "6:40 a.m. on weekdays" and "3.40" go on.
+_SENTENCE_END = re.compile(r"[.!?]+[\"')\]]*(?:\s*\[\s*\d+(?:\s*[,;]\s*\d+)*\s*\])*(\s+)(?=[\"'(]?[A-Z0-9])|\n+")
+# Words before a period that do not end a sentence: titles ("Dr. Hale", "St. Aldric"), "e.g. Monday"
+# and initials ("J. R. Smith", "U.S. Navy"). "a.m." and "etc." often do end one, so they are not here.
+_TITLES = frozenset("dr mr mrs ms st mt prof rev jr sr capt col gen lt sgt fr e.g i.e vs cf".split())
+_INITIALS = re.compile(r"(?:[A-Z]\.)*[A-Z]")
+_LAST_WORD = re.compile(r"([\w.]+)$")
 _WORD = re.compile(r"[\w][\w'\-:.]*[\w]|\w")
 _MARKER = re.compile(r"\[\s*\d+(?:\s*[,;]\s*\d+)*\s*\]")
 STOPWORDS = frozenset(
@@ -149,7 +156,17 @@ def _unit_prefix(fact: str) -> str:
 
 
 def split_sentences(text: str) -> list[str]:
-    return [m.group(0).strip() for m in _SENTENCE.finditer(text) if len(m.group(0).strip()) > 1]
+    pieces, start = [], 0
+    for end in _SENTENCE_END.finditer(text):
+        if end.group(1) is not None and text[end.start()] == ".":
+            word = _LAST_WORD.search(text, start, end.start())
+            if word and (word.group(1).lower() in _TITLES or _INITIALS.fullmatch(word.group(1))):
+                continue
+        cut = end.start(1) if end.group(1) is not None else end.start()
+        pieces.append(text[start:cut])
+        start = end.end()
+    pieces.append(text[start:])
+    return [p.strip() for p in pieces if len(p.strip()) > 1]
 
 
 def content_words(text: str) -> set[str]:

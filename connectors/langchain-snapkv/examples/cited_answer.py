@@ -38,7 +38,7 @@ def main() -> None:
         print(f"  markers pointing at no document: {out['invalid_citations']}")
     print(
         f"Stuffed {len(out['documents'])} documents; prompt {meta['prompt_tokens']} tokens, KV kept {meta['kept_tokens']} per layer "
-        f"({meta['compression']['method'] if meta['compression'] else 'full'}, {meta['compression_ratio']:.1f}x); "
+        f"({meta['compression']['method'] if meta['compression'] else 'full'}, {meta['compression_ratio']:.2f}x); "
         f"prefill {meta['prefill_seconds']:.1f} s, decode {meta['decode_ms_per_token'] or 0:.0f} ms/token"
     )
 

@@ -65,11 +65,15 @@ def describe(stats: dict) -> str:
 
 
 def cited_answers(context_tokens: int) -> None:
-    tmp = tempfile.mkdtemp(prefix="snapkv-llamaindex-")
+    with tempfile.TemporaryDirectory(prefix="snapkv-llamaindex-") as tmp:
+        index_and_ask(tmp, context_tokens)
+
+
+def index_and_ask(tmp: str, context_tokens: int) -> None:
     documents = hide_file_metadata(SimpleDirectoryReader(str(CORPUS)).load_data())
     storage = StorageContext.from_defaults(vector_store=chroma_vector_store("marrowick", path=tmp))
     index = VectorStoreIndex.from_documents(documents, storage_context=storage, transformations=[SentenceSplitter(chunk_size=200, chunk_overlap=20)])
-    print(f"Indexed {len(documents)} documents into Chroma at {tmp}")
+    print(f"Indexed {len(documents)} documents into a temporary Chroma store ({tmp}, removed at the end)")
     for label, compression in (("full cache", None), ("SnapKV", "snapkv:budget=512,window=question")):
         llm = SnapKVLLM(model="default", compression=compression, max_new_tokens=48)
         budget = TokenBudgetPostprocessor(llm=llm, context_tokens=context_tokens, node_header=CITATION_HEADER)
