@@ -39,6 +39,7 @@ def run(questions: int | None) -> list[dict]:
     from snapkv_rag import Engine
     from snapkv_rag.evaluation.rag_citation import answer_correct, is_gold_file, load_questions
     from snapkv_rag.rag import DocumentQA, DocumentStore
+    from snapkv_rag.rag.qa import ROUTES
     from snapkv_rag.span_attention import sentence_attention
 
     qs = load_questions(ROOT / "examples/sample_questions.jsonl", questions)
@@ -47,7 +48,9 @@ def run(questions: int | None) -> list[dict]:
     with tempfile.TemporaryDirectory(prefix="snapkv-attention-cite-") as tmp:
         store = DocumentStore("attention-citations", path=tmp)
         store.ingest([ROOT / "examples/sample_corpus"])
-        qa = DocumentQA(engine, store, compression=None, context_tokens=1000, max_new_tokens=32, kv_reuse="prefix")
+        qa = DocumentQA(
+            engine, store, compression=None, context_tokens=1000, max_new_tokens=32, kv_reuse="prefix", routes=ROUTES
+        )  # the attention route is opt-in
         for q in qs:
             context = qa.retrieve(q.question)
             texts = [c.text for c in context.chunks]
