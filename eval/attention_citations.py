@@ -59,6 +59,8 @@ def run(questions: int | None) -> list[dict]:
                 answer = qa.answer_context(context, compression=policy)
                 sentences = answer_sentences(answer.text)
                 result = answer.result
+                if not (result.stats.span_attention or "").startswith("recorded"):  # a silent zero would pass as a result
+                    sys.exit(f"attention was not recorded ({result.stats.span_attention}); every attention row would be empty")
                 shares = sentence_attention(engine.tokenizer, result.token_ids, result.span_attention or [], sentences) if sentences else []
                 evidence = score_matrices(store.embedder, context.question, sentences, texts, ("hybrid",)).get("hybrid", []) if sentences else []
                 gates = [fact_gate(s, context.question, texts) for s in sentences]
