@@ -36,17 +36,16 @@ METHODS = ("hybrid", "embedding", "lexical")
 DEFAULT_THRESHOLDS = {"hybrid": 0.6, "embedding": 0.3, "lexical": 0.3}
 DEFAULT_MARGINS = {"hybrid": 0.2, "embedding": 0.1, "lexical": 0.2}  # eval/RESULTS.md, "Citations on the RAG pipeline"
 DEFAULT_ATTENTION_WEIGHT = 0.25  # the attention route: the least harmful weight measured (eval/RESULTS.md, "Citations from the run's own attention")
-# A sentence ends at . ! ? followed by a space or the end; "1.25" and "3.40" stay whole.
+_MARKER = re.compile(r"\[\s*\d+(?:\s*[,;]\s*\d+)*\s*\]")
 # A sentence ends at . ! or ? (then closing quotes and any [n] markers, which stay with it) before
 # whitespace and a capital or a digit, or at a line break; "6:40 a.m. on weekdays" and "3.40" go on.
-_SENTENCE_END = re.compile(r"[.!?]+[\"')\]]*(?:\s*\[\s*\d+(?:\s*[,;]\s*\d+)*\s*\])*(\s+)(?=[\"'(]?[A-Z0-9])|\n+")
+_SENTENCE_END = re.compile(rf"[.!?]+[\"')\]]*(?:\s*{_MARKER.pattern})*(\s+)(?=[\"'(]?[A-Z0-9])|\n+")
 # Words before a period that do not end a sentence: titles ("Dr. Hale", "St. Aldric"), "e.g. Monday"
 # and initials ("J. R. Smith", "U.S. Navy"). "a.m." and "etc." often do end one, so they are not here.
 _TITLES = frozenset("dr mr mrs ms st mt prof rev jr sr capt col gen lt sgt fr e.g i.e vs cf".split())
 _INITIALS = re.compile(r"(?:[A-Z]\.)*[A-Z]")
 _LAST_WORD = re.compile(r"([\w.]+)$")
 _WORD = re.compile(r"[\w][\w'\-:.]*[\w]|\w")
-_MARKER = re.compile(r"\[\s*\d+(?:\s*[,;]\s*\d+)*\s*\]")
 STOPWORDS = frozenset(
     """a an the and or but if of to in on at by for with from as is are was were be been being it its this that these
     those there here what which who whom whose when where why how do does did done has have had not no yes so than then
