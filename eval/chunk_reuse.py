@@ -38,8 +38,8 @@ from results_io import write_records, write_table  # noqa: E402
 
 from snapkv_rag import Engine  # noqa: E402
 from snapkv_rag.compression import SnapKV  # noqa: E402
+from snapkv_rag.evaluation.metrics import citation_prf  # noqa: E402
 from snapkv_rag.evaluation.rag_citation import answer_correct  # noqa: E402
-from snapkv_rag.metrics import citation_prf  # noqa: E402
 from snapkv_rag.rag import DocumentQA, DocumentStore  # noqa: E402
 from snapkv_rag.rag.kv_reuse import precompute_chunk_kv  # noqa: E402
 

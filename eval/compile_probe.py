@@ -31,7 +31,7 @@ def main() -> int:
         sys.exit(f"mode must be one of {', '.join(MODES)}")
     from transformers import StaticCache
 
-    from snapkv_rag.loading import load_model_and_tokenizer
+    from snapkv_rag.model.loading import load_model_and_tokenizer
 
     torch.set_num_threads(2)
     model, _, _ = load_model_and_tokenizer("default", dtype="bfloat16", attn_implementation="sdpa", pack_weights=None if mode == "eager-packed" else False)

@@ -3,7 +3,7 @@
 Not a test. Loads the embedded model on the main thread, prefills a 500-token prompt and times
 32 greedy decode steps of the bare model (no engine), on the main thread (``m``) or on a new
 thread (``t``), or frees the main thread's OpenMP threads (``r``, what the engine does when a
-thread hands it a request: snapkv_rag.openmp), in the order given:
+thread hands it a request: snapkv_rag.model.openmp), in the order given:
 
     .venv/bin/python eval/decode_thread_probe.py mmtt
     .venv/bin/python eval/decode_thread_probe.py ttmm
@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from snapkv_rag import Engine  # noqa: E402
-from snapkv_rag.openmp import release_thread_pool  # noqa: E402
+from snapkv_rag.model.openmp import release_thread_pool  # noqa: E402
 
 STEPS = 32
 

@@ -3,7 +3,7 @@
 Not a test. Unlike ``int8_linear_bench.py``, which repeats one layer (its weight stays in the CPU
 cache), this runs the 210 decoder layers one after another, so each weight is read from memory
 as in a real step. Layouts: ``nn.Linear`` in bf16 and fp32, the same weights packed for oneDNN
-(``snapkv_rag.packed_linear``, the CPU default), and the int8 kernel (``--weights int8``).
+(``snapkv_rag.model.packed_linear``, the CPU default), and the int8 kernel (``--weights int8``).
 Interleaved repeats in one process, median milliseconds per pass:
 
     .venv/bin/python eval/linear_pass_bench.py [--rows 1,4,16,512] [--out eval/results/linear_pass]
@@ -42,9 +42,9 @@ def main() -> int:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
-    from snapkv_rag.loading import load_model_and_tokenizer
-    from snapkv_rag.packed_linear import PackedLinear, packing_available
-    from snapkv_rag.quantization import Int8Linear
+    from snapkv_rag.model.loading import load_model_and_tokenizer
+    from snapkv_rag.model.packed_linear import PackedLinear, packing_available
+    from snapkv_rag.model.quantization import Int8Linear
 
     model, _, _ = load_model_and_tokenizer("default", dtype="bfloat16", pack_weights=False)
     linears = [m for m in model.model.modules() if type(m) is torch.nn.Linear]

@@ -148,8 +148,8 @@ def main() -> None:
 
     from transformers import AutoTokenizer
 
-    from snapkv_rag.loading import DEFAULT_MODEL, embedded_gguf_path, resolve_model_source
-    from snapkv_rag.prompts import render_prompt
+    from snapkv_rag.engine.prompts import render_prompt
+    from snapkv_rag.model.loading import DEFAULT_MODEL, embedded_gguf_path, resolve_model_source
 
     args.out.mkdir(parents=True, exist_ok=True)
     tokenizer = AutoTokenizer.from_pretrained(resolve_model_source(DEFAULT_MODEL)[0])

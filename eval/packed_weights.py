@@ -45,7 +45,7 @@ def main() -> None:
     args = parser.parse_args()
 
     from snapkv_rag import Engine
-    from snapkv_rag.packed_linear import FusedMember, PackedLinear, packed_layers, replace_module
+    from snapkv_rag.model.packed_linear import FusedMember, PackedLinear, packed_layers, replace_module
 
     torch.set_num_threads(args.threads)
     engine = Engine.default(dtype=args.dtype)

@@ -12,7 +12,7 @@ needs none gets an answer without a call.
 
 1. ``model``: the model decides as it writes (the call grammar lets it start a call anywhere);
    this was the engine's only behaviour before the call gate.
-2. The call gate (:mod:`snapkv_rag.call_gate`): each tool's call opening scored after the prompt,
+2. The call gate (:mod:`snapkv_rag.tools.call_gate`): each tool's call opening scored after the prompt,
    calibrated against requests that need no tool, plus ``w`` times the marker's log-probability,
    against a threshold. ``w`` and the threshold are fitted on one tool set (the most right
    decisions with no call on its no-tool prompts) and checked on the other, both ways: the
@@ -38,10 +38,10 @@ sys.path.insert(0, str(ROOT))
 from results_io import write_records, write_table  # noqa: E402
 
 from snapkv_rag import Engine  # noqa: E402
-from snapkv_rag.call_gate import CallGate, CallScores, decide  # noqa: E402
+from snapkv_rag.engine.prompts import render_prompt  # noqa: E402
 from snapkv_rag.errors import StructuredOutputError  # noqa: E402
-from snapkv_rag.prompts import render_prompt  # noqa: E402
 from snapkv_rag.tools import build_output_spec  # noqa: E402
+from snapkv_rag.tools.call_gate import CallGate, CallScores, decide  # noqa: E402
 
 
 def fn(name: str, description: str, properties: dict, required: list[str]) -> dict:

@@ -104,7 +104,7 @@ def engine_overhead(repeats: int, max_new_tokens: int) -> list[dict]:
 def _replay_llguidance(tokenizer, grammar: str, ids: list[int]) -> tuple[float, list[float]]:
     import torch
 
-    from snapkv_rag.constraints import BatchConstraint
+    from snapkv_rag.tools.constraints import BatchConstraint
 
     start = time.perf_counter()
     constraint = BatchConstraint([_LLG.matcher(grammar)], _LLG)
@@ -148,9 +148,9 @@ def grammar_engines() -> list[dict]:
     global _LLG
     from transformers import AutoTokenizer
 
-    from snapkv_rag.constraints import GrammarTokenizer, grammar_for
-    from snapkv_rag.loading import converted_gguf_dir, embedded_gguf_path
+    from snapkv_rag.model.loading import converted_gguf_dir, embedded_gguf_path
     from snapkv_rag.tools import build_output_spec, call_prefix, format_call
+    from snapkv_rag.tools.constraints import GrammarTokenizer, grammar_for
 
     tokenizer = AutoTokenizer.from_pretrained(converted_gguf_dir(embedded_gguf_path()), local_files_only=True)
     vocab = len(tokenizer)

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-__version__ = "0.1.0"
-
+from . import _moved
+from ._version import __version__
 from .errors import (  # noqa: E402
     EmptyPromptError,
     InvalidCompressionError,
@@ -22,22 +22,24 @@ from .errors import (  # noqa: E402
     StructuredOutputError,
 )
 
+_moved.install()  # the old module paths (snapkv_rag.generation, ...) as deprecated aliases
+
 _LAZY = {
-    "Engine": "engine",
-    "GenerationStream": "engine",
-    "AsyncGenerationStream": "engine",
-    "ModelInfo": "engine",
-    "GenerationResult": "results",
-    "GenerationStats": "results",
-    "Usage": "results",
-    "ToolCall": "tools",
-    "ToolCallDelta": "tools",
+    "Engine": "engine.engine",
+    "GenerationStream": "engine.streams",
+    "AsyncGenerationStream": "engine.streams",
+    "ModelInfo": "engine.engine",
+    "GenerationResult": "engine.results",
+    "GenerationStats": "engine.results",
+    "Usage": "engine.results",
+    "ToolCall": "tools.calls",
+    "ToolCallDelta": "tools.calls",
 }
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .engine import AsyncGenerationStream, Engine, GenerationStream, ModelInfo
-    from .results import GenerationResult, GenerationStats, Usage
-    from .tools import ToolCall, ToolCallDelta
+    from .engine.engine import AsyncGenerationStream, Engine, GenerationStream, ModelInfo
+    from .engine.results import GenerationResult, GenerationStats, Usage
+    from .tools.calls import ToolCall, ToolCallDelta
 
 
 def __getattr__(name: str) -> Any:

@@ -33,7 +33,7 @@ def _add_generation_args(p: argparse.ArgumentParser) -> None:
 def _gen_kwargs(args) -> dict[str, Any]:
     """Generation keyword arguments, validated before any model is loaded."""
     from .compression import as_policy
-    from .sampling import GenerationParams
+    from .engine.sampling import GenerationParams
 
     sampling = dict(
         max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed, stop=args.stop, ignore_eos=args.ignore_eos
@@ -96,7 +96,7 @@ def cmd_chat(args) -> int:
 
 
 def cmd_info(args) -> int:
-    from .loading import cpu_bf16_support
+    from .model.loading import cpu_bf16_support
 
     info = load_engine(args).info()
     details = {**info.to_dict(), "cpu_native_bf16": cpu_bf16_support() or "no"}

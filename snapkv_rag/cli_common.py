@@ -20,7 +20,7 @@ def load_engine(args: argparse.Namespace, **options):
     """The engine named by ``--model/--device/--dtype/--weights``, quietly (no progress bars or warnings)."""
     from transformers.utils import logging as hf_logging
 
-    from .engine import Engine
+    from .engine.engine import Engine
 
     hf_logging.disable_progress_bar()
     hf_logging.set_verbosity_error()

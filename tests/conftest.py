@@ -119,7 +119,7 @@ def load_smollm_tokenizer():
     from transformers import AutoTokenizer
 
     from snapkv_rag.errors import ModelNotFoundError
-    from snapkv_rag.loading import converted_gguf_dir, embedded_gguf_path
+    from snapkv_rag.model.loading import converted_gguf_dir, embedded_gguf_path
 
     try:
         path = converted_gguf_dir(embedded_gguf_path())

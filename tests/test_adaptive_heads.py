@@ -11,10 +11,10 @@ from snapkv_rag.compression import LESS, SnapKV, parse_compression, recording_ke
 from snapkv_rag.compression.base import keep_adaptive
 from snapkv_rag.compression.ragged import RaggedHeadsLayer
 from snapkv_rag.compression.runtime import decode_attention
+from snapkv_rag.engine.generation import DecodeRun
+from snapkv_rag.engine.sampling import GenerationParams
+from snapkv_rag.engine.scheduler import SharedGroup
 from snapkv_rag.errors import InvalidCompressionError
-from snapkv_rag.generation import DecodeRun
-from snapkv_rag.sampling import GenerationParams
-from snapkv_rag.scheduler import SharedGroup
 
 ADAPTIVE = SnapKV(window_size=8, max_capacity_prompt=24, kernel_size=3, head_budgets="adaptive")
 UNIFORM = SnapKV(window_size=8, max_capacity_prompt=24, kernel_size=3)
@@ -195,7 +195,7 @@ def test_layers_that_keep_everything_stay_dense_and_exact(tokenizer):
 
 def test_reported_bytes_include_the_rows_after_the_last_head():
     layer = RaggedHeadsLayer([torch.zeros(n, 8) for n in (3, 5)], [torch.zeros(n, 8) for n in (3, 5)])
-    from snapkv_rag.generation import cache_bytes
+    from snapkv_rag.engine.generation import cache_bytes
 
     class Cache:
         layers = [layer]

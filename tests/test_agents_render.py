@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from snapkv_rag.agents import AgentMemory, context_budget, fit_history, split_turns
+from snapkv_rag.engine.prompts import render_prompt
 from snapkv_rag.errors import AgentMemoryError, EmptyPromptError, HistoryTooLongError, PromptTooLongError
-from snapkv_rag.prompts import render_prompt
 
 
 def call(call_id: str, name: str = "read_log") -> dict:
@@ -72,7 +72,7 @@ def test_prefix_stable_with_the_embedded_tokenizer_template(tmp_path):
     """The same property with SmolLM2's real tokenizer and ChatML template (no model weights)."""
     from transformers import AutoTokenizer
 
-    from snapkv_rag.loading import converted_gguf_dir, embedded_gguf_path
+    from snapkv_rag.model.loading import converted_gguf_dir, embedded_gguf_path
 
     try:
         tok = AutoTokenizer.from_pretrained(converted_gguf_dir(embedded_gguf_path()))

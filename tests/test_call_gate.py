@@ -10,9 +10,9 @@ import pytest
 import torch
 from conftest import terse_bias, tiny_tool_engine
 
-from snapkv_rag.call_gate import BACKGROUND_REQUESTS, CallGate, CallScores, decide
-from snapkv_rag.prompts import render_prompt
+from snapkv_rag.engine.prompts import render_prompt
 from snapkv_rag.tools import build_output_spec
+from snapkv_rag.tools.call_gate import BACKGROUND_REQUESTS, CallGate, CallScores, decide
 
 
 def tool(name: str, description: str) -> dict:

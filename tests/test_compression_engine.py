@@ -10,8 +10,8 @@ from conftest import FAMILIES, gemma3_engine, tiny_engine, tiny_model
 
 from snapkv_rag.compression import H2O, RandomKeep, SnapKV, StreamingLLM
 from snapkv_rag.compression.runtime import register_attention_functions
-from snapkv_rag.generation import DecodeRun
-from snapkv_rag.sampling import GenerationParams
+from snapkv_rag.engine.generation import DecodeRun
+from snapkv_rag.engine.sampling import GenerationParams
 
 LONG = "The quick brown fox jumps over the lazy dog. " * 6 + "Numbers like 1234 appear. What is the number?"
 POLICIES = [

@@ -10,9 +10,9 @@ from conftest import FAMILIES, gemma3_engine, tiny_engine
 
 from snapkv_rag.compression import H2O, RandomKeep, SnapKV, StreamingLLM, parse_compression
 from snapkv_rag.compression.decoding import layer_entries
+from snapkv_rag.engine.generation import DecodeRun
+from snapkv_rag.engine.sampling import GenerationParams
 from snapkv_rag.errors import InvalidCompressionError
-from snapkv_rag.generation import DecodeRun
-from snapkv_rag.sampling import GenerationParams
 
 LONG = "The quick brown fox jumps over the lazy dog. " * 6 + "Numbers like 1234 appear. What is the number?"
 DECODING = [

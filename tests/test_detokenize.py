@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from snapkv_rag.detokenize import SequenceText
+from snapkv_rag.engine.detokenize import SequenceText
 
 
 def feed(tokenizer, text, stop=(), eos=frozenset()):

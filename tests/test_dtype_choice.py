@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from snapkv_rag import loading
-from snapkv_rag.loading import choose_device, cpu_bf16_support
+from snapkv_rag.model import loading
+from snapkv_rag.model.loading import choose_device, cpu_bf16_support
 
 X86 = "processor\t: 0\nflags\t\t: fpu sse2 avx2 avx512f avx512_bf16 avx512_vnni\n"
 AMX = "flags\t\t: avx512f amx_bf16 amx_tile\n"

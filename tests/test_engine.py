@@ -16,7 +16,7 @@ from snapkv_rag import (
     ModelNotFoundError,
     PromptTooLongError,
 )
-from snapkv_rag.prompts import render_prompt
+from snapkv_rag.engine.prompts import render_prompt
 
 PROMPTS = ["The quick brown fox", "Hello world, hello engine! Numbers like 1234", "Paris"]
 

@@ -6,7 +6,8 @@ import threading
 
 import pytest
 
-from snapkv_rag import Engine, engine_cache
+from snapkv_rag import Engine
+from snapkv_rag.engine import shared as engine_cache
 
 
 @pytest.fixture

@@ -22,8 +22,8 @@ from snapkv_rag import (
     SnapKVRagError,
 )
 from snapkv_rag.compression import SnapKV
-from snapkv_rag.detokenize import SequenceText
-from snapkv_rag.sampling import GenerationParams, select_next_tokens
+from snapkv_rag.engine.detokenize import SequenceText
+from snapkv_rag.engine.sampling import GenerationParams, select_next_tokens
 
 LONG = "The quick brown fox jumps over the lazy dog. " * 6 + "Numbers like 1234 appear. What is the number?"
 SNAP = "snapkv:budget=24,window=8,kernel=3"

@@ -8,8 +8,8 @@ from conftest import tiny_engine
 
 from snapkv_rag.compression import recording_kept_indices
 from snapkv_rag.compression.base import keep_adaptive, keep_recent_and_top
+from snapkv_rag.engine.prompts import text_token_spans
 from snapkv_rag.errors import InvalidGenerationParameterError
-from snapkv_rag.prompts import text_token_spans
 
 FILLER = "The quick brown fox jumps over the lazy dog. "
 TEXT = "Ledger"  # in the middle of the prompt, where neither sinks nor recent windows reach

@@ -71,7 +71,7 @@ def test_other_threads_do_not_record_into_this_block(engine):
 
 
 def test_kept_per_stuffed_document(engine):
-    from snapkv_rag.prompts import render_prompt
+    from snapkv_rag.engine.prompts import render_prompt
     from snapkv_rag.rag.kept import document_spans, kept_per_document
     from snapkv_rag.rag.store import StoredChunk
     from snapkv_rag.rag.stuffing import StuffedContext, build_messages, format_document

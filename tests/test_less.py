@@ -9,12 +9,12 @@ import torch
 from conftest import tiny_engine
 
 from snapkv_rag.compression import H2O, LESS, SnapKV, parse_compression
+from snapkv_rag.compression.less.kernels import LessKernels, find_shipped, load_kernels, model_signature
+from snapkv_rag.compression.less.state import LowRankState, evicted_mask
+from snapkv_rag.engine.generation import DecodeRun
+from snapkv_rag.engine.sampling import GenerationParams
 from snapkv_rag.errors import InvalidCompressionError
-from snapkv_rag.generation import DecodeRun
-from snapkv_rag.less.kernels import LessKernels, find_shipped, load_kernels, model_signature
-from snapkv_rag.less.state import LowRankState, evicted_mask
-from snapkv_rag.prefix_cache import PrefixCache
-from snapkv_rag.sampling import GenerationParams
+from snapkv_rag.reuse.prefix_cache import PrefixCache
 
 PROMPT = "The quick brown fox jumps over the lazy dog. The capital of France is Paris. " * 6
 BASE = SnapKV(window_size=4, max_capacity_prompt=16, kernel_size=3)
@@ -429,7 +429,7 @@ def test_probe_switches_off_a_state_that_hurts_end_to_end(less_engine, monkeypat
     the check LESS gives the base policy's logits exactly, without it they differ. (Random
     kernels are no test here: on a random tiny model attention is nearly flat, and their
     mean-of-evicted-values state helps.)"""
-    from snapkv_rag.less.kernels import LayerKernels
+    from snapkv_rag.compression.less.kernels import LayerKernels
 
     real_estimate = LayerKernels.estimate
 

@@ -8,6 +8,7 @@ import pytest
 from conftest import tiny_engine
 
 from snapkv_rag.compression import LESS, SnapKV
+from snapkv_rag.compression.less.kernels import LessKernels, load_kernels, model_signature
 from snapkv_rag.errors import InvalidCompressionError, LessTrainingError
 from snapkv_rag.less.calibrate import (
     REPORT,
@@ -20,7 +21,6 @@ from snapkv_rag.less.calibrate import (
     describe_calibration,
     policy_for_collection,
 )
-from snapkv_rag.less.kernels import LessKernels, load_kernels, model_signature
 from snapkv_rag.rag import DocumentQA, DocumentStore
 from snapkv_rag.rag.embeddings import Embedder
 

@@ -10,10 +10,10 @@ from conftest import tiny_engine
 
 from snapkv_rag.cli import build_parser
 from snapkv_rag.compression import LESS, SnapKV
+from snapkv_rag.compression.less.kernels import LessKernels, model_signature
+from snapkv_rag.compression.less.state import LowRankState
 from snapkv_rag.less.distill import _kl, less_log_probs, record_window
 from snapkv_rag.less.gap import EXACT, LEARNED, MEAN, VARIANTS, OracleState, gap_analysis, variant_kl, write_gap_report
-from snapkv_rag.less.kernels import LessKernels, model_signature
-from snapkv_rag.less.state import LowRankState
 
 
 @pytest.fixture(scope="module")

@@ -10,11 +10,11 @@ from conftest import tiny_engine
 
 from snapkv_rag.cli import build_parser
 from snapkv_rag.compression import LESS, SnapKV
+from snapkv_rag.compression.less.kernels import LessKernels, load_kernels, model_signature
 from snapkv_rag.evaluation.heldout import expand_methods, run_heldout_fidelity, state_tokens
 from snapkv_rag.evaluation.report import gap_closed, summarize_fidelity, write_report
 from snapkv_rag.evaluation.runner import Method, method_grid
 from snapkv_rag.less.corpus import corpus_text, split_of
-from snapkv_rag.less.kernels import LessKernels, load_kernels, model_signature
 from snapkv_rag.less.train import TrainConfig, train
 
 BASE_SPEC = "snapkv:window=4,kernel=3"
@@ -204,11 +204,11 @@ def test_training_objective_is_the_inference_computation(engine):
     Layer 0's inputs do not depend on compression, so its LESS output during a compressed
     teacher-forced run must equal the training formula applied to the full-model capture.
     """
+    from snapkv_rag.compression.less.state import LowRankState
     from snapkv_rag.compression.runtime import capturing
-    from snapkv_rag.generation import DecodeRun
+    from snapkv_rag.engine.generation import DecodeRun
+    from snapkv_rag.engine.sampling import GenerationParams
     from snapkv_rag.less import train as T
-    from snapkv_rag.less.state import LowRankState
-    from snapkv_rag.sampling import GenerationParams
 
     tokens = engine.tokenizer("The quick brown fox jumps over the lazy dog. The capital of France is Paris. " * 4)["input_ids"]
     prompt, cont = tokens[:40], tokens[40:52]
@@ -242,9 +242,9 @@ def test_training_objective_is_the_inference_computation(engine):
 
 def test_distillation_trains_on_the_inference_computation(engine, tmp_path):
     """Stage 2 rebuilds a compressed run from recorded data; its log-probs must be the engine's own."""
-    from snapkv_rag.generation import DecodeRun
+    from snapkv_rag.engine.generation import DecodeRun
+    from snapkv_rag.engine.sampling import GenerationParams
     from snapkv_rag.less.distill import collect, less_log_probs
-    from snapkv_rag.sampling import GenerationParams
 
     train_paths, val_paths = collect(engine, BASE_SPEC, [16], 48, 8, 3, 1, tmp_path, progress=False)
     assert len(train_paths) == 3 and len(val_paths) == 1

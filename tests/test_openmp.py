@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 
-from snapkv_rag.openmp import _pause_function, release_thread_pool
+from snapkv_rag.model.openmp import _pause_function, release_thread_pool
 
 pytestmark = [
     pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads through /proc"),

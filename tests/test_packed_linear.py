@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from snapkv_rag.packed_linear import (
+from snapkv_rag.model.packed_linear import (
     FusedLinears,
     FusedMember,
     PackedLinear,
@@ -16,7 +16,7 @@ from snapkv_rag.packed_linear import (
     unpacked_linears,
     weight_layout,
 )
-from snapkv_rag.quantization import parameter_count
+from snapkv_rag.model.quantization import parameter_count
 
 DTYPES = [d for d in (torch.float32, torch.bfloat16) if packing_available(d)]
 pytestmark = pytest.mark.skipif(not DTYPES, reason="this torch/CPU cannot pack linear weights for oneDNN")
@@ -67,7 +67,7 @@ def test_a_packed_model_decodes_the_same_tokens(family):
     from conftest import build_tokenizer, tiny_model
 
     from snapkv_rag import Engine
-    from snapkv_rag.segment_store import model_signature
+    from snapkv_rag.reuse.segment_store import model_signature
 
     dtype = torch.bfloat16 if torch.bfloat16 in DTYPES else torch.float32
     tokenizer = build_tokenizer()
@@ -133,7 +133,7 @@ def test_a_tied_head_is_packed_apart_but_counted_once():
     from conftest import build_tokenizer, tiny_config
     from transformers import AutoModelForCausalLM
 
-    from snapkv_rag.packed_linear import packed_weight_bytes
+    from snapkv_rag.model.packed_linear import packed_weight_bytes
 
     tokenizer = build_tokenizer()
     config = tiny_config("llama", len(tokenizer))

@@ -12,9 +12,9 @@ import torch
 from conftest import tiny_engine
 
 from snapkv_rag.compression import H2O, RandomKeep, SnapKV, StreamingLLM
-from snapkv_rag.generation import DecodeRun
-from snapkv_rag.prefix_cache import PrefixCache, reusable_tokens
-from snapkv_rag.sampling import GenerationParams
+from snapkv_rag.engine.generation import DecodeRun
+from snapkv_rag.engine.sampling import GenerationParams
+from snapkv_rag.reuse.prefix_cache import PrefixCache, reusable_tokens
 
 DOC = "The quick brown fox jumps over the lazy dog. Numbers like 1234 appear. " * 4
 POLICIES = {
@@ -32,7 +32,7 @@ ATOL = 1e-4
 def any_prefix_share(monkeypatch):
     """These tests check that reuse is exact for a prefix of any length; the share below
     which reuse is skipped as a slowdown (MIN_REUSE_SHARE) has its own test."""
-    monkeypatch.setattr("snapkv_rag.prefix_cache.MIN_REUSE_SHARE", 0.0)
+    monkeypatch.setattr("snapkv_rag.reuse.prefix_cache.MIN_REUSE_SHARE", 0.0)
 
 
 @pytest.fixture(scope="module")
@@ -264,7 +264,7 @@ def test_chat_turns_reuse_the_previous_prompt(eng):
 def test_a_prefix_under_the_minimum_share_is_not_reused(eng, monkeypatch):
     """Reusing a small share is slower than a plain prefill (the rest runs through a masked
     path), so a stored prefix shorter than MIN_REUSE_SHARE of the prompt is left unused."""
-    monkeypatch.setattr("snapkv_rag.prefix_cache.MIN_REUSE_SHARE", 0.5)
+    monkeypatch.setattr("snapkv_rag.reuse.prefix_cache.MIN_REUSE_SHARE", 0.5)
     cache = PrefixCache(1 << 30)
     base = ids(eng, DOC)
     other = ids(eng, "Hello world, hello engine! " * 8)

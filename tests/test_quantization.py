@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from snapkv_rag.errors import InvalidDeviceError
-from snapkv_rag.quantization import (
+from snapkv_rag.model.quantization import (
     INT8_KERNEL_MAX_ROWS,
     Int8Linear,
     choose_weights,
@@ -75,7 +75,7 @@ def test_a_quantized_model_decodes_like_the_float_one(family):
     from conftest import build_tokenizer, tiny_model
 
     from snapkv_rag import Engine
-    from snapkv_rag.segment_store import model_signature
+    from snapkv_rag.reuse.segment_store import model_signature
 
     tokenizer = build_tokenizer()
     native = tiny_model(family, len(tokenizer), seed=2)

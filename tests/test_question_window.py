@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from snapkv_rag.compression import SnapKV, parse_compression
+from snapkv_rag.engine.prompts import default_question, last_paragraph, question_tail_tokens, render_prompt
 from snapkv_rag.errors import InvalidCompressionError
-from snapkv_rag.prompts import default_question, last_paragraph, question_tail_tokens, render_prompt
 
 FILLER = "The quick brown fox jumps over the lazy dog. " * 20
 

@@ -60,7 +60,7 @@ def _port_open(port: int) -> bool:
 
 @pytest.fixture()
 def example_dir(tmp_path, embedded_engine):  # embedded_engine: the model is converted once, in the real cache
-    from snapkv_rag.loading import cache_root
+    from snapkv_rag.model.loading import cache_root
 
     (tmp_path / "examples").symlink_to(ROOT / "examples")
     cache = tmp_path / "cache"

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from conftest import tiny_engine
 
-from snapkv_rag.loading import DEFAULT_MODEL, RECOMMENDED_CONTEXT_TOKENS
+from snapkv_rag.model.loading import DEFAULT_MODEL, RECOMMENDED_CONTEXT_TOKENS
 from snapkv_rag.rag.stuffing import StuffingRetriever
 
 

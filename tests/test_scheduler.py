@@ -1,4 +1,4 @@
-"""Continuous batching (snapkv_rag.scheduler): requests join the running decode batch and leave
+"""Continuous batching (snapkv_rag.engine.scheduler): requests join the running decode batch and leave
 it when done; every answer equals the same request run alone (greedy, fp32 tiny models)."""
 
 from __future__ import annotations
@@ -255,8 +255,8 @@ def test_a_prompt_arriving_mid_stream_is_prefilled_in_chunks_between_decode_step
 def test_chunked_prefill_keeps_what_a_whole_prefill_keeps(batch_engine):
     """DecodeRun.prefill_steps: chunks then a compressed last chunk select the same entries and logits."""
     from snapkv_rag.compression import as_policy
-    from snapkv_rag.generation import DecodeRun
-    from snapkv_rag.sampling import GenerationParams
+    from snapkv_rag.engine.generation import DecodeRun
+    from snapkv_rag.engine.sampling import GenerationParams
 
     row = batch_engine.tokenizer(PROMPTS[1] * 4)["input_ids"]
     for spec in (SNAP, "snapkv:budget=24,window=20,kernel=3", None):
@@ -356,7 +356,7 @@ def test_the_worker_is_stopped_before_the_interpreter_exits(tmp_path):
         "import sys\n"
         f"sys.path.insert(0, {str(Path(__file__).parent)!r})\n"
         "from conftest import tiny_engine\n"
-        "from snapkv_rag import scheduler\n"
+        "from snapkv_rag.engine import scheduler\n"
         "engine = tiny_engine()\n"
         "engine.generate('hello world', max_new_tokens=4)\n"
         "stream = engine.stream('hello world', max_new_tokens=400, ignore_eos=True)\n"

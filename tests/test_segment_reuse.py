@@ -15,17 +15,17 @@ import pytest
 import torch
 from conftest import FAMILIES, build_tokenizer, gemma3_engine, tiny_engine
 
-from snapkv_rag.blending import (
+from snapkv_rag.compression import H2O, SnapKV, StreamingLLM
+from snapkv_rag.engine.generation import DecodeRun
+from snapkv_rag.errors import InvalidGenerationParameterError
+from snapkv_rag.reuse.blending import (
     RopeShift,
     SegmentReuseUnsupported,
     compute_segment,
     layer_kv,
     segment_token_spans,
 )
-from snapkv_rag.compression import H2O, SnapKV, StreamingLLM
-from snapkv_rag.errors import InvalidGenerationParameterError
-from snapkv_rag.generation import DecodeRun
-from snapkv_rag.segment_store import SegmentKV, SegmentKVStore
+from snapkv_rag.reuse.segment_store import SegmentKV, SegmentKVStore
 
 DOCS = [
     "The quick brown fox jumps over the lazy dog. The capital of France is Paris. " * 2,

@@ -9,8 +9,8 @@ from test_compression_engine import LONG, prefill, prompt_ids
 
 from snapkv_rag.compression import SnapKV, parse_compression
 from snapkv_rag.compression.snapkv import pyramid_budget, span_scores
+from snapkv_rag.engine.results import kept_tokens_text
 from snapkv_rag.errors import InvalidCompressionError
-from snapkv_rag.results import kept_tokens_text
 
 
 def random_qk(b=1, q_heads=4, kv_heads=2, window=8, n=96, d=16, seed=0):

@@ -6,8 +6,8 @@ import pytest
 import torch
 from conftest import tiny_engine
 
+from snapkv_rag.compression.span_attention import sentence_attention, sentence_shares
 from snapkv_rag.errors import InvalidGenerationParameterError
-from snapkv_rag.span_attention import sentence_attention, sentence_shares
 
 DOCS = ["The quick brown fox jumps over the lazy dog.", "Numbers like 1234 and 5678 appear in passkeys."]
 PROMPT = "Documents:\n" + "\n".join(DOCS) + "\nLong documents need compressed caches. What is the number?"
@@ -53,7 +53,7 @@ def test_recorded_shares_equal_the_eager_attention_weights(tokenizer):
     result = engine.generate(PROMPT, max_new_tokens=6, ignore_eos=True, attend_to=DOCS, chat=False)
     assert result.stats.span_attention == "recorded (2 spans)"
     ids = engine.tokenizer(PROMPT)["input_ids"]
-    from snapkv_rag.prompts import text_token_spans
+    from snapkv_rag.engine.prompts import text_token_spans
 
     spans = text_token_spans(engine.tokenizer, PROMPT, DOCS, len(ids), chat=False)
     assert all(b > a for a, b in spans)

@@ -15,8 +15,8 @@ import pytest
 from conftest import terse_bias, tiny_tool_engine
 
 from snapkv_rag import StructuredOutputError, ToolCall, ToolCallDelta
-from snapkv_rag.constraints import JsonDepth, closing_reserve
 from snapkv_rag.errors import InvalidGenerationParameterError, SnapKVRagError
+from snapkv_rag.tools.constraints import JsonDepth, closing_reserve
 
 
 @pytest.fixture(scope="module")

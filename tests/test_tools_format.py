@@ -8,10 +8,10 @@ import random
 import pytest
 import torch
 
-from snapkv_rag.constraints import BatchConstraint, GrammarTokenizer, closed_objects, grammar_for, unpack_bitmask
+from snapkv_rag.engine.prompts import fallback_messages, render_prompt, template_supports_tools
 from snapkv_rag.errors import InvalidPromptError, StructuredOutputError
-from snapkv_rag.prompts import fallback_messages, render_prompt, template_supports_tools
 from snapkv_rag.tools import ToolCall, ToolCallDelta, ToolCallStream, build_output_spec, format_call, parse_tool_calls, split_calls
+from snapkv_rag.tools.constraints import BatchConstraint, GrammarTokenizer, closed_objects, grammar_for, unpack_bitmask
 
 INT_TOOL = {
     "type": "function",

@@ -13,7 +13,7 @@ import streamlit as st
 
 from snapkv_rag import Engine
 from snapkv_rag.compression import LESS, as_policy
-from snapkv_rag.loading import cache_root
+from snapkv_rag.model.loading import cache_root
 from snapkv_rag.rag import Embedder
 from snapkv_rag.rag.loaders import SUPPORTED_SUFFIXES
 from snapkv_rag.rag.store import default_store_dir, make_client

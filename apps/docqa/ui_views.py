@@ -12,7 +12,7 @@ import pandas as pd
 import streamlit as st
 from ui_config import COLORS, Settings
 
-from snapkv_rag.metrics import citation_prf
+from snapkv_rag.evaluation.metrics import citation_prf
 from snapkv_rag.rag import Answer
 from snapkv_rag.rag.kept import DocumentKept
 

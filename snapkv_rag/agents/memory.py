@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import AgentMemoryError, InvalidPromptError
-from ..offered import offer_segments
+from ..reuse.offered import offer_segments
 from .messages import validate_message
 from .window import SUMMARY_PREFIX, CostCache, CountTokens, RenderedHistory, Summarizer, check_settings, fit_history
 

@@ -3,7 +3,7 @@
 from .base import CompressionPolicy, keep_recent_and_top
 from .full import FullCache
 from .h2o import H2O
-from .less import LESS
+from .less.policy import LESS
 from .parsing import POLICIES, as_policy, parse_compression
 from .random_keep import RandomKeep
 from .runtime import KeptIndices, recording_kept_indices

@@ -65,7 +65,7 @@ def _items(rest: str) -> list[tuple[str, str]]:
 
 def _parse_less(rest: str) -> CompressionPolicy:
     """``less:base=snapkv,budget=256[,kernels=PATH][,probe=N][,<base settings>]``: LESS over a base policy."""
-    from .less import LESS
+    from .less.policy import LESS
 
     base, kernels, probe, others = "snapkv", None, 0, []
     for key, value in _items(rest):

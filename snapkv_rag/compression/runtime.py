@@ -19,9 +19,9 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..errors import InvalidCompressionError
-from ..span_attention import active_observer
 from .base import CompressionPolicy
 from .ragged import RaggedHeadsLayer, active_ragged_layer
+from .span_attention import active_observer
 
 if TYPE_CHECKING:
     from .decoding import PolicyState

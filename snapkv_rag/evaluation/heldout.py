@@ -7,7 +7,7 @@ continuation and the perplexity of the continuation. For a LESS method at budget
 runner also runs its base policy at ``B`` and "baseline+": the base policy at ``B + extra``,
 ``extra`` = the LESS state's memory in cached tokens (rounded up), so LESS and baseline+
 hold the same memory. Decode ms/token of base and LESS come from a short greedy decode of
-the same prompt, interleaved (the first prompt of each length only). Everything runs through :class:`~snapkv_rag.generation.DecodeRun`,
+the same prompt, interleaved (the first prompt of each length only). Everything runs through :class:`~snapkv_rag.engine.generation.DecodeRun`,
 the engine's one decode loop.
 """
 
@@ -22,9 +22,9 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from ..compression import LESS
-from ..generation import DecodeRun
-from ..metrics import next_token_kl
-from ..sampling import GenerationParams
+from ..engine.generation import DecodeRun
+from ..engine.sampling import GenerationParams
+from .metrics import next_token_kl
 from .runner import FULL, Method, Record, common_fields
 
 

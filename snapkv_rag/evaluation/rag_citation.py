@@ -21,10 +21,10 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import EvalInputError
-from ..metrics import citation_prf
 from ..rag.attribution import DEFAULT_THRESHOLDS, EvidenceAttributor, sweep
 from ..rag.qa import ROUTES, DocumentQA
 from ..rag.store import DocumentStore
+from .metrics import citation_prf
 from .runner import FULL, Method, Record, _progress, _with_threads, common_fields, resolved_window
 
 NOISE = Method("full (noise floor)", None, None)

@@ -9,7 +9,7 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from ..metrics import citation_prf, micro_prf, relative_difference
+from .metrics import citation_prf, micro_prf, relative_difference
 from .runner import Record, median
 
 

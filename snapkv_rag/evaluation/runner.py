@@ -19,9 +19,9 @@ from tqdm.auto import tqdm
 from .. import __version__
 from ..compression import CompressionPolicy, parse_compression
 from ..errors import InvalidCompressionError
-from ..metrics import greedy_agreement, needle_exact_match, next_token_kl
-from ..packed_linear import packed_weight_bytes
+from ..model.packed_linear import packed_weight_bytes
 from .citation import build_questions
+from .metrics import greedy_agreement, needle_exact_match, next_token_kl
 from .needle import build_needle_case
 
 Record = dict[str, Any]

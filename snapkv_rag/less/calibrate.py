@@ -30,10 +30,10 @@ from pathlib import Path
 from typing import Any
 
 from ..compression import LESS, CompressionPolicy
+from ..compression.less.kernels import LessKernels, load_kernels, model_signature
 from ..errors import InvalidCompressionError, LessTrainingError
 from .corpus import overlapping_windows
 from .distill import DistillConfig, collect_windows, distill
-from .kernels import LessKernels, load_kernels, model_signature
 
 REPORT = "calibration.json"
 

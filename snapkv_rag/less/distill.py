@@ -32,14 +32,14 @@ import torch
 from tqdm.auto import tqdm
 
 from ..compression import LESS, CompressionPolicy, parse_compression
+from ..compression.less.kernels import LayerKernels, LessKernels
 from ..compression.runtime import PrefillCompression, capturing, select_for_prompt
 from ..errors import LessTrainingError
-from ..packed_linear import unpacked_linears
+from ..model.packed_linear import unpacked_linears
 from .corpus import corpus_tokens, overlapping_windows, validation_tail
-from .kernels import LayerKernels, LessKernels
 
 if TYPE_CHECKING:
-    from .state import LowRankState
+    from ..compression.less.state import LowRankState
 
 
 @dataclass
@@ -188,9 +188,9 @@ def less_log_probs(engine, policy: LESS, kernels: LessKernels, sample: dict[str,
     runs the continuation through the engine's decode path (:class:`DecodeRun`). ``state``:
     an empty state to fold into instead of ``LowRankState(kernels)`` (the gap analysis's).
     """
-    from ..generation import DecodeRun
-    from ..sampling import GenerationParams
-    from .state import LessPolicyState, LowRankState
+    from ..compression.less.state import LessPolicyState, LowRankState
+    from ..engine.generation import DecodeRun
+    from ..engine.sampling import GenerationParams
 
     tokens = sample["tokens"].tolist()
     n = sample["keys"].shape[2]

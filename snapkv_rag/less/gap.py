@@ -28,9 +28,9 @@ import torch
 from tqdm.auto import tqdm
 
 from ..compression import LESS
+from ..compression.less.kernels import LessKernels
+from ..compression.less.state import LowRankState
 from .distill import _kl, less_log_probs, record_window
-from .kernels import LessKernels
-from .state import LowRankState
 
 LEARNED, EXACT, MEAN, NONE = "learned", "exact", "mean", "none"
 VARIANTS: dict[str, tuple[str, str]] = {  # name: (mass, value) in every layer

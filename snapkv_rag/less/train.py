@@ -36,12 +36,12 @@ import torch
 from tqdm.auto import tqdm
 
 from ..compression import CompressionPolicy, parse_compression
+from ..compression.less.kernels import FEATURE_KINDS, FORMAT, LayerKernels, LessKernels, load_kernels, model_signature
+from ..compression.less.state import merge
 from ..compression.runtime import select_for_prompt
 from ..errors import LessTrainingError
 from .corpus import TEXTS, corpus_tokens, manifest, overlapping_windows, validation_tail
 from .distill import DistillConfig, collect_lengths, collection_seconds, distill
-from .kernels import FEATURE_KINDS, FORMAT, LayerKernels, LessKernels, load_kernels, model_signature
-from .state import merge
 
 
 @dataclass

@@ -307,7 +307,7 @@ class EvidenceAttributor:
 
     def attribute(self, question: str, answer: str, chunk_texts: Sequence[str], attention: Sequence[Sequence[float]] | None = None) -> list[SentenceSupport]:
         """Each answer sentence's support. ``attention`` (the attention route): per sentence, the
-        run's attention share of each chunk (:func:`snapkv_rag.span_attention.sentence_attention`),
+        run's attention share of each chunk (:func:`snapkv_rag.compression.span_attention.sentence_attention`),
         added to the evidence scores as ``attention_weight * share / best share``."""
         sentences = answer_sentences(answer)
         if not sentences or not chunk_texts:

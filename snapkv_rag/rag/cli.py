@@ -7,8 +7,8 @@ import json
 import sys
 from typing import Any
 
+from ..engine.results import kept_tokens_text
 from ..errors import SnapKVRagError
-from ..results import kept_tokens_text
 
 
 def add_store_args(p: argparse.ArgumentParser) -> None:
@@ -137,7 +137,7 @@ def _precompute_kv(args, store) -> dict[str, Any]:
 
 def _qa_kwargs(args) -> tuple[dict[str, Any], dict[str, Any]]:
     from ..compression import as_policy
-    from ..sampling import GenerationParams
+    from ..engine.sampling import GenerationParams
 
     sampling = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed, stop=args.stop)
     GenerationParams.build(**sampling)

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..compression.runtime import KeptIndices
-from ..prompts import render_prompt
+from ..engine.prompts import render_prompt
 from .stuffing import StuffedContext, format_document
 
 

@@ -14,8 +14,8 @@ from __future__ import annotations
 from functools import partial
 from pathlib import Path
 
-from ..offered import KV_REUSE_MODES, check_kv_reuse, resolve_kv_reuse, reuse_kwargs, segment_store_at  # noqa: F401 (re-exported)
-from ..segment_store import SegmentKVStore
+from ..reuse.offered import KV_REUSE_MODES, check_kv_reuse, resolve_kv_reuse, reuse_kwargs, segment_store_at  # noqa: F401 (re-exported)
+from ..reuse.segment_store import SegmentKVStore
 from .store import DocumentStore, StoredChunk
 from .stuffing import build_messages, chunk_segment
 
@@ -24,7 +24,7 @@ SEGMENT_DIR = "kv-segments"
 
 def default_kv_dir(store: DocumentStore) -> Path:
     """``<embedded store>/kv-segments``; for a Chroma server, the cache directory (per server and collection)."""
-    from ..loading import cache_root
+    from ..model.loading import cache_root
 
     location = str(store.location)
     if "://" in location or not Path(location).is_dir():
@@ -43,8 +43,8 @@ def precompute_chunk_kv(engine, chunks: list[StoredChunk], kv_store: SegmentKVSt
     Each chunk's tokens are taken as they appear in a real prompt (rendered with the same
     template and numbering), so the entries are the ones a question will look up.
     """
-    from ..blending import segment_anchor, stored_or_computed
-    from ..prompts import render_prompt, segment_spans
+    from ..engine.prompts import render_prompt, segment_spans
+    from ..reuse.blending import segment_anchor, stored_or_computed
 
     engine.rope_shift()  # refuse models that cannot reuse moved K/V before computing anything
     computed = stored = 0

@@ -4,7 +4,7 @@ Every call goes through the engine's one generation path (``generate``/``stream`
 async forms). Citations come by three routes, each labelled: ``generated`` (the model's own
 ``[n]`` markers), ``attributed`` (evidence matching, :mod:`.attribution`) and ``attention``
 (evidence matching plus the run's own attention over each stuffed chunk while it wrote each
-sentence, :mod:`snapkv_rag.span_attention`).
+sentence, :mod:`snapkv_rag.compression.span_attention`).
 """
 
 from __future__ import annotations
@@ -14,10 +14,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..compression import SnapKV, parse_compression
+from ..compression.span_attention import sentence_attention
+from ..engine.results import GenerationResult
+from ..evaluation.metrics import parse_citations
 from ..less.calibrate import policy_for_collection
-from ..metrics import parse_citations
-from ..results import GenerationResult
-from ..span_attention import sentence_attention
 from .attribution import EvidenceAttributor, SentenceSupport, answer_sentences
 from .kv_reuse import chunk_kv_store, precompute_chunk_kv, resolve_kv_reuse, reuse_kwargs
 from .store import DocumentStore, StoredChunk

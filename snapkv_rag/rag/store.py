@@ -50,7 +50,7 @@ def validate_collection_name(name: object) -> str:
 
 
 def default_store_dir() -> Path:
-    from ..loading import cache_root
+    from ..model.loading import cache_root
 
     return cache_root() / "chroma"
 

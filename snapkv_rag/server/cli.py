@@ -96,7 +96,7 @@ def add_serve_parser(sub) -> None:
 
 def served_model_name(model: str) -> str:
     """The id clients send: the embedded model's name, a directory's or file's base name, or the hub id."""
-    from ..loading import DEFAULT_MODEL, EMBEDDED_GGUF
+    from ..model.loading import DEFAULT_MODEL, EMBEDDED_GGUF
 
     if model == DEFAULT_MODEL:
         return EMBEDDED_GGUF.split(".")[0]
@@ -147,7 +147,7 @@ def load_served_engine(args: argparse.Namespace):
     if args.prefill_chunk_tokens is not None:
         engine.prefill_chunk_tokens = args.prefill_chunk_tokens
     if args.kv_dir is not None:
-        from ..offered import segment_store_at
+        from ..reuse.offered import segment_store_at
 
         engine.segment_store = segment_store_at(args.kv_dir, args.kv_cache_bytes)
     return engine

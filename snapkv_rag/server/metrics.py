@@ -60,7 +60,7 @@ class ServerMetrics:
 
 
 class SchedulerCollector:
-    """The continuous batcher's gauges (:mod:`snapkv_rag.scheduler`), from one snapshot per scrape."""
+    """The continuous batcher's gauges (:mod:`snapkv_rag.engine.scheduler`), from one snapshot per scrape."""
 
     GAUGES = (
         ("snapkv_batch_rows", "running_rows", "Rows decoding in the running batch now"),

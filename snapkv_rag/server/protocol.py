@@ -7,7 +7,7 @@ fields that only label a request (``user``, ``metadata``, ``store`` ...) are acc
 ignored. Extensions: ``compression``, a policy spec (``"snapkv:budget=512"``, ``"full"``)
 that overrides the server's default for this request; ``reuse_segments``, texts of the
 prompt (the documents a client stuffed) whose K/V the server stores once and reuses at any
-position later, with ``recompute`` (0-1) the share recomputed (see :mod:`snapkv_rag.blending`);
+position later, with ``recompute`` (0-1) the share recomputed (see :mod:`snapkv_rag.reuse.blending`);
 ``keep_texts``, texts of the prompt (document labels) that the compression never evicts;
 vLLM's ``ignore_eos`` and ``min_tokens``. Field types and ranges are declared as pydantic
 models (:class:`CompletionFields`, :class:`ChatFields`); the first violation is one 400 naming
@@ -33,7 +33,7 @@ from ..errors import (
     SnapKVRagError,
     StructuredOutputError,
 )
-from ..tools import ToolCallDelta
+from ..tools.calls import ToolCallDelta
 
 
 class APIError(Exception):

@@ -39,7 +39,7 @@ from pydantic import ConfigDict, Field, PrivateAttr, model_validator
 
 from snapkv_rag import Engine, GenerationResult, ToolCallDelta
 from snapkv_rag.compression import as_policy
-from snapkv_rag.offered import check_kv_reuse, resolve_kv_reuse, reuse_kwargs, segment_store_at
+from snapkv_rag.reuse.offered import check_kv_reuse, resolve_kv_reuse, reuse_kwargs, segment_store_at
 
 PROVIDER = "snapkv"
 # Per-call keyword arguments passed to the engine as they are.
@@ -260,7 +260,7 @@ class ChatSnapKV(BaseChatModel):
     """When True, ``invoke`` streams internally (callbacks see tokens as they come)."""
     kv_reuse: str | None = None
     """``"chunks"``: documents a ``SnapKVStuffingRetriever`` (or agent memory) offered are reused
-    as stored K/V wherever they sit in a prompt (blended prefill, see ``snapkv_rag.blending``);
+    as stored K/V wherever they sit in a prompt (blended prefill, see ``snapkv_rag.reuse.blending``);
     ``"prefix"``: only an identical prompt prefix is reused; ``"off"``: every prompt is prefilled
     whole; None: the engine's ``recommended_kv_reuse`` ("chunks"; "prefix" for the embedded model)."""
     kv_dir: str | None = None
@@ -319,7 +319,7 @@ class ChatSnapKV(BaseChatModel):
         if self.engine is not None:
             return self.engine
         if self._engine is None:
-            from snapkv_rag.engine_cache import shared_engine
+            from snapkv_rag.engine.shared import shared_engine
 
             self._engine = shared_engine(self.model, device=self.device, dtype=self.dtype, prefix_cache_bytes=self.prefix_cache_bytes)
         return self._engine
@@ -329,7 +329,7 @@ class ChatSnapKV(BaseChatModel):
         model = kwargs.pop("model", None)
         if model is None or model == self.model_name:
             return self.client
-        from snapkv_rag.engine_cache import shared_engine
+        from snapkv_rag.engine.shared import shared_engine
 
         return shared_engine(model, device=self.device, dtype=self.dtype, prefix_cache_bytes=self.prefix_cache_bytes)
 

@@ -186,7 +186,9 @@ def test_tool_result_round_trip_renders(tool_llm):
     (sel,) = tool_llm.get_tool_calls_from_response(call)
     follow = [*USER, call.message, ChatMessage(role="tool", content=magic(**sel.tool_kwargs), additional_kwargs={"tool_call_id": sel.tool_id})]
     prompt = to_engine_messages(follow)
-    rendered = tool_llm.engine.tokenizer.decode(__import__("snapkv_rag.prompts", fromlist=["render_prompt"]).render_prompt(tool_llm.engine.tokenizer, prompt))
+    rendered = tool_llm.engine.tokenizer.decode(
+        __import__("snapkv_rag.engine.prompts", fromlist=["render_prompt"]).render_prompt(tool_llm.engine.tokenizer, prompt)
+    )
     assert "<tool_response>" in rendered and magic(**sel.tool_kwargs) in rendered
     answer = tool_llm.chat_with_tools([MAGIC], chat_history=follow, tool_choice="none", max_new_tokens=4)
     assert answer.additional_kwargs["finish_reason"] in ("stop", "length")

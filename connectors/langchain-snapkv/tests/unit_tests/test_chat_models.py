@@ -110,7 +110,7 @@ def test_ls_params_and_model_override(tiny_engine, monkeypatch):
         "ls_stop": ["x"],
     }
     assert llm._get_ls_params(model="other")["ls_model_name"] == "other"
-    import snapkv_rag.engine_cache as shared
+    import snapkv_rag.engine.shared as shared
 
     monkeypatch.setattr(shared, "shared_engine", lambda model, **kw: tiny_engine)
     assert llm.invoke("hi", model="elsewhere").response_metadata["model_name"] == "tiny-llama"
@@ -118,7 +118,7 @@ def test_ls_params_and_model_override(tiny_engine, monkeypatch):
 
 def test_engines_by_name_are_shared(tiny_engine, monkeypatch):
     from snapkv_rag import Engine
-    from snapkv_rag import engine_cache as shared
+    from snapkv_rag.engine import shared
 
     loads = []
 

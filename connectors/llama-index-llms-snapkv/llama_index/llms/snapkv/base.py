@@ -37,9 +37,9 @@ from llama_index.core.prompts import BasePromptTemplate
 
 from snapkv_rag import Engine, GenerationResult, ToolCallDelta
 from snapkv_rag.compression import as_policy
-from snapkv_rag.engine_cache import shared_engine
+from snapkv_rag.engine.shared import shared_engine
 from snapkv_rag.errors import PromptTooLongError
-from snapkv_rag.offered import check_kv_reuse, resolve_kv_reuse, reuse_kwargs, segment_store_at
+from snapkv_rag.reuse.offered import check_kv_reuse, resolve_kv_reuse, reuse_kwargs, segment_store_at
 
 from .messages import assistant_message, result_message, result_summary, to_engine_messages, tool_selections
 

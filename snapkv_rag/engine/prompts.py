@@ -16,7 +16,7 @@ import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from .errors import EmptyPromptError, InvalidPromptError
+from ..errors import EmptyPromptError, InvalidPromptError
 
 Message = Mapping[str, Any]
 PromptLike = str | Sequence[Message]
@@ -135,7 +135,7 @@ def fallback_messages(messages: list[dict[str, Any]], tools: Sequence[Any], tool
     Appending messages only appends to the rendering (with ``tool_role="tool"``), so
     consecutive prompts of an agent loop share their prefix.
     """
-    from .tools import dump_json, format_call
+    from ..tools.calls import dump_json, format_call
 
     names = {c["id"]: c["function"]["name"] for m in messages for c in m.get("tool_calls") or [] if c.get("id")}
     out: list[dict[str, Any]] = []
@@ -242,8 +242,8 @@ def segment_spans(
 ) -> list[tuple[int, int]]:
     """Token spans of ``segments`` (texts that appear in the prompt; or a function choosing them
     from the rendered prompt's text) within the ``n_tokens`` ids :func:`render_prompt` gives;
-    see :func:`snapkv_rag.blending.segment_token_spans`."""
-    from .blending import segment_token_spans
+    see :func:`snapkv_rag.reuse.blending.segment_token_spans`."""
+    from ..reuse.blending import segment_token_spans
 
     text, add_special = _rendered_text(tokenizer, prompt, chat, tools)
     if callable(segments):
@@ -258,7 +258,7 @@ def text_token_spans(
 ) -> list[tuple[int, int]]:
     """The token span of each of ``texts`` (its first occurrence) in the ``n_tokens`` ids of the
     rendered prompt, in the order given; ``(0, 0)`` for a text not found."""
-    from .blending import segment_token_spans
+    from ..reuse.blending import segment_token_spans
 
     text, add_special = _rendered_text(tokenizer, prompt, chat, tools)
     offsets = tokenizer(text, add_special_tokens=add_special, return_offsets_mapping=True)["offset_mapping"]

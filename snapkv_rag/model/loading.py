@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from .errors import InvalidDeviceError, ModelNotFoundError
+from ..errors import InvalidDeviceError, ModelNotFoundError
 from .packed_linear import pack_linear_weights
 from .quantization import choose_weights, quantize_linear_weights
 
@@ -242,9 +242,9 @@ def load_model_and_tokenizer(
     """Load ``(model, tokenizer, DeviceChoice)``; the model is in eval mode on its device.
 
     ``weights``: ``"native"`` (the dtype's own; also None) or ``"int8"`` (weight-only int8 linear
-    layers, CPU; :func:`snapkv_rag.quantization.choose_weights`). ``pack_weights``: on the CPU the
+    layers, CPU; :func:`snapkv_rag.model.quantization.choose_weights`). ``pack_weights``: on the CPU the
     linear layers left in the model's dtype are packed for oneDNN once
-    (:mod:`snapkv_rag.packed_linear`; faster, bitwise identical in bf16); None packs where oneDNN
+    (:mod:`snapkv_rag.model.packed_linear`; faster, bitwise identical in bf16); None packs where oneDNN
     can, False keeps PyTorch's plain layout."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

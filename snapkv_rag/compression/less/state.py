@@ -23,8 +23,8 @@ from typing import Any
 
 import torch
 
-from ..compression.base import CompressionPolicy
-from ..compression.decoding import PolicyState
+from ..base import CompressionPolicy
+from ..decoding import PolicyState
 from .kernels import LessKernels
 
 

@@ -10,26 +10,19 @@ from typing import Any
 
 import torch
 
-from .blending import DEFAULT_RECOMPUTE, RopeShift, SegmentRequest, SegmentReuseUnsupported, segment_anchor
-from .call_gate import BACKGROUND_REQUESTS, CallGate, CallScores, call_openings, decide, gated, opening_log_probs, tools_key
-from .compression import CompressionPolicy, as_policy
-from .compression.runtime import WRAPPED_IMPLEMENTATIONS, register_attention_functions, wrapped_name
-from .errors import EmptyPromptError, InvalidGenerationParameterError, InvalidPromptError, PromptTooLongError, StructuredOutputError
-from .generation import DecodeRun
-from .loading import DEFAULT_MODEL, RECOMMENDED_CONTEXT_TOKENS, RECOMMENDED_KV_REUSE, load_model_and_tokenizer
-from .memory import PeakMemory
-from .offered import OFFERED
-from .packed_linear import weight_layout
-from .prefix_cache import PrefixCache, default_prefix_cache_bytes, reuse_tail
-from .prompts import PromptLike, question_tail_tokens, render_prompt, segment_spans, text_token_spans
-from .quantization import parameter_count, weight_format
-from .requests import Request, length_buckets, output_specs
-from .results import GenerationResult, Usage, row_stats
-from .sampling import GenerationParams
-from .scheduler import Member, Scheduler, SchedulerStats, default_max_batch_size
-from .segment_store import SegmentKVStore, model_signature
-from .streams import AsyncGenerationStream, GenerationStream, StreamPiece, cancellable
-from .tools import (
+from ..compression import CompressionPolicy, as_policy
+from ..compression.runtime import WRAPPED_IMPLEMENTATIONS, register_attention_functions, wrapped_name
+from ..errors import EmptyPromptError, InvalidGenerationParameterError, InvalidPromptError, PromptTooLongError, StructuredOutputError
+from ..model.loading import DEFAULT_MODEL, RECOMMENDED_CONTEXT_TOKENS, RECOMMENDED_KV_REUSE, load_model_and_tokenizer
+from ..model.memory import PeakMemory
+from ..model.packed_linear import weight_layout
+from ..model.quantization import parameter_count, weight_format
+from ..reuse.blending import DEFAULT_RECOMPUTE, RopeShift, SegmentRequest, SegmentReuseUnsupported, segment_anchor
+from ..reuse.offered import OFFERED
+from ..reuse.prefix_cache import PrefixCache, default_prefix_cache_bytes, reuse_tail
+from ..reuse.segment_store import SegmentKVStore, model_signature
+from ..tools.call_gate import BACKGROUND_REQUESTS, CallGate, CallScores, call_openings, decide, gated, opening_log_probs, tools_key
+from ..tools.calls import (
     TEXT,
     OutputSpec,
     ToolCallStream,
@@ -38,6 +31,13 @@ from .tools import (
     parse_json_output,
     parse_tool_calls,
 )
+from .generation import DecodeRun
+from .prompts import PromptLike, question_tail_tokens, render_prompt, segment_spans, text_token_spans
+from .requests import Request, length_buckets, output_specs
+from .results import GenerationResult, Usage, row_stats
+from .sampling import GenerationParams
+from .scheduler import Member, Scheduler, SchedulerStats, default_max_batch_size
+from .streams import AsyncGenerationStream, GenerationStream, StreamPiece, cancellable
 
 Compression = CompressionPolicy | str | None
 _OUTPUT_KEYS = ("tools", "tool_choice", "response_format", "parallel_tool_calls", "max_tool_calls")
@@ -73,7 +73,7 @@ class ModelInfo:
 class Engine:
     """A causal LM plus its tokenizer, behind ``generate``/``stream``/``generate_batch`` and async forms.
 
-    Concurrent calls are batched continuously (:mod:`snapkv_rag.scheduler`): one worker runs the
+    Concurrent calls are batched continuously (:mod:`snapkv_rag.engine.scheduler`): one worker runs the
     model, each request joins the running decode batch after its own prefill and leaves when done.
     """
 
@@ -108,10 +108,10 @@ class Engine:
         self.name = name
         # Documents to stuff when a caller sets no budget (DocumentQA, ask, the connectors); None: fill the context.
         self.recommended_context_tokens: int | None = RECOMMENDED_CONTEXT_TOKENS.get(name)
-        # How callers that do not choose reuse prompt K/V ("chunks", "prefix" or "off"; see snapkv_rag.offered)
+        # How callers that do not choose reuse prompt K/V ("chunks", "prefix" or "off"; see snapkv_rag.reuse.offered)
         self.recommended_kv_reuse: str = RECOMMENDED_KV_REUSE.get(name, "chunks")
         # Who decides whether a reply under tool_choice="auto" starts with a call: the model as it
-        # writes (None), or a CallGate fitted for it (opt-in; snapkv_rag.call_gate has the numbers).
+        # writes (None), or a CallGate fitted for it (opt-in; snapkv_rag.tools.call_gate has the numbers).
         self.call_gate: CallGate | None = None
         self._call_priors: dict[str, dict[str, float]] = {}
         self._scheduler = Scheduler(self.model, default_max_batch_size(self.device))
@@ -162,7 +162,7 @@ class Engine:
 
         ``weights``: ``"native"`` (None) or ``"int8"``: weight-only int8 linear layers, CPU only;
         faster decode, slightly less exact (eval/RESULTS.md, "Weight-only int8"). ``pack_weights``:
-        None packs the CPU's linear weights for oneDNN once (:mod:`snapkv_rag.packed_linear`),
+        None packs the CPU's linear weights for oneDNN once (:mod:`snapkv_rag.model.packed_linear`),
         False keeps PyTorch's plain layout.
         ``prefix_cache_bytes``, ``max_batch_size`` and ``prefill_chunk_tokens`` as in :class:`Engine`
         (None: their defaults)."""
@@ -229,7 +229,7 @@ class Engine:
         """The rows' compiled grammars, or None when every row is free text (typed errors on bad schemas)."""
         if not any(s.constrained for s in specs):
             return None
-        from .constraints import BatchConstraint, GrammarTokenizer
+        from ..tools.constraints import BatchConstraint, GrammarTokenizer
 
         if self._grammar_tokenizer is None:
             self._grammar_tokenizer = GrammarTokenizer(self.tokenizer, self.vocab_size, self._eos_ids)
@@ -356,7 +356,7 @@ class Engine:
 
     @property
     def max_batch_size(self) -> int:
-        """The most rows decoded together; prefills of further requests wait for room (see :mod:`snapkv_rag.scheduler`)."""
+        """The most rows decoded together; prefills of further requests wait for room (see :mod:`snapkv_rag.engine.scheduler`)."""
         return self._scheduler.max_batch_size
 
     @max_batch_size.setter
@@ -464,7 +464,7 @@ class Engine:
     def _run(self, request: Request, cancel: threading.Event | None = None) -> Iterator[tuple[int, StreamPiece] | list[GenerationResult]]:
         """Yield ``(row, piece)`` as text (or a tool-call delta) is released, then the list of results last.
 
-        The prefill and every decode step run in the scheduler's worker (:mod:`snapkv_rag.scheduler`),
+        The prefill and every decode step run in the scheduler's worker (:mod:`snapkv_rag.engine.scheduler`),
         batched with the other requests running; this generator only reads the request's events,
         so a paused or abandoned consumer blocks nobody.
         """
@@ -586,7 +586,7 @@ class Engine:
 
     def call_scores(self, row: list[int], spec: OutputSpec) -> CallScores:
         """Log-probabilities, after the rendered ``row``, of each tool's call opening and of the
-        call marker's first token (see :mod:`snapkv_rag.call_gate`)."""
+        call marker's first token (see :mod:`snapkv_rag.tools.call_gate`)."""
         openings = call_openings(lambda text: self.tokenizer(text, add_special_tokens=False)["input_ids"], [t.name for t in spec.tools])
         tools, marker = {}, 0.0
         for name, ids in openings.items():
@@ -654,9 +654,9 @@ class Engine:
         every compressed layer and head keeps whatever the policy's scores, as many as fit beside
         its window (one prompt; decode-time cuts may still drop them later).
 
-        Segment reuse (blended prefill, see :mod:`snapkv_rag.blending`): ``reuse_segments``, texts
+        Segment reuse (blended prefill, see :mod:`snapkv_rag.reuse.blending`): ``reuse_segments``, texts
         that appear in the prompt (document chunks, tool-log blocks), or ``"offered"`` for the texts
-        retrievers and memories offered (:mod:`snapkv_rag.offered`), each with its K/V computed
+        retrievers and memories offered (:mod:`snapkv_rag.reuse.offered`), each with its K/V computed
         once and stored in ``segment_store`` (default: :attr:`segment_store`); later prompts
         reuse it at the segment's new position and recompute the ``recompute`` share (0.15) of
         its tokens that deviate most. ``recompute=1.0`` equals a full prefill.

@@ -5,10 +5,10 @@ Every engine call goes through :class:`Scheduler`. Work on the model runs only i
 in this order, over and over: one queued task or one chunk of it (a request's prefill, a
 ``score``, a chunk's K/V), then one decode step of every running request. A prefill that
 starts while requests are decoding runs in chunks of ``prefill_chunk_tokens`` (see
-:meth:`~snapkv_rag.generation.DecodeRun.prefill_steps`), so running streams wait at most one
+:meth:`~snapkv_rag.engine.generation.DecodeRun.prefill_steps`), so running streams wait at most one
 chunk between two tokens, and a new request waits at most one step and one chunk to start.
 
-A request's prefill is the engine's own (:class:`~snapkv_rag.generation.DecodeRun`: prefix
+A request's prefill is the engine's own (:class:`~snapkv_rag.engine.generation.DecodeRun`: prefix
 cache, chunk K/V reuse, layer-wise compression with its own policy and budget). Afterwards:
 
 - **Shared group.** A request whose cache is plain K/V (no decode-time policy state, no
@@ -41,12 +41,12 @@ from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
-from .compression.decoding import layer_entries
+from ..compression.decoding import layer_entries
+from ..model.openmp import release_thread_pool
+from ..tools.calls import ToolCallStream
 from .detokenize import SequenceText
 from .generation import cache_bytes, choose_tokens, model_forward
-from .openmp import release_thread_pool
 from .sampling import make_generator
-from .tools import ToolCallStream
 
 if TYPE_CHECKING:
     from .generation import DecodeRun
@@ -380,7 +380,7 @@ class Scheduler:
                 self._worker = threading.Thread(target=self._loop, name="snapkv-rag-model", daemon=True)
                 self._worker.start()
             self._cv.notify()
-        release_thread_pool()  # this thread's idle OpenMP threads would slow the worker's (snapkv_rag.openmp)
+        release_thread_pool()  # this thread's idle OpenMP threads would slow the worker's (snapkv_rag.model.openmp)
         task.done.wait()
         if task.error is not None:
             raise task.error

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .tools import CALL_OPEN, OutputSpec
+from .calls import CALL_OPEN, OutputSpec
 
 # Requests that need none of any tools: the background each tool's score is calibrated against.
 BACKGROUND_REQUESTS = (

@@ -2,7 +2,7 @@
 
 A segment's entry is the K/V of its tokens, every layer, uncompressed, in the model's KV
 dtype, computed alone at positions ``0..m-1`` (the engine moves it to where the segment sits
-in a prompt; see :mod:`snapkv_rag.blending`). Entries are content-addressed: the key hashes
+in a prompt; see :mod:`snapkv_rag.reuse.blending`). Entries are content-addressed: the key hashes
 the model's signature, the dtype and the segment's token ids, so a text that tokenizes
 differently in another prompt is simply another entry, and a file of another model or dtype
 can never be found under a key of this one.
@@ -30,8 +30,8 @@ from pathlib import Path
 
 import torch
 
-from .packed_linear import weight_layout
-from .quantization import weight_format
+from ..model.packed_linear import weight_layout
+from ..model.quantization import weight_format
 
 FORMAT = "snapkv-rag-segment-kv/1"
 DEFAULT_MAX_BYTES = 2 << 30

@@ -9,8 +9,8 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import Executor
 from typing import Any
 
+from ..tools.calls import ToolCallDelta
 from .results import GenerationResult
-from .tools import ToolCallDelta
 
 StreamPiece = str | ToolCallDelta
 

@@ -38,7 +38,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ..errors import InvalidCompressionError
+from ...errors import InvalidCompressionError
 
 SHIPPED_DIR = Path(__file__).with_name("shipped")
 FORMAT = "snapkv-rag-less/1"

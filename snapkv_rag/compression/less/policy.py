@@ -4,9 +4,9 @@ Dong et al., "Get More with LESS: Synthesizing Recurrence with KV Cache Compress
 Efficient LLM Inference", ICML 2024, arXiv:2402.09398. See :mod:`snapkv_rag.less`.
 
 Selection is the base policy's; the engine folds what it evicts into the state
-(:class:`snapkv_rag.less.state.LowRankState`) and the registered attention function merges
+(:class:`snapkv_rag.compression.less.state.LowRankState`) and the registered attention function merges
 the state into every later step. ``kernels``: a kernel file path, a loaded
-:class:`~snapkv_rag.less.kernels.LessKernels`, or None for the shipped kernels that match
+:class:`~snapkv_rag.compression.less.kernels.LessKernels`, or None for the shipped kernels that match
 the model, the base policy's name and its budget.
 """
 
@@ -16,9 +16,9 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..errors import InvalidCompressionError
-from .base import CompressionPolicy
-from .snapkv import SnapKV
+from ...errors import InvalidCompressionError
+from ..base import CompressionPolicy
+from ..snapkv import SnapKV
 
 
 @dataclass(frozen=True)
@@ -27,7 +27,7 @@ class LESS(CompressionPolicy):
     base: CompressionPolicy = field(default_factory=lambda: SnapKV(max_capacity_prompt=256))
     kernels: Any = None  # str path | LessKernels | None (shipped)
     # the prompt's last queries that check each head's state at prefill; heads it makes worse
-    # for them are switched off (:meth:`~snapkv_rag.less.state.LowRankState.check_heads`); 0: off
+    # for them are switched off (:meth:`~snapkv_rag.compression.less.state.LowRankState.check_heads`); 0: off
     probe: int = 0
 
     def __post_init__(self) -> None:
@@ -78,7 +78,7 @@ class LESS(CompressionPolicy):
 
     def decode_state(self, model, sliding):
         """The low-rank state every eviction of the run (prefill and decode-time) is folded into."""
-        from ..less.state import LessPolicyState, LowRankState
+        from .state import LessPolicyState, LowRankState
 
         device = next(model.parameters()).device
         return LessPolicyState(LowRankState(self.load_kernels(model), device, self.probe), self.base, sliding)
@@ -108,7 +108,7 @@ class LESS(CompressionPolicy):
 
     def load_kernels(self, model):
         """The kernels for ``model``: the given ones, checked against it, or the matching shipped file."""
-        from ..less.kernels import LessKernels, find_shipped, load_kernels, model_signature
+        from .kernels import LessKernels, find_shipped, load_kernels, model_signature
 
         signature = model_signature(model)
         if isinstance(self.kernels, LessKernels):

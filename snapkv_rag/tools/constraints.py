@@ -28,8 +28,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from .errors import StructuredOutputError
-from .tools import CALL_CLOSE, CALL_OPEN, MARKER, OutputSpec, call_prefix
+from ..errors import StructuredOutputError
+from .calls import CALL_CLOSE, CALL_OPEN, MARKER, OutputSpec, call_prefix
 
 # Compact JSON with json.dumps' default separators: no free whitespace a model could loop on.
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}

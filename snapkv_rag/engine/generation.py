@@ -16,15 +16,15 @@ from typing import Protocol
 
 import torch
 
-from .blending import SegmentRequest, assemble, blended_mask, blending_cache, recompute_positions
-from .compression.base import CompressionPolicy
-from .compression.decoding import PolicyState, layer_entries
-from .compression.ragged import is_ragged, ragged_layers
-from .compression.runtime import PrefillCompression, compressing, policy_attention, sliding_layers
-from .errors import InvalidCompressionError
-from .prefix_cache import PrefixCache, ReusePlan, plan_reuse, reuse_tail, reused_columns, reused_layer, store_prompts
+from ..compression.base import CompressionPolicy
+from ..compression.decoding import PolicyState, layer_entries
+from ..compression.ragged import is_ragged, ragged_layers
+from ..compression.runtime import PrefillCompression, compressing, policy_attention, sliding_layers
+from ..compression.span_attention import SpanAttention, observing
+from ..errors import InvalidCompressionError
+from ..reuse.blending import SegmentRequest, assemble, blended_mask, blending_cache, recompute_positions
+from ..reuse.prefix_cache import PrefixCache, ReusePlan, plan_reuse, reuse_tail, reused_columns, reused_layer, store_prompts
 from .sampling import GenerationParams, make_generator, select_next_tokens
-from .span_attention import SpanAttention, observing
 
 
 def left_pad(rows: list[list[int]], pad_id: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -91,7 +91,7 @@ class TokenConstraint(Protocol):
 
     ``mask`` edits ``[batch, vocab]`` logits before a token is chosen (rows it does not
     constrain stay as they are); ``advance`` receives the chosen token of every row.
-    See :class:`snapkv_rag.constraints.BatchConstraint`.
+    See :class:`snapkv_rag.tools.constraints.BatchConstraint`.
     """
 
     def mask(self, logits: torch.Tensor) -> torch.Tensor: ...
@@ -273,7 +273,7 @@ class DecodeRun:
         (None: one forward); returns the last position's logits ``[batch, vocab]``.
 
         With a prefix cache, each row's longest stored token prefix (minus the tail its
-        policy's window needs, see :mod:`snapkv_rag.prefix_cache`) is placed in the cache
+        policy's window needs, see :mod:`snapkv_rag.reuse.prefix_cache`) is placed in the cache
         first and only the rest is run through the model; the policy then selects over the
         reused plus the new keys, as after a full prefill. Every row's full prompt K/V is
         stored back before compression shrinks the cache.
@@ -345,7 +345,7 @@ class DecodeRun:
         """Run the whole (compressed) prefill; the last position's logits ``[batch, vocab]``.
 
         Afterwards the run can decode on its own (:meth:`decode_step`) or hand its cache to a
-        running batch (:mod:`snapkv_rag.scheduler`)."""
+        running batch (:mod:`snapkv_rag.engine.scheduler`)."""
         return self._prefill()
 
     def _finish_prefill(self, seconds: float, mask: torch.Tensor) -> torch.Tensor:
@@ -371,7 +371,7 @@ class DecodeRun:
 
     def _blended_prefill(self) -> None:
         """Prefill one prompt from stored segment K/V plus the tokens it must compute
-        (see :mod:`snapkv_rag.blending`); the policy selects during that forward as usual."""
+        (see :mod:`snapkv_rag.reuse.blending`); the policy selects during that forward as usual."""
         row, request = self.rows[0], self.segments
         assert request is not None
         prompt = assemble(self.model, row, request)

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .errors import InvalidDeviceError
+from ..errors import InvalidDeviceError
 from .packed_linear import packed_parameter_count, replace_module
 
 WEIGHT_FORMATS = ("native", "int8")

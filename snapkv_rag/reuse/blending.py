@@ -86,7 +86,7 @@ class RopeShift:
     """Rotate stored keys by a position offset with the model's own rotary embedding."""
 
     def __init__(self, model):
-        from .compression.runtime import sliding_layers
+        from ..compression.runtime import sliding_layers
 
         if any(sliding_layers(model.config)):
             raise SegmentReuseUnsupported("sliding-window layers keep only a window of the prompt")

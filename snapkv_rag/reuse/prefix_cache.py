@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .compression.base import CompressionPolicy
+from ..compression.base import CompressionPolicy
 
 #: Default byte bound on CPU (and the floor on GPU); see :func:`default_prefix_cache_bytes`.
 CPU_DEFAULT_BYTES = 1 << 30

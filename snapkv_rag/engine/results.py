@@ -5,12 +5,12 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from .tools import ToolCall
+from ..tools.calls import ToolCall
 
 if TYPE_CHECKING:
+    from ..model.memory import PeakMemory
     from .engine import ModelInfo
     from .generation import DecodeRun
-    from .memory import PeakMemory
     from .requests import Request
 
 
@@ -114,7 +114,7 @@ class GenerationResult:
     tool_calls: list[ToolCall] = field(default_factory=list)  # parsed and schema-validated
     parsed: Any = None  # with response_format: the validated JSON value of ``text``
     # with attend_to: per generated token after the first, the attention share of each given text
-    # (see snapkv_rag.span_attention); None when not asked for or not recorded
+    # (see snapkv_rag.compression.span_attention); None when not asked for or not recorded
     span_attention: list[list[float]] | None = None
 
     def to_dict(self) -> dict[str, Any]:
@@ -132,7 +132,7 @@ def row_stats(run: DecodeRun, row: int, request: Request, peak: PeakMemory, kv_f
     """Row ``row``'s stats after ``run`` (a decode run of ``request``'s rows) finished."""
     import torch
 
-    from . import __version__
+    from .. import __version__
 
     kept, full = run.row_kv_bytes(row)
     policy_stats = run.policy_stats()

@@ -6,11 +6,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .blending import SegmentRequest
-from .compression import CompressionPolicy
-from .errors import StructuredOutputError
+from ..compression import CompressionPolicy
+from ..errors import StructuredOutputError
+from ..reuse.blending import SegmentRequest
+from ..tools.calls import TEXT, OutputSpec, build_output_spec
 from .sampling import GenerationParams
-from .tools import TEXT, OutputSpec, build_output_spec
 
 
 def output_specs(n: int, options: dict[str, Any], *, per_row: bool = False) -> list[OutputSpec]:
@@ -65,10 +65,10 @@ class Request:
     segments: SegmentRequest | None = None  # single-prompt calls with reuse_segments
     segment_note: str | None = None  # why segment reuse was asked for but not applied
     # single-prompt calls under tool_choice="auto" with a call gate: prepares the call again with
-    # the gate's tool_choice (see snapkv_rag.call_gate); then call_decision holds what it decided
+    # the gate's tool_choice (see snapkv_rag.tools.call_gate); then call_decision holds what it decided
     redo: Callable[[Any], Request] | None = None
     call_decision: Any = None
-    # single-prompt calls with attend_to: the token spans of the texts found (see snapkv_rag.span_attention)
+    # single-prompt calls with attend_to: the token spans of the texts found (see snapkv_rag.compression.span_attention)
     attention_spans: tuple[tuple[int, int], ...] | None = None
     attention_note: str | None = None  # why attend_to records nothing (no text found)
     # single-prompt calls with keep_texts: the token spans every compressed layer keeps

@@ -78,7 +78,7 @@ def resolve_kv_reuse(mode: str | None, engine) -> str:
 
 
 def segment_store_at(directory: str | os.PathLike | None, max_bytes: int | None = None):
-    """One :class:`~snapkv_rag.segment_store.SegmentKVStore` per directory and bound in this
+    """One :class:`~snapkv_rag.reuse.segment_store.SegmentKVStore` per directory and bound in this
     process (None: no directory, the engine's own store), so its hit counts add up."""
     from .segment_store import DEFAULT_MAX_BYTES, SegmentKVStore
 

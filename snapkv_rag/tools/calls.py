@@ -8,7 +8,7 @@ renders the prompt::
     </tool_call>
 
 The JSON line is compact, with ``", "`` and ``": "`` separators and ``name`` before
-``arguments``; constrained decoding (:mod:`snapkv_rag.constraints`) makes the model write
+``arguments``; constrained decoding (:mod:`snapkv_rag.tools.constraints`) makes the model write
 exactly that, with arguments that match the tool's JSON Schema. This module validates the
 request (``tools``, ``tool_choice``, ``response_format``), parses finished text into
 :class:`ToolCall` objects (validated again with ``jsonschema``), and turns streamed text into
@@ -24,7 +24,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .errors import StructuredOutputError
+from ..errors import StructuredOutputError
 
 # At most this many calls in one turn with parallel_tool_calls; then the turn ends. A small model
 # with parallel calls allowed can write call after call until max_new_tokens runs out.

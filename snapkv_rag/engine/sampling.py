@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from .errors import InvalidGenerationParameterError
+from ..errors import InvalidGenerationParameterError
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,2 @@
+"""The model the engine runs: loading (``loading.py``), CPU weight layouts (``packed_linear.py``,
+``quantization.py``), OpenMP threads (``openmp.py``) and memory probes (``memory.py``)."""
