@@ -62,11 +62,11 @@ def test_scores_and_prior_come_from_the_model(engine):
     prior = engine.call_prior(spec)
     background = [engine.call_scores(render_prompt(engine.tokenizer, t, tools=spec.tools), spec).tools["get_weather"] for t in BACKGROUND_REQUESTS]
     assert prior["get_weather"] == pytest.approx(sum(background) / len(background), abs=1e-3)
-    engine.call_scores = None  # cached per tool set: a second call scores nothing
+    engine.call_scorer.scores = None  # cached per tool set: a second call scores nothing
     try:
         assert engine.call_prior(spec) is prior
     finally:
-        del engine.call_scores
+        del engine.call_scorer.scores
 
 
 def test_a_call_decision_forces_the_chosen_tool(engine):

@@ -13,6 +13,7 @@ from conftest import tiny_engine
 
 from snapkv_rag.compression import H2O, RandomKeep, SnapKV, StreamingLLM
 from snapkv_rag.engine.generation import DecodeRun
+from snapkv_rag.engine.preparation import resolve_policy
 from snapkv_rag.engine.sampling import GenerationParams
 from snapkv_rag.reuse.prefix_cache import PrefixCache, reusable_tokens
 
@@ -46,7 +47,7 @@ def ids(engine, text):
 
 def resolve(engine, policy, text):
     if policy is not None and policy.needs_question_span:
-        return engine._resolve_policy(policy, [text], False, [None])[0]
+        return resolve_policy(engine, policy, [text], False, [None])[0]
     return policy
 
 

@@ -9,8 +9,8 @@ from ..tools.calls import ToolCall
 
 if TYPE_CHECKING:
     from ..model.memory import PeakMemory
-    from .engine import ModelInfo
     from .generation import DecodeRun
+    from .info import ModelInfo
     from .requests import Request
 
 
@@ -132,7 +132,7 @@ def row_stats(run: DecodeRun, row: int, request: Request, peak: PeakMemory, kv_f
     """Row ``row``'s stats after ``run`` (a decode run of ``request``'s rows) finished."""
     import torch
 
-    from .. import __version__
+    from .._version import __version__
 
     kept, full = run.row_kv_bytes(row)
     policy_stats = run.policy_stats()
