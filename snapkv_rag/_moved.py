@@ -11,6 +11,7 @@ import importlib
 import importlib.abc
 import importlib.util
 import sys
+import types
 import warnings
 
 # old path -> new path; the old ones go in the release after 0.1
@@ -44,7 +45,8 @@ MOVED: dict[str, str] = {
 
 def _caller_stacklevel() -> int:
     """The stack level of the first frame outside the import machinery and this module."""
-    level, frame = 1, sys._getframe(1)
+    level = 1
+    frame: types.FrameType | None = sys._getframe(1)
     while frame is not None and (frame.f_code.co_filename.startswith("<frozen importlib") or frame.f_code.co_filename == __file__):
         level, frame = level + 1, frame.f_back
     return level

@@ -18,10 +18,6 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
 
 def load_engine(args: argparse.Namespace, **options):
     """The engine named by ``--model/--device/--dtype/--weights``, quietly (no progress bars or warnings)."""
-    from transformers.utils import logging as hf_logging
+    from .engine.shared import load_engine_quietly
 
-    from .engine.engine import Engine
-
-    hf_logging.disable_progress_bar()
-    hf_logging.set_verbosity_error()
-    return Engine.from_pretrained(args.model, device=args.device, dtype=args.dtype, weights=getattr(args, "weights", None), **options)
+    return load_engine_quietly(args.model, device=args.device, dtype=args.dtype, weights=getattr(args, "weights", None), **options)

@@ -447,3 +447,10 @@ def test_probe_switches_off_a_state_that_hurts_end_to_end(less_engine, monkeypat
     assert torch.equal(less_engine.score(PROMPT, cont, compression=checked_policy), base)
     stats = less_engine.generate(PROMPT, max_new_tokens=4, ignore_eos=True, compression=checked_policy).stats.policy_stats
     assert stats["low_rank_heads_off"] == stats["low_rank_heads_checked"] > 0 and stats["low_rank_state_bytes"] == 0
+
+
+def test_less_train_writes_to_the_shipped_kernels_by_default():
+    from snapkv_rag.compression.less.kernels import SHIPPED_DIR
+    from snapkv_rag.less.cli import DEFAULT_OUT
+
+    assert DEFAULT_OUT.resolve() == SHIPPED_DIR.resolve() and any(SHIPPED_DIR.glob("*.safetensors"))

@@ -403,7 +403,7 @@ def test_concurrent_requests_each_get_their_own_answer(base_url, engine):
 
 def test_serve_cli_checks_its_settings_before_loading_a_model(capsys):
     from snapkv_rag.cli import main
-    from snapkv_rag.server.cli import served_model_name
+    from snapkv_rag.server.config import served_model_name
 
     assert main(["serve", "--compression", "zip:budget=3"]) == 2
     assert "compression" in capsys.readouterr().err

@@ -23,14 +23,12 @@ from __future__ import annotations
 
 import dataclasses
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
 import torch
 
 from ..errors import InvalidCompressionError
-
-if TYPE_CHECKING:
-    from .decoding import PolicyState
+from .decoding import PolicyState
 
 DECODE_FIELDS = ("decode_budget", "decode_interval")
 DEFAULT_DECODE_INTERVAL = 64
@@ -148,8 +146,6 @@ class CompressionPolicy(ABC):
         """This policy's state for one decode run, or None when nothing happens after the prefill."""
         if self.decode_budget is None:
             return None
-        from .decoding import PolicyState
-
         return PolicyState(self, sliding)
 
     def spec_fields(self) -> dict[str, Any]:

@@ -25,14 +25,39 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
 from .ragged import is_ragged
 
-if TYPE_CHECKING:
-    from .base import CompressionPolicy
+
+class DecodeCutPolicy(Protocol):
+    """What decode-time cuts read of a policy; :class:`~.base.CompressionPolicy` has all of it
+    (named here so this module needs nothing of ``base``, which builds the state)."""
+
+    @property
+    def decode_budget(self) -> int | None: ...
+
+    @property
+    def decode_every(self) -> int: ...
+
+    @property
+    def query_window(self) -> int | None: ...
+
+    def for_decode(self) -> DecodeCutPolicy: ...
+
+    def with_query_window(self, window: int) -> DecodeCutPolicy: ...
+
+    def select(
+        self,
+        queries: torch.Tensor,
+        keys: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        *,
+        scaling: float | None = None,
+        protected: torch.Tensor | None = None,
+    ) -> torch.Tensor: ...
 
 
 def layer_entries(layer) -> int:
@@ -47,7 +72,7 @@ def layer_entries(layer) -> int:
 class DecodeCompaction:
     """Cut a run's full-attention layers back to ``policy.decode_budget`` every ``decode_interval`` steps."""
 
-    def __init__(self, policy: CompressionPolicy, sliding: list[bool]):
+    def __init__(self, policy: DecodeCutPolicy, sliding: list[bool]):
         assert policy.decode_budget is not None
         self.policy = policy.for_decode()
         self.budget: int = policy.decode_budget
@@ -124,7 +149,7 @@ class PolicyState:
     """Decode-time state of one run for a policy; this base does decode-time compression
     when the policy asks for it (``decode_budget``) and nothing else."""
 
-    def __init__(self, policy: CompressionPolicy, sliding: list[bool]):
+    def __init__(self, policy: DecodeCutPolicy, sliding: list[bool]):
         self.compaction = DecodeCompaction(policy, sliding) if getattr(policy, "decode_budget", None) else None
 
     @property

@@ -1,4 +1,5 @@
-"""One engine per model, shared by every wrapper that names it (LlamaIndex and LangChain LLMs).
+"""One engine per model, shared by every wrapper that names it (LlamaIndex and LangChain LLMs),
+and loading one quietly for the command lines.
 
 Framework wrappers are cheap to construct and often constructed many times (one per query
 engine, per chain, per agent, per test); loading weights each time would be slow and would
@@ -52,3 +53,15 @@ def clear_shared_engines() -> None:
     """Forget every cached engine (their memory is freed once no wrapper holds them)."""
     with _LOCK:
         _ENGINES.clear()
+
+
+def load_engine_quietly(model: str, *, device: Any = None, dtype: Any = None, weights: str | None = None, **options: Any):
+    """A new engine for ``model``, loaded without transformers' progress bars and warnings (for
+    the command lines and the server, which print their own)."""
+    from transformers.utils import logging as hf_logging
+
+    from .engine import Engine
+
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
+    return Engine.from_pretrained(model, device=device, dtype=dtype, weights=weights, **options)

@@ -1,4 +1,7 @@
-"""Metric definitions of ``docs/design/evaluation.md``: citations, agreement, KL, needle match."""
+"""Metric definitions of ``docs/design/evaluation.md``: citations, agreement, KL, needle match.
+
+Citation markers are parsed by :func:`snapkv_rag.rag.citations.parse_citations` (document QA
+reads them too), exported here with the metrics."""
 
 from __future__ import annotations
 
@@ -8,28 +11,18 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
-_BRACKET = re.compile(r"\[([^\[\]]*)\]")
-_NUMBER_LIST = re.compile(r"^\s*\d+(\s*[,;]\s*\d+)*\s*$")
+from ..rag.citations import parse_citations
 
-
-def parse_citations(text: str, n_docs: int) -> tuple[list[int], list[int]]:
-    """Bracketed citations such as ``[2]``, ``[1][3]`` or ``[1, 3]``.
-
-    Returns ``(valid, invalid)``: distinct numbers in order of first appearance; valid ones
-    refer to documents ``1..n_docs``, the rest (``[0]``, ``[n_docs + 1]``) are invalid.
-    Brackets holding anything but numbers (``[a]``, ``[1-3]``) are not citations.
-    """
-    valid: list[int] = []
-    invalid: list[int] = []
-    for inner in _BRACKET.findall(text):
-        if not _NUMBER_LIST.match(inner):
-            continue
-        for part in re.split(r"[,;]", inner):
-            number = int(part)
-            bucket = valid if 1 <= number <= n_docs else invalid
-            if number not in bucket:
-                bucket.append(number)
-    return valid, invalid
+__all__ = [
+    "citation_prf",
+    "greedy_agreement",
+    "macro_f1",
+    "micro_prf",
+    "needle_exact_match",
+    "next_token_kl",
+    "parse_citations",
+    "relative_difference",
+]
 
 
 def citation_prf(cited: Iterable[int], reference: Iterable[int]) -> tuple[float, float, float]:

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from .. import __version__
+from .._version import __version__
 from ..compression import CompressionPolicy, parse_compression
 from ..errors import InvalidCompressionError
 from ..model.packed_linear import packed_weight_bytes

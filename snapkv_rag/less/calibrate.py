@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import re
 import tempfile
 import time
 from dataclasses import asdict, dataclass
@@ -52,11 +51,9 @@ class CalibrationConfig:
 
 
 def calibration_dir(store) -> Path:
-    """Where a collection's calibrations live: beside a local store, else in the user cache."""
-    from ..rag.store import default_store_dir
-
-    location = Path(store.location) if "://" not in str(store.location) else default_store_dir() / "remote" / re.sub(r"\W+", "_", str(store.location))
-    return location / "less-calibration" / store.name
+    """Where a collection's calibrations live: beside a local store, else in the user cache
+    (:attr:`~snapkv_rag.rag.store.DocumentStore.local_dir`)."""
+    return Path(store.local_dir) / "less-calibration" / store.name
 
 
 def calibration_key(signature: dict[str, Any], base: CompressionPolicy) -> str:

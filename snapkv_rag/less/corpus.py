@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import hashlib
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -189,3 +190,34 @@ def overlapping_windows(tokens: list[int], length: int, train: int, val: int, ta
     stride = max(1, (start - length) // max(1, train - 1))
     train_windows = [tokens[s : s + length] for s in range(0, start - length + 1, stride)][:train]
     return train_windows, val_windows
+
+
+def heldout_starts(lengths: Sequence[int], continuation_tokens: int, per_length: int) -> list[int]:
+    """Where each prompt's window starts in the held-out split: windows are consecutive in
+    ``lengths`` order, so which text a length's prompts are depends on the lengths before it
+    (the 4,096-token prompts of ``--lengths 2048,4096`` are not those of ``--lengths 4096``)."""
+    starts, start = [], 0
+    for length in lengths:
+        for _ in range(per_length):
+            starts.append(start)
+            start += length + continuation_tokens
+    return starts
+
+
+def heldout_prompts(
+    tokenizer, lengths: Sequence[int], continuation_tokens: int, per_length: int, text: str = "pydoc"
+) -> list[tuple[int, list[int], list[int]]]:
+    """``(length, prompt_ids, continuation_ids)`` from consecutive, non-overlapping windows of the
+    held-out split of ``text`` (every prompt, of every length, is
+    different text; see :func:`heldout_starts`)."""
+    tokens = corpus_tokens(tokenizer, "heldout", text)
+    out = []
+    starts = heldout_starts(lengths, continuation_tokens, per_length)
+    for start, length in zip(starts, (n for n in lengths for _ in range(per_length))):
+        end = start + length + continuation_tokens
+        if end > len(tokens):
+            raise ValueError(
+                f"the held-out split ({len(tokens)} tokens) is too short for {per_length} prompts of each of {list(lengths)} (+{continuation_tokens}) tokens"
+            )
+        out.append((length, tokens[start : start + length], tokens[start + length : end]))
+    return out

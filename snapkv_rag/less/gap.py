@@ -122,7 +122,7 @@ def gap_analysis(
     """One row per held-out prompt: its length, the KL of every variant and, with ``per_layer``,
     of ``exact value`` in each layer alone (``exact_value_at_layer``, indexed by layer)."""
     from ..errors import EvalInputError
-    from ..evaluation.heldout import heldout_prompts
+    from .corpus import heldout_prompts
 
     budget = policy.max_capacity_prompt
     kernels = policy.load_kernels(engine.model)

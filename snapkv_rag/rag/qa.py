@@ -16,9 +16,9 @@ from typing import Any
 from ..compression import SnapKV, parse_compression
 from ..compression.span_attention import sentence_attention
 from ..engine.results import GenerationResult
-from ..evaluation.metrics import parse_citations
 from ..less.calibrate import policy_for_collection
 from .attribution import EvidenceAttributor, SentenceSupport, answer_sentences
+from .citations import parse_citations
 from .kv_reuse import chunk_kv_store, precompute_chunk_kv, resolve_kv_reuse, reuse_kwargs
 from .store import DocumentStore, StoredChunk
 from .stuffing import SYSTEM_PROMPT, StuffedContext, StuffingRetriever, chunk_segment

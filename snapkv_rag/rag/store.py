@@ -145,6 +145,14 @@ class DocumentStore:
         self.location = url or str(path or default_store_dir())
         self.collection = self._open_collection(create)
 
+    @property
+    def local_dir(self) -> Path:
+        """Where files that go with this store live on this machine: an embedded store's own
+        directory, or for a Chroma server a folder named after its URL in the default store directory."""
+        if "://" not in str(self.location):
+            return Path(self.location)
+        return default_store_dir() / "remote" / re.sub(r"\W+", "_", str(self.location))
+
     def _open_collection(self, create: bool):
         wanted = {"hnsw:space": "cosine", "embedder": self.embedder.model_name}
         names = [c if isinstance(c, str) else c.name for c in self.client.list_collections()]

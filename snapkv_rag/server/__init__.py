@@ -7,12 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-DEFAULT_COMPRESSION = "snapkv:budget=1024"  # for requests that name no policy
-DEFAULT_MAX_TOKENS = 1024  # for requests that give no max_tokens (the room in the context caps it too)
-DEFAULT_MAX_REQUEST_BYTES = 8 << 20  # a full 128K-token prompt is about 0.5 MB of text
-# Completion requests admitted at once (waiting or generating); beyond it, 429 with Retry-After.
-# The engine decodes at most max_batch_size of them together (16 on a CPU, 64 on a GPU); the rest wait for room.
-DEFAULT_MAX_QUEUE = 64
+from .defaults import DEFAULT_COMPRESSION, DEFAULT_MAX_QUEUE, DEFAULT_MAX_REQUEST_BYTES, DEFAULT_MAX_TOKENS
 
 __all__ = ["DEFAULT_COMPRESSION", "DEFAULT_MAX_QUEUE", "DEFAULT_MAX_REQUEST_BYTES", "DEFAULT_MAX_TOKENS", "ServerConfig", "create_app"]
 

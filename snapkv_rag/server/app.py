@@ -26,7 +26,7 @@ from starlette.routing import Route
 
 from ..compression import as_policy
 from ..engine.results import kept_tokens_text
-from . import DEFAULT_COMPRESSION, DEFAULT_MAX_QUEUE, DEFAULT_MAX_REQUEST_BYTES, DEFAULT_MAX_TOKENS
+from .defaults import DEFAULT_COMPRESSION, DEFAULT_MAX_QUEUE, DEFAULT_MAX_REQUEST_BYTES, DEFAULT_MAX_TOKENS
 from .metrics import PieceClock, ServerMetrics
 from .protocol import (
     APIError,

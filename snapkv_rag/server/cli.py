@@ -1,17 +1,17 @@
-"""``snapkv-rag serve``: the OpenAI-compatible server (:mod:`.app`) under uvicorn."""
+"""``snapkv-rag serve``: the OpenAI-compatible server (:mod:`.app`) under uvicorn; its options become
+the server's settings in :mod:`.config`."""
 
 from __future__ import annotations
 
 import argparse
 import logging
-import os
 import sys
 
 from ..errors import SnapKVRagError
 
 
 def add_serve_parser(sub) -> None:
-    from . import DEFAULT_COMPRESSION, DEFAULT_MAX_QUEUE, DEFAULT_MAX_REQUEST_BYTES, DEFAULT_MAX_TOKENS
+    from .defaults import DEFAULT_COMPRESSION, DEFAULT_MAX_QUEUE, DEFAULT_MAX_REQUEST_BYTES, DEFAULT_MAX_TOKENS
 
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (chat, completions, embeddings)")
     p.add_argument("--model", default="default", help="'default' (embedded SmolLM2), a model dir, a .gguf file or a hub id")
@@ -94,102 +94,11 @@ def add_serve_parser(sub) -> None:
     p.set_defaults(func=cmd_serve)
 
 
-def served_model_name(model: str) -> str:
-    """The id clients send: the embedded model's name, a directory's or file's base name, or the hub id."""
-    from ..model.loading import DEFAULT_MODEL, EMBEDDED_GGUF
-
-    if model == DEFAULT_MODEL:
-        return EMBEDDED_GGUF.split(".")[0]
-    if os.path.exists(model):
-        name = os.path.basename(os.path.normpath(model))
-        return name[: -len(".gguf")] if name.endswith(".gguf") else name
-    return model
-
-
-# The least each numeric option takes (an option left unset, None, means its default).
-_MINIMUMS = {
-    "default_max_tokens": 1,
-    "max_queue": 1,
-    "max_batch_size": 1,
-    "max_request_bytes": 1024,
-    "replicas": 1,
-    "routing_imbalance": 0,
-    "threads": 1,
-}
-
-
-def check_args(args: argparse.Namespace) -> None:
-    """Bad options fail here, before a model loads or Ray starts."""
-    from ..compression import as_policy
-
-    as_policy(args.compression)
-    if args.port < 0 or args.port > 65535:
-        raise SnapKVRagError(f"--port must be 0-65535, got {args.port}")
-    for name, least in _MINIMUMS.items():
-        value = getattr(args, name)
-        if value is not None and value < least:
-            raise SnapKVRagError(f"--{name.replace('_', '-')} must be at least {least}, got {value}")
-    if args.prefill_chunk_tokens is not None and not (args.prefill_chunk_tokens == 0 or args.prefill_chunk_tokens >= 16):
-        raise SnapKVRagError(f"--prefill-chunk-tokens must be 0 (whole prompts) or at least 16, got {args.prefill_chunk_tokens}")
-
-
-def load_served_engine(args: argparse.Namespace):
-    """The engine the options name, with its serving settings (batch size, chunked prefill, chunk store)."""
-    from ..cli_common import load_engine
-
-    if args.threads is not None:
-        import torch
-
-        torch.set_num_threads(args.threads)
-    engine = load_engine(args, prefix_cache_bytes=args.prefix_cache_bytes)
-    if args.max_batch_size is not None:
-        engine.max_batch_size = args.max_batch_size
-    if args.prefill_chunk_tokens is not None:
-        engine.prefill_chunk_tokens = args.prefill_chunk_tokens
-    if args.kv_dir is not None:
-        from ..reuse.offered import segment_store_at
-
-        engine.segment_store = segment_store_at(args.kv_dir, args.kv_cache_bytes)
-    return engine
-
-
-def build_config(args: argparse.Namespace, engine=None, backend=None):
-    """The server's configuration from the command line. Without ``backend`` the engine is
-    loaded here (unless given); with one (Ray Serve) the engines live in its replicas."""
-    from .app import ServerConfig
-
-    check_args(args)
-    embedder, embedder_id = None, "all-MiniLM-L6-v2"
-    if args.embedder != "none":
-        from ..rag.embeddings import Embedder
-
-        embedder = Embedder(args.embedder)
-        if args.embedder != "default":
-            embedder_id = os.path.basename(os.path.normpath(args.embedder))
-    if engine is None and backend is None:
-        engine = load_served_engine(args)
-    if embedder is not None and engine is not None:
-        embedder.runner = engine.run_on_model  # the engine's thread: a second torch thread slows its decode
-    return ServerConfig(
-        engine,
-        model_id=args.served_model_name or served_model_name(args.model),
-        aliases=(args.model,),
-        compression=args.compression,
-        default_max_tokens=args.default_max_tokens,
-        api_key=args.api_key or os.environ.get("SNAPKV_RAG_API_KEY"),
-        embedder=embedder,
-        embedder_id=embedder_id,
-        max_request_bytes=args.max_request_bytes,
-        allow_origins=tuple(args.allow_origin or ()),
-        max_queue=args.max_queue,
-        backend=backend,
-    )
-
-
 def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from .app import create_app
+    from .config import build_config, check_args
 
     check_args(args)
     if args.replicas > 1 or args.ray_address is not None:

@@ -384,7 +384,7 @@ def new_id(kind: str) -> str:
 
 
 def fingerprint() -> str:
-    from .. import __version__
+    from .._version import __version__
 
     return f"snapkv-rag-{__version__}"
 

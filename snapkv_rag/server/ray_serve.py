@@ -128,7 +128,7 @@ class EngineReplica:
     """One engine, loaded from the ``serve`` options, with ``threads`` torch threads."""
 
     def __init__(self, options: dict[str, Any]):
-        from .cli import load_served_engine
+        from .config import load_served_engine
 
         args = argparse.Namespace(**options)
         self.engine = load_served_engine(args)
@@ -259,7 +259,7 @@ class OpenAIIngress:
 
     async def __serve_build_asgi_app__(self):
         from .app import create_app
-        from .cli import build_config
+        from .config import build_config
 
         description = await self.engines.describe.remote()
         backend = RayBackend(self.engines, description)

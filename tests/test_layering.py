@@ -1,0 +1,206 @@
+"""The package's layering (docs/development.md, "Layers"): no import circle between any two
+modules, and no subpackage importing one above it or beside it. Imports are read from the
+source, every kind counted: at module level, inside functions (run time) and under
+``TYPE_CHECKING``."""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[1] / "snapkv_rag"
+
+# Lowest first. A module may import its own subpackage and the layers below it, nothing else.
+LAYERS: list[set[str]] = [
+    {"errors", "_version"},
+    {"model"},
+    {"compression"},
+    {"reuse"},
+    {"tools"},
+    {"engine"},
+    {"less"},
+    {"agents"},
+    {"rag"},
+    {"evaluation"},
+    {"server"},
+    # entry points: the public facade, the command lines (each subpackage's cli module too) and the old paths
+    {"__init__", "cli", "cli_common", "app_cli", "_moved", "*.cli"},
+]
+ROOT_MODULE_LIMIT = 8
+
+
+def modules(root: Path = PACKAGE) -> dict[str, Path]:
+    """Dotted name (without the package's) -> file, ``""`` for the package itself."""
+    out = {}
+    for path in root.rglob("*.py"):
+        parts = list(path.relative_to(root).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        out[".".join(parts)] = path
+    return out
+
+
+def imports(name: str, path: Path, known: set[str]) -> list[tuple[str, int]]:
+    """``(imported module, line)`` for every import of the package's own modules in ``path``."""
+    is_package = path.name == "__init__.py"
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = name.split(".") if name else []
+                if not is_package:
+                    base = base[:-1]
+                base = base[: len(base) - (node.level - 1)]
+                target = ".".join(base + ([node.module] if node.module else []))
+            elif node.module and (node.module == "snapkv_rag" or node.module.startswith("snapkv_rag.")):
+                target = node.module.removeprefix("snapkv_rag").lstrip(".")
+            else:
+                continue
+            submodules = [f"{target}.{a.name}".lstrip(".") for a in node.names if f"{target}.{a.name}".lstrip(".") in known]
+            found += [(m, node.lineno) for m in submodules]
+            if len(submodules) < len(node.names):  # names defined in the module itself
+                found.append((target, node.lineno))
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name == "snapkv_rag" or alias.name.startswith("snapkv_rag."):
+                    found.append((alias.name.removeprefix("snapkv_rag").lstrip("."), node.lineno))
+    return [(m, line) for m, line in found if m in known and m != name]
+
+
+def graph(root: Path = PACKAGE) -> dict[str, list[tuple[str, int]]]:
+    mods = modules(root)
+    return {name: imports(name, path, set(mods)) for name, path in mods.items()}
+
+
+def cycles(edges: dict[str, list[tuple[str, int]]]) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w, _ in edges.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(edges):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def unit(module: str) -> str:
+    """What a module's layer is decided by: its subpackage, its own name at the root, ``*.cli`` for a subpackage's command line."""
+    if module == "":
+        return "__init__"
+    parts = module.split(".")
+    if len(parts) > 1 and parts[-1] == "cli":
+        return "*.cli"
+    return parts[0]
+
+
+def layer(module: str) -> int:
+    for i, units in enumerate(LAYERS):
+        if unit(module) in units:
+            return i
+    raise AssertionError(f"snapkv_rag.{module} belongs to no layer: add its subpackage to LAYERS and to docs/development.md")
+
+
+def violations(edges: dict[str, list[tuple[str, int]]]) -> list[str]:
+    out = []
+    for a, targets in sorted(edges.items()):
+        for b, line in targets:
+            same_unit = unit(a) == unit(b) or (a.split(".")[0] == b.split(".")[0] and unit(b) != "*.cli")
+            if same_unit or layer(b) < layer(a) or layer(a) == len(LAYERS) - 1:
+                continue
+            out.append(f"snapkv_rag.{a} (layer {layer(a)}) imports snapkv_rag.{b} (layer {layer(b)}) at line {line}")
+    return out
+
+
+def test_no_import_circle_between_any_two_modules():
+    found = cycles(graph())
+    assert not found, "import circles: " + "; ".join(" <-> ".join(f"snapkv_rag.{m}" or "snapkv_rag" for m in c) for c in found)
+
+
+def test_each_subpackage_imports_only_the_layers_below_it():
+    assert violations(graph()) == []
+
+
+def test_every_module_has_a_layer():
+    for name in modules():
+        layer(name)
+
+
+def test_the_checks_catch_a_broken_import():
+    edges = graph()
+    broken = {k: list(v) for k, v in edges.items()}
+    broken["compression.base"].append(("engine.engine", 1))
+    assert any("compression.base (layer 2) imports snapkv_rag.engine.engine" in v for v in violations(broken))
+    assert any({"compression.base", "engine.engine"} <= set(c) for c in cycles(broken))
+    sideways = {k: list(v) for k, v in edges.items()}
+    sideways["reuse.blending"].append(("tools.calls", 1))
+    assert "snapkv_rag.reuse.blending (layer 3) imports snapkv_rag.tools.calls (layer 4) at line 1" in violations(sideways)
+    into_cli = {k: list(v) for k, v in edges.items()}
+    into_cli["rag.qa"].append(("rag.cli", 1))
+    assert "snapkv_rag.rag.qa (layer 8) imports snapkv_rag.rag.cli (layer 11) at line 1" in violations(into_cli)
+
+
+def test_reading_imports_counts_function_level_and_type_checking_imports(tmp_path):
+    pkg = tmp_path / "pkg"
+    (pkg / "sub").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "sub" / "__init__.py").write_text("")
+    (pkg / "a.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .b import B\n")
+    (pkg / "b.py").write_text("def f():\n    from .sub import c\n    from . import a\n")
+    (pkg / "sub" / "c.py").write_text("from ..b import f\n")
+    edges = graph(pkg)
+    assert sorted(edges["a"]) == [("b", 3)]
+    assert sorted(edges["b"]) == [("a", 3), ("sub.c", 2)]
+    assert cycles(edges) == [["a", "b", "sub.c"]]
+
+
+def test_the_root_holds_few_modules():
+    root = sorted(p.name for p in PACKAGE.glob("*.py") if p.name not in {"__init__.py", "__main__.py"})
+    assert len(root) <= ROOT_MODULE_LIMIT, root
+
+
+@pytest.mark.parametrize("old", ["snapkv_rag.generation", "snapkv_rag.engine_cache", "snapkv_rag.less.kernels", "snapkv_rag.metrics"])
+def test_old_module_paths_still_import_with_a_deprecation_warning(old):
+    from snapkv_rag._moved import MOVED
+
+    sys.modules.pop(old, None)
+    with pytest.warns(DeprecationWarning, match=f"{old} has moved to {MOVED[old]}"):
+        module = importlib.import_module(old)
+    assert module is importlib.import_module(MOVED[old])
+
+
+def test_every_old_path_resolves():
+    from snapkv_rag._moved import MOVED
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        for old, new in MOVED.items():
+            assert importlib.import_module(old) is importlib.import_module(new)
