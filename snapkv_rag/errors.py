@@ -42,14 +42,23 @@ class EmptyPromptError(InvalidPromptError):
 class PromptTooLongError(SnapKVRagError, ValueError):
     """Prompt plus requested new tokens do not fit in the model's context window."""
 
-    def __init__(self, prompt_tokens: int, max_new_tokens: int, context_length: int):
+    def __init__(self, prompt_tokens: int, max_new_tokens: int, context_length: int, rolled_positions: int | None = None):
         self.prompt_tokens = prompt_tokens
         self.max_new_tokens = max_new_tokens
         self.context_length = context_length
+        if rolled_positions is None:
+            needed = prompt_tokens
+            remedy = (
+                "shorten the prompt, lower max_new_tokens, or let a sparse policy read it a chunk at a time "
+                "(rolling=, e.g. compression='snapkv:budget=1024,window=question,rolling=2048')"
+            )
+        else:
+            needed = rolled_positions
+            remedy = f"read through rolling=, it takes up to {rolled_positions} positions (budget + rolling + window): lower them or max_new_tokens"
         super().__init__(
             f"prompt has {prompt_tokens} tokens and max_new_tokens={max_new_tokens}, "
-            f"together {prompt_tokens + max_new_tokens}, but the model's context is "
-            f"{context_length} tokens; shorten the prompt or lower max_new_tokens"
+            f"together {needed + max_new_tokens} positions, but the model's context is "
+            f"{context_length} tokens; {remedy}"
         )
 
 

@@ -31,6 +31,8 @@ from ..errors import InvalidCompressionError
 from .decoding import PolicyState
 
 DECODE_FIELDS = ("decode_budget", "decode_interval")
+OPTIONAL_FIELDS = (*DECODE_FIELDS, "rolling")  # left out of a spec when unset
+MIN_ROLLING = 16
 DEFAULT_DECODE_INTERVAL = 64
 
 
@@ -142,6 +144,26 @@ class CompressionPolicy(ABC):
             reason = reason.replace("raise the budget", "raise decode_budget")
             raise InvalidCompressionError(f"{reason} (decode_budget is the budget of the decode-time cuts)") from None
 
+    # ------------------------------------------------------------ rolling prefill
+    rolling: int | None = None  # sparse policies declare it as a dataclass field
+
+    def check_rolling(self) -> None:
+        """Validate ``rolling`` (call from ``__post_init__``)."""
+        if self.rolling is not None:
+            check_positive_int(type(self).__name__, "rolling", self.rolling, minimum=MIN_ROLLING)
+
+    @property
+    def window_bound(self) -> int:
+        """The most trailing prompt tokens the policy votes with, before it is resolved for a prompt (0: none)."""
+        return self.query_window or 0
+
+    def prompt_positions(self, prompt_tokens: int) -> int:
+        """Positions a prompt of ``prompt_tokens`` occupies in the model: all of them, or under
+        ``rolling=N`` at most ``budget + N + window`` (the rest is read through the budget)."""
+        if self.rolling is None:
+            return prompt_tokens
+        return min(prompt_tokens, self.max_capacity_prompt + self.rolling + self.window_bound)
+
     def decode_state(self, model, sliding: list[bool]) -> PolicyState | None:
         """This policy's state for one decode run, or None when nothing happens after the prefill."""
         if self.decode_budget is None:
@@ -151,7 +173,7 @@ class CompressionPolicy(ABC):
     def spec_fields(self) -> dict[str, Any]:
         """The dataclass fields that rebuild this policy (decode settings only when set)."""
         fields = dataclasses.asdict(self)
-        for name in DECODE_FIELDS:
+        for name in OPTIONAL_FIELDS:
             if name in fields and fields[name] is None:
                 del fields[name]
         return fields

@@ -33,6 +33,7 @@ class H2O(CompressionPolicy):
     query_chunk: int = 256
     decode_budget: int | None = None  # cut the cache back to this many entries per layer during decoding
     decode_interval: int | None = None  # ... every this many generated tokens (None: 64)
+    rolling: int | None = None  # prefill this many prompt tokens at a time, cut back to the budget after each (engine/rolling.py)
 
     def __post_init__(self) -> None:
         check_positive_int("H2O", "max_capacity_prompt", self.max_capacity_prompt)
@@ -45,6 +46,7 @@ class H2O(CompressionPolicy):
             raise InvalidCompressionError("H2O: max_capacity_prompt must be at least 2")
         check_choice("H2O", "gqa_reduce", self.gqa_reduce, ("mean", "max"))
         self.check_decode_budget()
+        self.check_rolling()
 
     @property
     def recent_tokens(self) -> int:

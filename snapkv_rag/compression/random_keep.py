@@ -23,6 +23,7 @@ class RandomKeep(CompressionPolicy):
     recent: int = 32
     decode_budget: int | None = None  # cut the cache back to this many entries per layer during decoding
     decode_interval: int | None = None  # ... every this many generated tokens (None: 64)
+    rolling: int | None = None  # prefill this many prompt tokens at a time, cut back to the budget after each (engine/rolling.py)
 
     def __post_init__(self) -> None:
         check_positive_int("RandomKeep", "max_capacity_prompt", self.max_capacity_prompt)
@@ -31,6 +32,7 @@ class RandomKeep(CompressionPolicy):
         if self.recent >= self.max_capacity_prompt:
             raise InvalidCompressionError(f"RandomKeep: recent ({self.recent}) must be smaller than max_capacity_prompt ({self.max_capacity_prompt})")
         self.check_decode_budget()
+        self.check_rolling()
 
     def select(self, queries, keys, attention_mask=None, *, scaling=None, protected=None):
         b, kv_heads, n, _ = keys.shape

@@ -322,13 +322,15 @@ def capturing(callback: Callable | None) -> Iterator[None]:
 
 
 @contextmanager
-def compressing(session: PrefillCompression | None) -> Iterator[PrefillCompression | None]:
-    """Activate ``session`` for the model calls inside the block (None: no compression)."""
+def compressing(session: PrefillCompression | None, *, record: bool = True) -> Iterator[PrefillCompression | None]:
+    """Activate ``session`` for the model calls inside the block (None: no compression).
+    ``record=False``: what it keeps is not prompt positions (a rolling prefill's chunks), so
+    :func:`recording_kept_indices` does not hear of it."""
     token = _ACTIVE.set(session)
     try:
         yield session
         recorder = _RECORDER.get()
-        if recorder is not None and session is not None:
+        if recorder is not None and session is not None and record:
             layers = {layer: _on_cpu(idx) for layer, idx in session.kept_indices.items()}
             recorder.append(KeptIndices(session.prompt_length, layers))
     finally:

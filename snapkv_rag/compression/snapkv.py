@@ -90,6 +90,7 @@ class SnapKV(CompressionPolicy):
     whole_layers: int = 0
     decode_budget: int | None = None  # cut the cache back to this many entries per layer during decoding
     decode_interval: int | None = None  # ... every this many generated tokens (None: 64)
+    rolling: int | None = None  # prefill this many prompt tokens at a time, cut back to the budget after each (engine/rolling.py)
 
     def __post_init__(self) -> None:
         check_positive_int("SnapKV", "max_capacity_prompt", self.max_capacity_prompt)
@@ -122,6 +123,14 @@ class SnapKV(CompressionPolicy):
         if self.ragged_heads and self.decode_budget is not None:
             raise InvalidCompressionError("SnapKV: decode_budget (decode-time cuts) does not combine with head_budgets='adaptive'")
         self.check_decode_budget()
+        self.check_rolling()
+        if self.rolling is not None:
+            if self.ragged_heads:
+                raise InvalidCompressionError("SnapKV: rolling= does not combine with head_budgets='adaptive' (per-head budgets)")
+            if self.layer_budgets != "uniform":
+                raise InvalidCompressionError("SnapKV: rolling= needs the same budget in every layer (layer_budgets='uniform')")
+            if self.whole_layers:
+                raise InvalidCompressionError("SnapKV: rolling= does not combine with whole_layers (those layers would hold the whole prompt)")
 
     @property
     def query_window(self) -> int:
@@ -144,6 +153,10 @@ class SnapKV(CompressionPolicy):
     @property
     def question_aware(self) -> bool:
         return True
+
+    @property
+    def window_bound(self) -> int:
+        return self.max_window if self.window_size == QUESTION_WINDOW else int(self.window_size)
 
     def with_query_window(self, window: int) -> SnapKV:
         return self if window == self.window_size else dataclasses.replace(self, window_size=window)

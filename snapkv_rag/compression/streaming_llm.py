@@ -23,6 +23,7 @@ class StreamingLLM(CompressionPolicy):
     max_capacity_prompt: int = 1024
     decode_budget: int | None = None  # cut the cache back to this many entries per layer during decoding
     decode_interval: int | None = None  # ... every this many generated tokens (None: 64)
+    rolling: int | None = None  # prefill this many prompt tokens at a time, cut back to the budget after each (engine/rolling.py)
 
     def __post_init__(self) -> None:
         check_positive_int("StreamingLLM", "sink_tokens", self.sink_tokens, minimum=0)
@@ -32,6 +33,7 @@ class StreamingLLM(CompressionPolicy):
                 f"StreamingLLM: sink_tokens ({self.sink_tokens}) must be smaller than max_capacity_prompt ({self.max_capacity_prompt})"
             )
         self.check_decode_budget()
+        self.check_rolling()
 
     def select(self, queries, keys, attention_mask=None, *, scaling=None, protected=None):
         b, kv_heads, n, _ = keys.shape

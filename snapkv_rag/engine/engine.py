@@ -15,7 +15,7 @@ from ..errors import InvalidGenerationParameterError
 from ..model.loading import DEFAULT_MODEL, RECOMMENDED_CONTEXT_TOKENS, RECOMMENDED_KV_REUSE, load_model_and_tokenizer
 from ..model.memory import PeakMemory
 from ..model.quantization import parameter_count
-from ..reuse.blending import RopeShift, SegmentReuseUnsupported
+from ..reuse.blending import RopeShift, model_rope_shift
 from ..reuse.prefix_cache import PrefixCache, default_prefix_cache_bytes
 from ..reuse.segment_store import SegmentKVStore, model_signature
 from ..tools.call_gate import CallGate, CallScores
@@ -102,7 +102,6 @@ class Engine:
         self.prefix_cache = PrefixCache(prefix_cache_bytes)
         self.segment_store = segment_store if segment_store is not None else SegmentKVStore(max_bytes=max(prefix_cache_bytes, 1 << 20))
         self._signature: str | None = None
-        self._rope_shift: RopeShift | SegmentReuseUnsupported | None = None  # checked on first use
 
     # ----------------------------------------------------------------- construction
     @classmethod
@@ -227,14 +226,7 @@ class Engine:
 
     def rope_shift(self) -> RopeShift:
         """The check-once rotation that moves stored keys; raises :class:`SegmentReuseUnsupported`."""
-        if self._rope_shift is None:
-            try:
-                self._rope_shift = self.run_on_model(lambda: RopeShift(self.model))
-            except SegmentReuseUnsupported as exc:
-                self._rope_shift = exc
-        if isinstance(self._rope_shift, SegmentReuseUnsupported):
-            raise self._rope_shift
-        return self._rope_shift
+        return model_rope_shift(self.model, self.run_on_model)
 
     def _prefill_chunk(self, rows: list[list[int]]) -> int | None:
         """Chunk size for a prefill starting now: chunked while others decode (their next tokens then
@@ -458,8 +450,9 @@ class Engine:
         ``continuation``: a non-empty list (or 1-D tensor) of token ids in the vocabulary.
         """
         ids = check_continuation(self, continuation)
-        (row,) = render_within_context(self, [prompt], chat, len(ids))
-        policy = resolve_policy(self, as_policy(compression), [prompt], chat, [question])
+        requested = as_policy(compression)
+        (row,) = render_within_context(self, [prompt], chat, len(ids), policy=requested)
+        policy = resolve_policy(self, requested, [prompt], chat, [question])
         return self._teacher_force_row(row, ids, policy, prefix_cache)
 
     async def agenerate(self, prompt: PromptLike, **kwargs: Any) -> GenerationResult:

@@ -22,8 +22,9 @@ from ..compression.ragged import is_ragged, ragged_layers
 from ..compression.runtime import PrefillCompression, compressing, policy_attention, sliding_layers
 from ..compression.span_attention import SpanAttention, observing
 from ..errors import InvalidCompressionError
-from ..reuse.blending import SegmentRequest, assemble, blended_mask, blending_cache, recompute_positions
+from ..reuse.blending import SegmentRequest, assemble, blended_mask, blending_cache, model_rope_shift, recompute_positions
 from ..reuse.prefix_cache import PrefixCache, ReusePlan, plan_reuse, reuse_tail, reused_columns, reused_layer, store_prompts
+from .rolling import RollingPlan, RollingStats, rolling_plan, rolling_prefill
 from .sampling import GenerationParams, make_generator, select_next_tokens
 
 
@@ -179,8 +180,20 @@ class DecodeRun:
         sliding_cache = any(self.sliding) or any(getattr(self.cache, "is_sliding", []))
         self.prefix_cache = prefix_cache if prefix_cache is not None and prefix_cache.max_bytes > 0 and not sliding_cache else None
         self.reused_tokens = [0] * len(rows)  # per row: prompt tokens whose K/V came from a cache, not recomputed
+        # Rolling prefill (rolling=N): one prompt at a time, no prefix reuse or segments (their K/V sit at other positions)
+        first_policy = self._row_policy(0)
+        self.rolling_plan: RollingPlan | None = rolling_plan(len(rows[0]), first_policy) if first_policy is not None else None
+        if self.rolling_plan is not None:
+            if len(rows) != 1:
+                raise InvalidCompressionError("rolling= prefills one prompt at a time; Engine.generate_batch runs such rows one by one")
+            self.prefix_cache = None
+        self.rolling: RollingStats | None = None
         # Segment reuse (one prompt at a time; policies that need every prompt query prefill whole)
-        self.segments = segments if segments is not None and segments.spans and len(rows) == 1 and reuse_tail(self._row_policy(0)) is not None else None
+        self.segments = (
+            segments
+            if segments is not None and segments.spans and len(rows) == 1 and self.rolling_plan is None and reuse_tail(self._row_policy(0)) is not None
+            else None
+        )
         self.recomputed_tokens = 0  # reused-segment tokens computed again (blended prefill)
         self.segment_note: str | None = None  # why segments given were not used
         self.segment_hits = self.segment_misses = 0
@@ -206,6 +219,8 @@ class DecodeRun:
                 self.span_attention_note = "not recorded under decode-time cuts (decode_budget)"
             elif first is not None and first.ragged_heads:
                 self.span_attention_note = "not recorded under per-head budgets (heads=adaptive)"
+            elif self.rolling_plan is not None:
+                self.span_attention_note = "not recorded under a rolling prefill (rolling=)"
             else:
                 self.span_attention = SpanAttention(attention_spans, len(rows[0]), self.sliding)
 
@@ -283,6 +298,8 @@ class DecodeRun:
         selects over every chunk's keys with the window's queries, as after one forward. Until
         then every layer holds its full K/V (a whole prefill holds one layer's at a time).
         """
+        if self.rolling_plan is not None:
+            return (yield from self._rolling_prefill(self.rolling_plan))
         start = time.perf_counter()
         plan = self._plan_reuse() if self.prefix_cache is not None else None
         if self.segments is not None and plan is not None and self._exact_prefix_covers_more(plan[0][1]):
@@ -323,6 +340,22 @@ class DecodeRun:
             if self.session is not None:
                 self.session.full_kv = None  # the stored copies are the prefix cache's now
         return self._finish_prefill(seconds + time.perf_counter() - start, mask)
+
+    def _rolling_prefill(self, plan: RollingPlan) -> Generator[None, None, torch.Tensor]:
+        """The prompt read a chunk at a time into the budget (:mod:`snapkv_rag.engine.rolling`)."""
+        policy = self._row_policy(0)
+        assert policy is not None
+        start, seconds = time.perf_counter(), 0.0
+        steps = rolling_prefill(self, policy, plan, model_rope_shift(self.model))
+        while True:
+            try:
+                next(steps)
+            except StopIteration:
+                break
+            seconds += time.perf_counter() - start
+            yield
+            start = time.perf_counter()
+        return self._finish_prefill(seconds + time.perf_counter() - start, self.attention_mask)
 
     def _chunk_starts(self, chunk_tokens: int | None) -> list[int]:
         """Where the prefill's chunks start in ``input_ids`` (``[0]``: one forward).
@@ -395,8 +428,10 @@ class DecodeRun:
             self.session.cache = self.cache
 
     def policy_stats(self) -> dict:
-        """The policy state's own measurements (empty without one); byte counts are the whole batch's."""
-        return self.policy_state.stats() if self.policy_state is not None else {}
+        """The policy state's own measurements (empty without one; byte counts are the whole batch's),
+        and a rolling prefill's chunks, peak entries and highest position."""
+        stats = self.policy_state.stats() if self.policy_state is not None else {}
+        return {**stats, **self.rolling.to_dict()} if self.rolling is not None else stats
 
     def row_kept_tokens(self, row: int) -> list[int]:
         """Real (non-padding) prompt tokens kept per layer for ``row``.

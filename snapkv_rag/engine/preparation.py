@@ -14,7 +14,8 @@ from typing import Any, Protocol
 import torch
 
 from ..compression import CompressionPolicy, as_policy
-from ..errors import EmptyPromptError, InvalidGenerationParameterError, InvalidPromptError, PromptTooLongError
+from ..compression.runtime import sliding_layers
+from ..errors import EmptyPromptError, InvalidCompressionError, InvalidGenerationParameterError, InvalidPromptError, PromptTooLongError
 from ..reuse.blending import DEFAULT_RECOMPUTE, RopeShift, SegmentRequest, SegmentReuseUnsupported, segment_anchor
 from ..reuse.offered import OFFERED
 from ..reuse.prefix_cache import default_prefix_cache_bytes, reuse_tail
@@ -52,6 +53,17 @@ class EngineLike(Protocol):
     def rope_shift(self) -> RopeShift: ...
 
 
+def check_rolls(engine: EngineLike) -> None:
+    """What a rolling prefill needs of the model: no sliding-window layers, and a rotary
+    embedding that moves kept keys (:class:`~snapkv_rag.reuse.blending.RopeShift`)."""
+    if any(sliding_layers(engine.model.config)):
+        raise InvalidCompressionError("rolling= does not support models with sliding-window layers yet (Gemma 2/3, Mistral's sliding configs)")
+    try:
+        engine.rope_shift()
+    except SegmentReuseUnsupported as exc:
+        raise InvalidCompressionError(f"rolling= moves kept keys with the model's rotary embedding, and here it cannot: {exc}") from None
+
+
 def checked_prefill_chunk_tokens(value: int | None, device: torch.device) -> int:
     """The engine's ``prefill_chunk_tokens``: None for the device's default (2048 on a GPU, 512 on a CPU)."""
     if value is None:
@@ -71,17 +83,24 @@ def checked_prefix_cache_bytes(value: int | None, device: torch.device) -> int:
 
 
 def render_within_context(
-    engine: EngineLike, prompts: Sequence[PromptLike], chat: bool | None, new_tokens: int, specs: Sequence[OutputSpec] | None = None
+    engine: EngineLike,
+    prompts: Sequence[PromptLike],
+    chat: bool | None,
+    new_tokens: int,
+    specs: Sequence[OutputSpec] | None = None,
+    policy: CompressionPolicy | None = None,
 ) -> list[list[int]]:
-    """Token ids of each prompt; raises when one plus ``new_tokens`` exceeds the context."""
+    """Token ids of each prompt; raises when one plus ``new_tokens`` exceeds the context (under
+    ``rolling=`` a prompt takes at most ``budget + rolling + window`` positions, whatever its length)."""
     specs = specs or [TEXT] * len(prompts)
     rows = [render_prompt(engine.tokenizer, p, chat=chat, tools=s.tools if s.renders_tools else ()) for p, s in zip(prompts, specs)]
     if not rows:
         raise EmptyPromptError("no prompts given")
     limit = engine.context_length
     for row in rows:
-        if limit is not None and len(row) + new_tokens > limit:
-            raise PromptTooLongError(len(row), new_tokens, limit)
+        positions = policy.prompt_positions(len(row)) if policy is not None else len(row)
+        if limit is not None and positions + new_tokens > limit:
+            raise PromptTooLongError(len(row), new_tokens, limit, positions if policy is not None and policy.rolling is not None else None)
     return rows
 
 
@@ -120,7 +139,11 @@ def prepare_request(
     if params.min_new_tokens and any(s.constrained for s in specs):
         raise InvalidGenerationParameterError("min_new_tokens cannot be combined with tools or response_format", param="min_new_tokens")
     policy = as_policy(compression)
-    rows = render_within_context(engine, prompts, chat, params.max_new_tokens, specs)
+    rows = render_within_context(engine, prompts, chat, params.max_new_tokens, specs, policy)
+    if policy is not None and policy.rolling is not None:
+        check_rolls(engine)
+        if keep_texts is not None:
+            raise InvalidGenerationParameterError("keep_texts does not combine with rolling= (kept texts would move with every chunk)", param=KEEP_KEY)
     row_policies = resolve_policy(engine, policy, prompts, chat, questions, specs)
     row_policy = row_policies[0] if isinstance(row_policies, list) else row_policies
     segments, note = segment_request(engine, prompts[0], rows[0], chat, specs[0], row_policy, reuse) if reuse else (None, None)
@@ -156,8 +179,8 @@ def prepare_batch(
         raise InvalidGenerationParameterError(f"max_batch_size must be an integer >= 1 or None, got {max_batch_size!r}", param="max_batch_size")
     request = prepare_request(engine, list(prompts), compression, chat, dict(sampling or {}), questions, per_row=True, prefix_cache=prefix_cache)
     lengths = [len(r) for r in request.rows]
-    if request.policy is not None and request.policy.ragged_heads:
-        return request, [[i] for i in range(len(lengths))]  # ragged heads: one prompt per run
+    if request.policy is not None and (request.policy.ragged_heads or request.policy.rolling is not None):
+        return request, [[i] for i in range(len(lengths))]  # ragged heads, rolling prefills: one prompt per run
     if bucket:
         groups = length_buckets(lengths, max_batch_size)
     else:

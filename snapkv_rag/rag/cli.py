@@ -167,10 +167,18 @@ def _describe(answer) -> list[str]:
         f"Stuffed {len(ctx.chunks)} chunks, {ctx.document_tokens} of {ctx.budget_tokens} tokens ({ctx.left_out} candidates left out{dropped}); "
         f"prompt {answer.result.usage.prompt_tokens} tokens, KV kept {kept_tokens_text(stats.kept_tokens_per_layer)} per layer "
         f"({stats.compression['method'] if stats.compression else 'full cache'}, {stats.compression_ratio_text}x); "
-        f"prefill {stats.prefill_seconds:.1f} s{_reuse_note(stats, answer.result.usage.prompt_tokens)}"
+        f"prefill {stats.prefill_seconds:.1f} s{_reuse_note(stats, answer.result.usage.prompt_tokens)}{_rolling_note(stats)}"
         + (f", decode {stats.decode_ms_per_token:.0f} ms/token" if stats.decode_ms_per_token else "")
     )
     return lines
+
+
+def _rolling_note(stats) -> str:
+    chunks = stats.policy_stats.get("rolled_chunks")
+    if not chunks:
+        return ""
+    rolling = (stats.compression or {}).get("rolling")
+    return f" (past the window: read in {chunks} chunks of {rolling} tokens, at most {stats.policy_stats['rolling_peak_entries']} entries per layer at once)"
 
 
 def _reuse_note(stats, prompt_tokens: int) -> str:

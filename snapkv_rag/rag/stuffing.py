@@ -119,6 +119,8 @@ class StuffingRetriever:
     ``where``: a Chroma metadata filter (e.g. ``{"file": "/path/a.md"}``); ``order``:
     ``"score"`` (best first) or ``"source"`` (file, then position); ``whole_collection``:
     every chunk, in source order, or :class:`ContextBudgetError` when they do not fit.
+    ``past_window``: an explicit ``context_tokens`` may exceed the model's window (the caller's
+    policy reads the prompt with a rolling prefill, ``rolling=``).
     """
 
     def __init__(
@@ -134,6 +136,7 @@ class StuffingRetriever:
         order: str = "score",
         whole_collection: bool = False,
         system_prompt: str = SYSTEM_PROMPT,
+        past_window: bool = False,
     ):
         if order not in ORDERS:
             raise ContextBudgetError(f"order must be one of {ORDERS}, got {order!r}")
@@ -155,6 +158,8 @@ class StuffingRetriever:
         self.order = order
         self.whole_collection = whole_collection
         self.system_prompt = system_prompt
+        # an explicit context_tokens may exceed the model's window: the prompt is read by a rolling prefill
+        self.past_window = past_window
 
     def _count(self, text: str) -> int:
         return len(self.engine.tokenizer(text, add_special_tokens=False)["input_ids"])
@@ -173,11 +178,14 @@ class StuffingRetriever:
             )
         room = cap - overhead if cap is not None else None
         recommended = None if self.whole_collection else getattr(self.engine, "recommended_context_tokens", None)
+        if self.context_tokens is not None and self.past_window:
+            return self.context_tokens, overhead + self.context_tokens
         if self.context_tokens is not None:
             if room is not None and self.context_tokens > room:
                 raise ContextBudgetError(
                     f"context_tokens={self.context_tokens} does not fit: the model's context is {context} tokens, "
-                    f"max_new_tokens={self.max_new_tokens} and the rest of the prompt takes {overhead}; use at most {room}"
+                    f"max_new_tokens={self.max_new_tokens} and the rest of the prompt takes {overhead}; use at most {room}, "
+                    "or a sparse compression policy, whose prefill then reads past the window (rolling=)"
                 )
             budget = self.context_tokens
         elif recommended is not None:  # a model that answers best from a shorter stuffing

@@ -30,7 +30,9 @@ every token is computed and the result equals a full prefill.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import threading
+import weakref
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -106,10 +108,22 @@ class RopeShift:
         """``keys [..., m, head_dim]`` moved ``offset`` positions later (earlier when negative)."""
         if offset == 0:
             return keys
-        probe = torch.zeros(1, 1, 1, dtype=torch.float32, device=keys.device)
-        position = torch.tensor([[offset]], device=keys.device)
-        cos, sin = self.rotary(probe, position_ids=position)
-        cos, sin = cos[0, 0] / self.scaling, sin[0, 0] / self.scaling  # [rotary_dim]
+        cos, sin = self._angles(torch.tensor([offset], device=keys.device))
+        return self._rotate(keys, cos[0], sin[0])
+
+    def each(self, keys: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        """``keys [..., m, head_dim]``, each entry moved by its own offset (``offsets``: ``keys.shape[:-1]``)."""
+        cos, sin = self._angles(offsets.reshape(-1).to(keys.device))
+        return self._rotate(keys, cos.reshape(*offsets.shape, -1), sin.reshape(*offsets.shape, -1))
+
+    def _angles(self, offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin ``[len(offsets), rotary_dim]`` of the model's rotary embedding at ``offsets``."""
+        probe = torch.zeros(1, 1, 1, dtype=torch.float32, device=offsets.device)
+        cos, sin = self.rotary(probe, position_ids=offsets[None])
+        return cos[0] / self.scaling, sin[0] / self.scaling
+
+    @staticmethod
+    def _rotate(keys: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         rotary_dim = cos.shape[-1]
         rotated, rest = keys[..., :rotary_dim].float(), keys[..., rotary_dim:]
         half = rotary_dim // 2
@@ -127,6 +141,28 @@ class RopeShift:
         tolerance = (1e-3 if self.dtype == torch.float32 else 3e-2) * float(at_offset.float().abs().max()) + 1e-5
         if float((moved - at_offset.float()).abs().max()) > tolerance:
             raise SegmentReuseUnsupported("shifted layer-0 keys differ from keys computed at the offset (not a rotate-half RoPE)")
+
+
+_SHIFTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_SHIFTS_LOCK = threading.Lock()
+
+
+def model_rope_shift(model, run: Callable[[Callable[[], RopeShift]], RopeShift] | None = None) -> RopeShift:
+    """The model's :class:`RopeShift`, built (and checked) once; raises :class:`SegmentReuseUnsupported`.
+
+    ``run``: where the check's forward runs the first time (the engine's model worker); default here."""
+    with _SHIFTS_LOCK:
+        shift = _SHIFTS.get(model)
+    if shift is None:
+        try:
+            shift = run(lambda: RopeShift(model)) if run is not None else RopeShift(model)
+        except SegmentReuseUnsupported as exc:
+            shift = exc
+        with _SHIFTS_LOCK:
+            _SHIFTS[model] = shift
+    if isinstance(shift, SegmentReuseUnsupported):
+        raise shift
+    return shift
 
 
 class _ProbeDone(Exception):

@@ -152,10 +152,16 @@ def open_engine_stream(engine, request: ParsedRequest, compression, default_max_
         tools = request.constraints.get("tools") if request.constraints.get("tool_choice") != "none" else None
         prompt_tokens = engine.count_tokens(request.prompt, chat=False if request.kind == "completion" else None, tools=tools)
         context = engine.context_length
-        room = (context - prompt_tokens) if context else default_max_tokens
+        positions = compression.prompt_positions(prompt_tokens) if compression is not None else prompt_tokens  # fewer under rolling=
+        room = (context - positions) if context else default_max_tokens
         if room < 1:
             field = "messages" if request.kind == "chat" else "prompt"
-            raise invalid(f"the prompt has {prompt_tokens} tokens and fills the model's {context}-token context; shorten it", field, "context_length_exceeded")
+            raise invalid(
+                f"the prompt has {prompt_tokens} tokens and fills the model's {context}-token context; shorten it, or read it with a rolling prefill "
+                "(compression 'snapkv:budget=1024,window=question,rolling=2048')",
+                field,
+                "context_length_exceeded",
+            )
         max_new = min(room, default_max_tokens)
     return engine.astream(request.prompt, **request.engine_kwargs(max_new, compression))
 

@@ -37,6 +37,8 @@ class LESS(CompressionPolicy):
             raise InvalidCompressionError("LESS: its state needs the same entries in every head; per-head budgets (heads=adaptive) do not combine with it")
         if self.base.max_capacity_prompt is None:
             raise InvalidCompressionError("LESS: the base policy must have a budget (not full)")
+        if getattr(self.base, "rolling", None) is not None:
+            raise InvalidCompressionError("LESS over a rolling base (rolling=) is not supported: its state would fold entries at positions that move")
         if not isinstance(self.probe, int) or self.probe < 0:
             raise InvalidCompressionError(f"LESS: probe must be a whole number >= 0 (prompt queries that check each head), got {self.probe!r}")
 
