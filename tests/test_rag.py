@@ -601,3 +601,28 @@ def test_document_qa_runs_the_embedder_on_the_engines_thread(tmp_path, corpus):
     other = DocumentStore("thread-probe", path=tmp_path / "chroma", embedder=store.embedder)
     DocumentQA(tiny_engine("llama"), other)
     assert other.embedder.runner == engine.run_on_model  # a runner already set is kept
+
+
+def test_document_qa_stuffs_past_the_window_and_rolls_by_itself(filled_store, tokenizer):
+    """context_tokens beyond the model's window: the sparse default policy reads the prompt with a
+    rolling prefill (named on the stats line); the full cache cannot, and says how to."""
+    from snapkv_rag.rag.cli import _rolling_note
+    from snapkv_rag.rag.qa import ROLLING_CHUNK, rolled_if_needed
+    from snapkv_rag.rag.stuffing import ContextBudgetError
+
+    short = tiny_engine("llama", tokenizer, context=512)
+    qa = DocumentQA(short, filled_store, context_tokens=1500, compression=SnapKV(window_size="question", max_capacity_prompt=128, max_window=32))
+    answer = qa.ask("When did the garden open?", max_new_tokens=4)
+    assert answer.result.usage.prompt_tokens > 1500 > short.context_length
+    stats = answer.result.stats
+    assert stats.compression["rolling"] == 512 - 128 - 32 - 4 and stats.policy_stats["rolled_chunks"] >= 4
+    assert stats.kept_tokens_per_layer == [128, 128]
+    assert "past the window: read in" in _rolling_note(stats)
+    small = qa.ask("When did the garden open?", max_new_tokens=4, compression=SnapKV(max_capacity_prompt=128, window_size=16, rolling=256))
+    assert small.result.stats.policy_stats["rolled_chunks"] >= 6
+    with pytest.raises(ContextBudgetError, match="rolling="):
+        DocumentQA(short, filled_store, context_tokens=1500, compression=None).ask("When did the garden open?", max_new_tokens=4)
+    policy = SnapKV(max_capacity_prompt=128)
+    assert rolled_if_needed(policy, 400, 100, 512) is policy and rolled_if_needed(None, 40000, 100, 8192) is None
+    assert rolled_if_needed(policy, 40000, 100, 8192).rolling == ROLLING_CHUNK
+    assert rolled_if_needed("snapkv:budget=128,rolling=64", 4000, 100, 512).rolling == 64

@@ -186,6 +186,17 @@ def test_embeddings_match_the_rag_embedder(client, embedder):
     assert np.allclose(np.array(default.data[0].embedding), embedder.embed(["one text"])[0], atol=1e-6)
 
 
+def test_a_prompt_past_the_window_answers_when_its_compression_rolls(client, engine):
+    messages = [{"role": "user", "content": "word " * 3000 + "How many words?"}]
+    rolled = {"compression": "snapkv:budget=64,window=16,rolling=128"}
+    reply = client.chat.completions.create(model="tiny", messages=messages, max_tokens=4, extra_body=rolled)
+    assert reply.usage.prompt_tokens > engine.context_length
+    uncapped = client.chat.completions.create(model="tiny", messages=messages, extra_body=rolled)  # the room left is the rolled bound's
+    assert uncapped.usage.completion_tokens >= 1
+    with pytest.raises(openai.BadRequestError, match="rolling="):
+        client.chat.completions.create(model="tiny", messages=messages, max_tokens=4)
+
+
 def test_models_lists_what_is_served(client):
     assert [m.id for m in client.models.list().data] == ["tiny", "all-MiniLM-L6-v2"]
 

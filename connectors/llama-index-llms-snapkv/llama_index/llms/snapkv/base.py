@@ -137,13 +137,17 @@ class SnapKVLLM(FunctionCallingLLM):
             raise ValueError("prefix_cache_bytes, device and dtype configure a loaded engine; set them on the Engine you pass")
         else:
             model = engine.name
-        as_policy(compression)  # an invalid spec fails here, not at the first call
+        policy = as_policy(compression)  # an invalid spec fails here, not at the first call
         check_kv_reuse(kwargs.get("kv_reuse"))
         limit = engine.context_length
+        rolling = policy is not None and getattr(policy, "rolling", None) is not None  # reads prompts past the model's window
         if context_window is None:
             context_window = limit or 4096
-        elif context_window <= max_new_tokens or (limit is not None and context_window > limit):
-            raise ValueError(f"context_window={context_window} must exceed max_new_tokens={max_new_tokens} and be at most the model's {limit}")
+        elif context_window <= max_new_tokens or (limit is not None and context_window > limit and not rolling):
+            raise ValueError(
+                f"context_window={context_window} must exceed max_new_tokens={max_new_tokens} and be at most the model's {limit} "
+                "(or the compression rolls: rolling=, which reads prompts past the window)"
+            )
         super().__init__(
             model=model,
             compression=compression,
@@ -206,7 +210,7 @@ class SnapKVLLM(FunctionCallingLLM):
     def _check_window(self, prompt: Any, options: dict[str, Any]) -> None:
         """Enforce ``context_window`` when it is set below the model's own context."""
         limit = self._engine.context_length
-        if limit is not None and self.context_window >= limit:
+        if limit is not None and self.context_window == limit:
             return  # the engine enforces its own context
         n = self._engine.count_tokens(prompt, chat=options.get("chat"), tools=options.get("tools"))
         if n + options["max_new_tokens"] > self.context_window:
