@@ -134,6 +134,22 @@ def test_context_window_below_the_models_is_enforced(engine):
     assert llm.complete("Hi").text is not None
 
 
+def test_context_window_above_the_models_needs_a_rolling_policy(engine):
+    """A window larger than the model's is allowed when the compression rolls (the engine reads the
+    prompt a chunk at a time); the prompt past the model's 512 tokens then answers."""
+    rolling = "snapkv:budget=64,window=16,rolling=128"
+    llm = SnapKVLLM(engine, compression=rolling, context_window=4000, max_new_tokens=4)
+    assert llm.metadata.context_window == 4000
+    prompt = "word " * 1500
+    assert engine.count_tokens(prompt) > engine.context_length
+    response = llm.complete(prompt)
+    assert response.raw["stats"]["policy_stats"]["rolled_chunks"] > 1
+    with pytest.raises(PromptTooLongError):
+        llm.complete("word " * 5000)  # past its own context_window of 4000
+    with pytest.raises(ValueError, match="rolling="):
+        SnapKVLLM(engine, compression="snapkv:budget=64", context_window=4000)
+
+
 def test_messages_translate_tool_calls_and_tool_results():
     history = [
         ChatMessage(role="user", content="What is magic(3)?"),
