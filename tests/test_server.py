@@ -455,6 +455,17 @@ def metric(text: str, name: str, **labels: str) -> float:
     return 0.0
 
 
+def test_embedding_requests_are_counted_in_metrics(base_url):
+    before = httpx.get(base_url + "/metrics").text
+    ok = metric(before, "snapkv_requests_total", endpoint="embeddings", status="200")
+    wrong_model = metric(before, "snapkv_requests_total", endpoint="embeddings", status="404")
+    assert httpx.post(base_url + "/v1/embeddings", json={"model": "all-MiniLM-L6-v2", "input": "hello"}).status_code == 200
+    assert httpx.post(base_url + "/v1/embeddings", json={"model": "nope", "input": "hello"}).status_code == 404
+    after = httpx.get(base_url + "/metrics").text
+    assert metric(after, "snapkv_requests_total", endpoint="embeddings", status="200") == ok + 1
+    assert metric(after, "snapkv_requests_total", endpoint="embeddings", status="404") == wrong_model + 1
+
+
 def test_metrics_are_scraped_in_prometheus_format(base_url):
     before = httpx.get(base_url + "/metrics")
     assert before.status_code == 200 and before.headers["content-type"].startswith("text/plain")

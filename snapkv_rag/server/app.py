@@ -368,12 +368,16 @@ async def embeddings(request: Request):
             return embedder.embed(texts), sum(counts)
 
         vectors, tokens = await asyncio.get_running_loop().run_in_executor(None, work)
+        request.app.state.metrics.finished("embeddings", 200)
         return JSONResponse(embedding_response(model, vectors, encoding, tokens))
     except APIError as exc:
+        request.app.state.metrics.finished("embeddings", exc.status)
         return _error_response(exc)
     except Exception as exc:
         log.exception("embedding request failed")
-        return _error_response(from_engine_error(exc))
+        error = from_engine_error(exc)
+        request.app.state.metrics.finished("embeddings", error.status)
+        return _error_response(error)
 
 
 def _model_card(config: ServerConfig, model: str) -> dict[str, Any]:
