@@ -76,6 +76,21 @@ def test_errors_name_settings_as_the_spec_wrote_them():
     assert "max_capacity_prompt" not in str(error.value)
 
 
+@pytest.mark.parametrize(
+    "spec, message",
+    [
+        ("snapkv:budget=64,budget=32", r"^snapkv: 'budget' is given twice; give each setting once$"),
+        ("snapkv:budget=64,max_capacity_prompt=32", r"'budget' and 'max_capacity_prompt' name the same setting"),
+        ("h2o:budget=64,capacity=32", r"'budget' and 'capacity' name the same setting"),
+        ("less:base=snapkv,base=h2o,budget=64", r"LESS: 'base' is given twice"),
+        ("less:base=snapkv,budget=64,budget=32", r"'budget' is given twice"),
+    ],
+)
+def test_a_setting_given_twice_is_its_own_error(spec, message):
+    with pytest.raises(InvalidCompressionError, match=message):
+        parse_compression(spec)
+
+
 # ---------------------------------------------------------------------------- bound
 @pytest.mark.parametrize("policy", DECODING, ids=lambda p: p.name)
 def test_a_1200_token_generation_keeps_the_cache_within_its_bound(long_engine, policy):

@@ -197,6 +197,17 @@ def test_a_prompt_past_the_window_answers_when_its_compression_rolls(client, eng
         client.chat.completions.create(model="tiny", messages=messages, max_tokens=4)
 
 
+def test_nan_sampling_and_repeated_settings_get_errors_that_say_so(base_url):
+    for body, param, says in (
+        ('{"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "temperature": NaN}', "temperature", "finite"),
+        ('{"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "top_p": Infinity}', "top_p", "finite"),
+        (json.dumps(ask(compression="snapkv:budget=64,budget=32")), "compression", "given twice"),
+    ):
+        response = httpx.post(base_url + "/v1/chat/completions", content=body, headers={"content-type": "application/json"})
+        error = response.json()["error"]
+        assert response.status_code == 400 and error["param"] == param and says in error["message"], error
+
+
 def test_models_lists_what_is_served(client):
     assert [m.id for m in client.models.list().data] == ["tiny", "all-MiniLM-L6-v2"]
 

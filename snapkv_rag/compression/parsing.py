@@ -68,7 +68,12 @@ def _parse_less(rest: str) -> CompressionPolicy:
     from .less.policy import LESS
 
     base, kernels, probe, others = "snapkv", None, 0, []
+    seen: set[str] = set()
     for key, value in _items(rest):
+        if key in ("base", "kernels", "probe"):
+            if key in seen:
+                raise InvalidCompressionError(f"LESS: {key!r} is given twice; give each setting once")
+            seen.add(key)
         if key == "base":
             base = value
         elif key == "kernels":
@@ -105,6 +110,9 @@ def parse_compression(spec: str) -> CompressionPolicy:
         field = ALIASES.get(key, key)
         if field not in allowed:
             raise InvalidCompressionError(f"{cls.name} has no setting {key!r}; settings: {', '.join(setting_names(allowed)) or 'none'}")
+        if field in kwargs:
+            same = f"{key!r} is given twice" if typed[field] == key else f"{typed[field]!r} and {key!r} name the same setting"
+            raise InvalidCompressionError(f"{cls.name}: {same}; give each setting once")
         kwargs[field] = _coerce(value)
         typed[field] = key
     try:

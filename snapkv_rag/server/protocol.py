@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import base64
 import json
+import math
 import time
 import uuid
 from collections.abc import Mapping, Sequence
@@ -196,6 +197,13 @@ class CompletionFields(BaseModel):
     keep_texts: list[StrictStr] | None = Field(default=None, max_length=MAX_REUSE_SEGMENTS)
     ignore_eos: StrictBool | None = None
     min_tokens: StrictInt | None = Field(default=None, ge=0)
+
+    @field_validator("temperature", "top_p", "recompute", mode="before")
+    @classmethod
+    def _finite(cls, value: Any) -> Any:
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ValueError(f"must be a finite number, got {value}")
+        return value
 
     @field_validator("stop", mode="before")
     @classmethod
