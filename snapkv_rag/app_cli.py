@@ -85,10 +85,11 @@ def cmd_app(args: argparse.Namespace) -> int:
         raise SnapKVRagError(f"the app ships with the source checkout ({APP_SCRIPT} is missing); clone the repository and pip install -e '.[app]'")
     if importlib.util.find_spec("streamlit") is None:
         raise SnapKVRagError("the app needs Streamlit: pip install -e '.[app]' (scripts/setup.sh installs it)")
-    if not is_loopback(args.host) and not os.environ.get("SNAPKV_RAG_APP_PASSWORD") and not args.no_password:
+    if not is_loopback(args.host) and not os.environ.get("SNAPKV_RAG_APP_PASSWORD", "").strip() and not args.no_password:
+        blank = " (it is set, but only to whitespace)" if os.environ.get("SNAPKV_RAG_APP_PASSWORD") else ""
         raise SnapKVRagError(
             f"--host {args.host} would let anyone who reaches this machine use the app and its documents; "
-            "set SNAPKV_RAG_APP_PASSWORD (asked for in the page), or pass --no-password when your own proxy controls access"
+            f"set SNAPKV_RAG_APP_PASSWORD{blank} (asked for in the page), or pass --no-password when your own proxy controls access"
         )
     print(f"snapkv-rag: document QA at http://{args.host}:{args.port} (Ctrl+C stops it)", file=sys.stderr)
     return run_forwarding_signals(app_command(args))

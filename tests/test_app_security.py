@@ -103,3 +103,12 @@ def test_app_command_refuses_a_public_address_without_a_password(monkeypatch, ca
     monkeypatch.delenv("SNAPKV_RAG_APP_PASSWORD", raising=False)
     assert main(["app", "--host", "0.0.0.0", "--port", "1"]) == 2
     assert "SNAPKV_RAG_APP_PASSWORD" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("blank", ["   ", "\t\n"])
+def test_app_command_refuses_a_whitespace_password_for_a_public_address(monkeypatch, capsys, blank):
+    from snapkv_rag.cli import main
+
+    monkeypatch.setenv("SNAPKV_RAG_APP_PASSWORD", blank)
+    assert main(["app", "--host", "0.0.0.0", "--port", "1"]) == 2
+    assert "only to whitespace" in capsys.readouterr().err
