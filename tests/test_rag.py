@@ -626,3 +626,15 @@ def test_document_qa_stuffs_past_the_window_and_rolls_by_itself(filled_store, to
     assert rolled_if_needed(policy, 400, 100, 512) is policy and rolled_if_needed(None, 40000, 100, 8192) is None
     assert rolled_if_needed(policy, 40000, 100, 8192).rolling == ROLLING_CHUNK
     assert rolled_if_needed("snapkv:budget=128,rolling=64", 4000, 100, 512).rolling == 64
+
+
+def test_choosing_chunk_reuse_against_the_models_recommendation_gets_a_note():
+    from types import SimpleNamespace
+
+    from snapkv_rag.rag.kv_reuse import kv_reuse_note
+
+    embedded = SimpleNamespace(recommended_kv_reuse="prefix")
+    assert "recommended --kv-reuse is prefix" in kv_reuse_note(embedded, "chunks") and "lost 13 of its 19" in kv_reuse_note(embedded, "chunks")
+    assert kv_reuse_note(embedded, None) is None and kv_reuse_note(embedded, "prefix") is None and kv_reuse_note(embedded, "off") is None
+    larger = SimpleNamespace(recommended_kv_reuse="chunks")
+    assert kv_reuse_note(larger, "chunks") is None and "reuses less" in kv_reuse_note(larger, "prefix")

@@ -197,6 +197,7 @@ def _reuse_note(stats, prompt_tokens: int) -> str:
 def cmd_ask(args) -> int:
     from ..cli_common import load_engine
     from ..less.calibrate import calibration_note
+    from .kv_reuse import kv_reuse_note
     from .qa import DocumentQA, small_model_note
 
     sampling, compression = _qa_kwargs(args)
@@ -229,7 +230,11 @@ def cmd_ask(args) -> int:
         sys.stdout.write(piece)
         sys.stdout.flush()
     print("\n".join(_describe(stream.answer)))
-    notes = [calibration_note(qa.compression, qa.policy()), small_model_note(qa.engine, "--model PATH_OR_HUB_ID takes a larger instruct model.")]
+    notes = [
+        calibration_note(qa.compression, qa.policy()),
+        kv_reuse_note(qa.engine, args.kv_reuse),
+        small_model_note(qa.engine, "--model PATH_OR_HUB_ID takes a larger instruct model."),
+    ]
     for note in filter(None, notes):
         print(f"note: {note}", file=sys.stderr)
     return 0
