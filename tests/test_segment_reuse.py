@@ -200,7 +200,7 @@ def test_disk_store_round_trip_survives_a_new_process_object(tmp_path):
     assert (reopened.stats.hits, reopened.stats.misses) == (1, 3)
 
 
-@pytest.mark.parametrize("damage", ["truncate", "garbage", "foreign", "shape"])
+@pytest.mark.parametrize("damage", ["truncate", "garbage", "foreign", "shape", "tensor bytes", "no checksum"])
 def test_damaged_or_foreign_files_are_refused_and_deleted(tmp_path, damage):
     store = SegmentKVStore(tmp_path)
     stored = entry(4)
@@ -214,6 +214,18 @@ def test_damaged_or_foreign_files_are_refused_and_deleted(tmp_path, damage):
         other = SegmentKVStore(tmp_path / "other")
         other.put("sig2", torch.float32, stored)
         path.write_bytes(next((tmp_path / "other").glob("sig2/*.safetensors")).read_bytes())
+    elif damage == "tensor bytes":  # header intact, the data overwritten (0x7f bytes: huge floats)
+        data = bytearray(path.read_bytes())
+        data[-40:-8] = b"\x7f" * 32
+        path.write_bytes(bytes(data))
+    elif damage == "no checksum":  # a file of the format before checksums
+        from safetensors import safe_open
+        from safetensors.torch import save_file
+
+        with safe_open(str(path), framework="pt") as handle:
+            meta = {k: v for k, v in (handle.metadata() or {}).items() if k != "crc32"}
+            tensors = {name: handle.get_tensor(name) for name in ("keys", "values")}
+        save_file(tensors, str(path), metadata=meta)
     else:
         wrong = SegmentKV(stored.token_ids, torch.zeros(2, 2, 5, 8), torch.zeros(2, 2, 5, 8), [1])
         SegmentKVStore(tmp_path).put("sig", torch.float32, wrong)
@@ -221,6 +233,38 @@ def test_damaged_or_foreign_files_are_refused_and_deleted(tmp_path, damage):
     assert store.stats.refused == 1 and not path.exists()
     store.put("sig", torch.float32, stored)  # recomputed and stored again
     assert store.get("sig", torch.float32, stored.token_ids, SHAPE, [1]) is not None
+
+
+def test_a_directory_that_cannot_be_written_is_read_but_not_written_with_one_warning(tmp_path, monkeypatch, caplog):
+    import errno
+    import logging
+
+    import safetensors.torch
+
+    stored = entry(5)
+    SegmentKVStore(tmp_path).put("sig", torch.float32, stored)
+
+    def read_only(*args, **kwargs):
+        raise OSError(errno.EROFS, "Read-only file system")
+
+    monkeypatch.setattr(safetensors.torch, "save_file", read_only)
+    store = SegmentKVStore(tmp_path)
+    with caplog.at_level(logging.WARNING, logger="snapkv_rag.reuse.segment_store"):
+        assert store.put("sig", torch.float32, entry(6)) is False
+        assert store.put("sig", torch.float32, entry(7)) is False
+    assert [r.getMessage() for r in caplog.records].count(caplog.records[0].getMessage()) == 1 == len(caplog.records)
+    assert "Read-only file system" in caplog.records[0].getMessage() and "Read-only" in store.unwritable
+    assert store.get("sig", torch.float32, stored.token_ids, SHAPE, [1]) is not None  # reading goes on
+    assert not list(tmp_path.glob("sig/.*.tmp"))
+
+
+def test_a_store_whose_directory_cannot_be_made_answers_without_storing(tmp_path, caplog):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    store = SegmentKVStore(blocker / "kv")  # mkdir fails: a file sits where the parent should be
+    assert store.unwritable is not None
+    assert store.put("sig", torch.float32, entry(8)) is False
+    assert store.get("sig", torch.float32, entry(8).token_ids, SHAPE, [1]) is None
 
 
 def test_disk_store_is_bounded_least_recently_used_first(tmp_path):

@@ -10,9 +10,11 @@ can never be found under a key of this one.
 On disk (:class:`SegmentKVStore` with a directory) each entry is one safetensors file,
 written to a temporary name and renamed into place (atomic on POSIX), so two processes
 storing the same key at once both leave a whole file and readers never see half of one.
-A file that fails to load, whose metadata names another model, dtype or token list, or
-whose tensors have the wrong shape is deleted and reported as a miss: the caller
-recomputes it. The directory is bounded by ``max_bytes``, least recently used first
+A file that fails to load, whose metadata names another model, dtype or token list, whose
+tensors have the wrong shape, or whose tensor bytes do not match the CRC-32 written beside them
+(checked on every load: about 1 ms per 3 MB here) is deleted and reported as a miss: the caller
+recomputes it. A directory that cannot be written (a read-only mount, no permission) is read
+from but not written to, with one warning, and every answer is still computed. The directory is bounded by ``max_bytes``, least recently used first
 (reads touch a file's mtime). Every process pointed at the same directory shares it.
 """
 
@@ -20,9 +22,11 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import threading
 import uuid
+import zlib
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -33,9 +37,20 @@ import torch
 from ..model.packed_linear import weight_layout
 from ..model.quantization import weight_format
 
-FORMAT = "snapkv-rag-segment-kv/1"
+FORMAT = "snapkv-rag-segment-kv/2"  # /2: a CRC-32 of the tensor bytes in the metadata (files of /1 are recomputed)
 DEFAULT_MAX_BYTES = 2 << 30
 SUFFIX = ".safetensors"
+
+
+log = logging.getLogger(__name__)
+
+
+def tensor_crc(*tensors: torch.Tensor) -> str:
+    """CRC-32 of the tensors' bytes, in order (cheap enough to check on every load)."""
+    crc = 0
+    for tensor in tensors:
+        crc = zlib.crc32(tensor.detach().contiguous().cpu().view(torch.uint8).numpy().data, crc)
+    return f"{crc:08x}"
 
 
 def model_signature(model, name: str = "") -> str:
@@ -102,8 +117,12 @@ class SegmentKVStore:
         self._memory: OrderedDict[str, SegmentKV] = OrderedDict()
         self._memory_bytes = 0
         self._lock = threading.Lock()
+        self.unwritable: str | None = None  # why entries are not written (a read-only directory), once known
         if self.directory is not None:
-            self.directory.mkdir(parents=True, exist_ok=True)
+            try:
+                self.directory.mkdir(parents=True, exist_ok=True)
+            except OSError as exc:
+                self._cannot_write(exc)
 
     def __repr__(self) -> str:
         where = str(self.directory) if self.directory is not None else "memory"
@@ -159,6 +178,8 @@ class SegmentKVStore:
                 keys, values = handle.get_tensor("keys"), handle.get_tensor("values")
             if keys.dtype != dtype or values.dtype != dtype:
                 raise ValueError("dtype differs from its metadata")
+            if tensor_crc(keys, values) != meta.get("crc32"):
+                raise ValueError("tensor bytes differ from their checksum")
         except Exception:  # noqa: BLE001 - anything unreadable is refused and recomputed
             self._refuse(signature, key)
             return None
@@ -200,20 +221,43 @@ class SegmentKVStore:
             return True
         from safetensors.torch import save_file
 
+        if self.unwritable is not None:
+            return False
         path = self._path(signature, key)
-        path.parent.mkdir(parents=True, exist_ok=True)
         temporary = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex}.tmp")
-        meta = {"format": FORMAT, "model": signature, "dtype": str(dtype), "tokens": json.dumps(entry.token_ids), "anchor": json.dumps(entry.anchor)}
+        keys, values = entry.keys.contiguous().cpu(), entry.values.contiguous().cpu()
+        meta = {
+            "format": FORMAT,
+            "model": signature,
+            "dtype": str(dtype),
+            "tokens": json.dumps(entry.token_ids),
+            "anchor": json.dumps(entry.anchor),
+            "crc32": tensor_crc(keys, values),
+        }
         try:
-            save_file({"keys": entry.keys.contiguous().cpu(), "values": entry.values.contiguous().cpu()}, str(temporary), metadata=meta)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            save_file({"keys": keys, "values": values}, str(temporary), metadata=meta)
             os.replace(temporary, path)
+        except OSError as exc:
+            self._cannot_write(exc)
+            return False
         finally:
-            if temporary.exists():
-                temporary.unlink()
+            try:
+                temporary.unlink(missing_ok=True)
+            except OSError:
+                pass
         with self._lock:
             self.stats.writes += 1
         self._evict_files()
         return True
+
+    def _cannot_write(self, exc: OSError) -> None:
+        """Stop writing to a directory that refuses it, with one warning; reading goes on."""
+        with self._lock:
+            first = self.unwritable is None
+            self.unwritable = f"{self.directory}: {exc.strerror or exc}"
+        if first:
+            log.warning("chunk K/V are not stored: %s cannot be written (%s); answers are computed as usual", self.directory, exc.strerror or exc)
 
     def _files(self) -> list[tuple[float, int, Path]]:
         assert self.directory is not None
