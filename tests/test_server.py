@@ -128,6 +128,9 @@ def test_streamed_chat_reassembles_to_the_plain_answer(client):
     assert finish == [plain.choices[0].finish_reason]
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == plain.usage.completion_tokens
     assert len({c.id for c in chunks}) == 1
+    # the engine's stats: on the finish chunk, and on the last chunk (the usage one), as docs/server.md says
+    ending = [c for c in chunks if c.choices and c.choices[0].finish_reason][0]
+    assert ending.model_extra["snapkv"]["kept_tokens_per_layer"] == chunks[-1].model_extra["snapkv"]["kept_tokens_per_layer"]
 
 
 def test_tool_calls_plain_and_streamed(client, engine):

@@ -472,10 +472,10 @@ class ChunkWriter:
         return self._chunk([self._choice({"content": piece} if self.chat else piece)])
 
     def closing(self, result) -> list[str]:
-        end = self._chunk([self._choice({} if self.chat else "", _finish_reason(result))], snapkv=result.stats.to_dict())
-        out = [end]
-        if self.request.include_usage:
-            out.append(self._chunk([], usage=_usage(result)))
+        stats = result.stats.to_dict()
+        out = [self._chunk([self._choice({} if self.chat else "", _finish_reason(result))], snapkv=stats)]
+        if self.request.include_usage:  # the usage chunk is then the last one: it carries the stats too
+            out.append(self._chunk([], usage=_usage(result), snapkv=stats))
         out.append("data: [DONE]\n\n")
         return out
 
