@@ -17,6 +17,7 @@ from conftest import FAMILIES, build_tokenizer, gemma3_engine, tiny_engine
 
 from snapkv_rag.compression import H2O, SnapKV, StreamingLLM
 from snapkv_rag.engine.generation import DecodeRun
+from snapkv_rag.engine.preparation import prepare_request
 from snapkv_rag.errors import InvalidGenerationParameterError
 from snapkv_rag.reuse.blending import (
     RopeShift,
@@ -46,7 +47,7 @@ def tok():
 
 
 def prefill(engine, prompt, policy, **reuse):
-    request = engine._prepare([prompt], policy, None, dict(max_new_tokens=2, **reuse), [QUESTION])
+    request = prepare_request(engine, [prompt], policy, None, dict(max_new_tokens=2, **reuse), [QUESTION])
     assert (request.segments is not None) == bool(reuse.get("reuse_segments")), request.segment_note
     run = DecodeRun(engine.model, request.rows, request.params, request.row_policies, engine._pad_id, segments=request.segments)
     next(run.steps())

@@ -182,19 +182,6 @@ class Engine:
         return self._grammar_tokenizer
 
     # ----------------------------------------------------------------- the generation path
-    def _prepare(
-        self,
-        prompts: Sequence[PromptLike],
-        compression: Compression,
-        chat: bool | None,
-        sampling: dict[str, Any],
-        questions: Sequence[str | None] | None = None,
-        *,
-        per_row: bool = False,
-        prefix_cache: bool = True,
-    ) -> Request:
-        return prepare_request(self, prompts, compression, chat, sampling, questions, per_row=per_row, prefix_cache=prefix_cache)
-
     @property
     def max_batch_size(self) -> int:
         """The most rows decoded together; prefills of further requests wait for room (see :mod:`snapkv_rag.engine.scheduler`)."""
@@ -374,7 +361,7 @@ class Engine:
     def _prepare_one(
         self, prompt: PromptLike, compression: Compression, chat: bool | None, question: str | None, prefix_cache: bool, sampling: dict[str, Any]
     ) -> Request:
-        return self._prepare([prompt], compression, chat, sampling, [question], prefix_cache=prefix_cache)
+        return prepare_request(self, [prompt], compression, chat, sampling, [question], prefix_cache=prefix_cache)
 
     def _prepare_kwargs(
         self,
