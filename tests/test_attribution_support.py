@@ -105,6 +105,7 @@ def test_the_cli_says_not_supported():
         decode_ms_per_token=None,
         segment_reuse=None,
         reused_prompt_tokens=0,
+        policy_stats={},
     )
     answer = NS(
         citations=[],
