@@ -82,6 +82,7 @@ def test_sources_name_each_route_once():
         decode_ms_per_token=None,
         segment_reuse=None,
         reused_prompt_tokens=0,
+        policy_stats={},
     )
     context = SimpleNamespace(chunks=[chunk], document_tokens=1, budget_tokens=2, left_out=0, duplicates=0)
     answer = SimpleNamespace(
@@ -101,7 +102,7 @@ def test_sources_name_each_route_once():
     [
         (["--collection", "missing"], "no collection 'missing'"),
         (["--collection", "x"], "not valid"),
-        (["--collection", "notes", "--context-tokens", "999999"], "does not fit"),
+        (["--collection", "notes", "--context-tokens", "999999", "--compression", "full"], "does not fit"),
         (["--collection", "notes", "--compression", "snapkv:window=questions"], "window (or 'question') must be"),
     ],
 )
