@@ -217,6 +217,8 @@ def test_a_rolled_prefill_records_no_kept_positions(short_engine):
     with recording_kept_indices() as kept:
         short_engine.generate(long_text(600, seed=7), compression="snapkv:budget=48,window=8,rolling=64", max_new_tokens=2)
     assert kept == []
+    short = long_text(10, seed=7)
+    assert short_engine.count_tokens(short) <= 64 + 8
     with recording_kept_indices() as kept:
-        short_engine.generate(long_text(60, seed=7), compression="snapkv:budget=48,window=8,rolling=64", max_new_tokens=2)
+        short_engine.generate(short, compression="snapkv:budget=48,window=8,rolling=64", max_new_tokens=2)
     assert len(kept) == 1  # one chunk: a whole prefill, recorded as before
