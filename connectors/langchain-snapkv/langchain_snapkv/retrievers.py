@@ -18,6 +18,7 @@ from langchain_core.vectorstores import VectorStore
 from pydantic import ConfigDict, Field
 
 from snapkv_rag import Engine
+from snapkv_rag.compression import as_policy
 from snapkv_rag.rag import DocumentStore, StuffedContext, StuffingRetriever
 from snapkv_rag.rag.store import StoredChunk
 from snapkv_rag.rag.stuffing import SYSTEM_PROMPT
@@ -100,7 +101,7 @@ class SnapKVStuffingRetriever(BaseRetriever):
     whose tokenizer and context count. ``context_tokens``: tokens for the documents (default:
     the model's context minus ``max_new_tokens`` and the rest of the prompt). ``k``: at most
     this many chunks (also per call: ``invoke(q, k=3)``). ``min_score``, ``where``, ``order``
-    and ``whole_collection`` as in :class:`snapkv_rag.rag.StuffingRetriever`.
+    and ``whole_collection`` as in :class:`snapkv_rag.rag.StuffingRetriever`. ``past_window``: see the field.
 
     Each Document's metadata carries ``number`` (its ``[n]`` in the stuffed prompt),
     ``chunk_id``, ``source``, ``title``, ``position``, ``score`` and the store's metadata.
@@ -119,6 +120,9 @@ class SnapKVStuffingRetriever(BaseRetriever):
     order: str = "score"
     whole_collection: bool = False
     system_prompt: str = SYSTEM_PROMPT
+    past_window: bool = False
+    """``context_tokens`` may exceed the model's window: the chat model's compression reads the
+    prompt with a rolling prefill (``rolling=``). On by itself when ``llm``'s compression sets ``rolling=``."""
 
     @classmethod
     def from_vectorstore(cls, vectorstore: VectorStore, **kwargs: Any) -> SnapKVStuffingRetriever:
@@ -152,6 +156,7 @@ class SnapKVStuffingRetriever(BaseRetriever):
             order=self.order,
             whole_collection=self.whole_collection,
             system_prompt=self.system_prompt,
+            past_window=self.past_window or (self.llm is not None and getattr(as_policy(self.llm.compression), "rolling", None) is not None),
         )
 
     def stuff(self, query: str, *, k: int | None = None) -> StuffedContext:

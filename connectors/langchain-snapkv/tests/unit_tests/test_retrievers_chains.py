@@ -143,6 +143,23 @@ def test_cited_chain_end_to_end_on_a_tiny_engine(store, tiny_engine):
     assert all(1 <= c["number"] <= len(out["documents"]) for c in out["citations"])
 
 
+def test_a_rolling_chat_model_lets_the_retriever_stuff_past_the_window(store, tiny_engine):
+    """With ChatSnapKV's compression rolling, context_tokens may exceed the model's window; the
+    chain then answers from a prompt longer than the window. Without it the budget is refused."""
+    from snapkv_rag.rag.stuffing import ContextBudgetError
+
+    llm = ChatSnapKV(engine=tiny_engine, max_tokens=4, compression="snapkv:budget=64,window=question,max_window=32,rolling=128")
+    retriever = SnapKVStuffingRetriever(store=store, engine=tiny_engine, llm=llm, context_tokens=2000, max_new_tokens=4, whole_collection=True)
+    ctx = retriever.stuff("ferry code")
+    assert ctx.prompt_tokens > tiny_engine.context_length
+    answer = create_cited_qa_chain(llm, retriever).invoke("Which code has the ferry?")
+    assert answer["answer"] is not None
+    reply = llm.invoke(ctx.messages)
+    assert reply.response_metadata["snapkv_stats"]["policy_stats"]["rolled_chunks"] > 1
+    with pytest.raises(ContextBudgetError, match="rolling="):
+        SnapKVStuffingRetriever(store=store, engine=tiny_engine, context_tokens=2000, max_new_tokens=4).stuff("ferry code")
+
+
 def test_chat_history_on_agent_memory(tmp_path, tiny_engine):
     history = SnapKVChatMessageHistory(str(tmp_path / "m.sqlite3"), "t1")
     msgs = [
