@@ -3,7 +3,9 @@
 Positions are explicit. After compression the cache holds ``k < n`` entries per layer, but
 the first generated token still sits at position ``n`` (per row: its real-token count), so
 RoPE sees true positions; the 2-D mask covers the kept entries plus the new ones, and
-transformers derives mask sizes from the cache length, which stays consistent.
+transformers derives mask sizes from the cache length, which stays consistent. A rolling
+prefill (:mod:`.rolling`) is the exception: its kept keys are moved to packed positions, and
+generation continues from the last prompt token's packed position.
 """
 
 from __future__ import annotations
@@ -181,8 +183,8 @@ class DecodeRun:
         self.prefix_cache = prefix_cache if prefix_cache is not None and prefix_cache.max_bytes > 0 and not sliding_cache else None
         self.reused_tokens = [0] * len(rows)  # per row: prompt tokens whose K/V came from a cache, not recomputed
         # Rolling prefill (rolling=N): one prompt at a time, no prefix reuse or segments (their K/V sit at other positions)
-        first_policy = self._row_policy(0)
-        self.rolling_plan: RollingPlan | None = rolling_plan(len(rows[0]), first_policy) if first_policy is not None else None
+        first = self._row_policy(0)
+        self.rolling_plan: RollingPlan | None = rolling_plan(len(rows[0]), first) if first is not None else None
         if self.rolling_plan is not None:
             if len(rows) != 1:
                 raise InvalidCompressionError("rolling= prefills one prompt at a time; Engine.generate_batch runs such rows one by one")
@@ -204,7 +206,6 @@ class DecodeRun:
         self.session: PrefillCompression | None = None
         self.last_logits = torch.empty(0)  # [batch, vocab] of the latest forward
         # What the policy keeps doing after the prefill (LESS's folded state, decode-time cuts); None: nothing
-        first = self._row_policy(0)
         self.policy_state: PolicyState | None = first.decode_state(model, self.sliding) if first is not None else None
         # attention over given prompt spans during decoding (attention citations), one prompt only
         if protected_spans and len(rows) != 1:

@@ -39,7 +39,11 @@ from ..errors import InvalidCompressionError
 class RollingStats:
     chunks: int = 0
     peak_entries: int = 0  # the most K/V entries one layer held at once during the prefill
-    max_position: int = 0  # the highest position any prompt token was computed at
+
+    @property
+    def max_position(self) -> int:
+        """The highest position any prompt token was computed at (entries are packed at 0..peak-1)."""
+        return self.peak_entries - 1
 
     def to_dict(self) -> dict[str, int]:
         return {"rolled_chunks": self.chunks, "rolling_peak_entries": self.peak_entries, "rolling_max_position": self.max_position}
@@ -103,7 +107,6 @@ def rolling_prefill(run, policy: CompressionPolicy, plan: RollingPlan, shift) ->
         positions = torch.arange(held, held + tokens.shape[1], device=device)[None]
         stats.chunks += 1
         stats.peak_entries = max(stats.peak_entries, held + tokens.shape[1])
-        stats.max_position = max(stats.max_position, held + tokens.shape[1] - 1)
         session = PrefillCompression(policy if last else scoring, run.cache, None, run.sliding, run.policy_state)
         run.session = session
         with compressing(session, record=False):  # kept indices here are chunk positions, not the prompt's
