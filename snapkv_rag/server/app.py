@@ -26,7 +26,8 @@ from starlette.routing import Route
 
 from ..compression import as_policy
 from ..engine.results import kept_tokens_text
-from .defaults import DEFAULT_COMPRESSION, DEFAULT_MAX_QUEUE, DEFAULT_MAX_REQUEST_BYTES, DEFAULT_MAX_TOKENS
+from .defaults import DEFAULT_COMPRESSION, DEFAULT_MAX_QUEUE, DEFAULT_MAX_REQUEST_BYTES, DEFAULT_MAX_TOKENS, DEFAULT_SHUTDOWN_GRACE
+from .draining import Drain, shutting_down
 from .metrics import PieceClock, ServerMetrics
 from .protocol import (
     APIError,
@@ -49,7 +50,9 @@ class ServerConfig:
     """What the server serves and how. ``api_key``: required as ``Authorization: Bearer ...``
     when set. ``default_max_tokens``: the cap when a request gives no ``max_tokens`` (the
     room left in the context caps it too). ``embedder``: an :class:`~snapkv_rag.rag.Embedder`
-    for ``/v1/embeddings`` (loaded on first use), or None to serve no embeddings."""
+    for ``/v1/embeddings`` (loaded on first use), or None to serve no embeddings.
+    ``shutdown_grace``: seconds that generating requests get to finish at Ctrl+C or SIGTERM
+    (:mod:`.draining`)."""
 
     def __init__(
         self,
@@ -66,11 +69,14 @@ class ServerConfig:
         allow_origins: tuple[str, ...] = (),
         max_queue: int = DEFAULT_MAX_QUEUE,
         backend=None,
+        shutdown_grace: float = DEFAULT_SHUTDOWN_GRACE,
     ):
         if isinstance(default_max_tokens, bool) or not isinstance(default_max_tokens, int) or default_max_tokens < 1:
             raise ValueError(f"default_max_tokens must be a positive integer, got {default_max_tokens!r}")
         if isinstance(max_queue, bool) or not isinstance(max_queue, int) or max_queue < 1:
             raise ValueError(f"max_queue must be a positive integer, got {max_queue!r}")
+        if isinstance(shutdown_grace, bool) or not isinstance(shutdown_grace, (int, float)) or not 0 <= shutdown_grace < float("inf"):
+            raise ValueError(f"shutdown_grace must be a number of seconds >= 0, got {shutdown_grace!r}")
         if engine is None and (backend is None or model_id is None):
             raise ValueError("ServerConfig needs an engine, or a backend and a model_id")
         self.engine = engine  # None when the engines run elsewhere (Ray Serve replicas)
@@ -86,11 +92,12 @@ class ServerConfig:
         self.max_request_bytes = max_request_bytes
         self.allow_origins = tuple(allow_origins)
         self.max_queue = max_queue  # completion requests admitted at once (waiting or generating); more get 429
+        self.shutdown_grace = shutdown_grace
         self.started = int(time.time())
 
 
 def _error_response(exc: APIError) -> JSONResponse:
-    return JSONResponse(exc.body(), status_code=exc.status)
+    return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
 
 
 async def _json_body(request: Request, limit: int) -> Any:
@@ -184,10 +191,10 @@ class InProcess:
         return {"context_length": info.context_length, "device": info.device, "replicas": 1}
 
 
-async def _finish(stream, clock: PieceClock):
+async def _finish(stream, clock: PieceClock, drain: Drain):
     """Read ``stream`` to its end; its result. Cancelling this stops the generation."""
     async with stream:
-        async for _ in stream:
+        async for _ in drain.pieces(stream):
             clock.tick()
     return stream.result
 
@@ -223,9 +230,13 @@ def _served_by(stream) -> dict[str, str]:
 
 def _queue_full(config: ServerConfig) -> JSONResponse:
     error = APIError(
-        429, f"the server is busy: {config.max_queue} requests are already queued or running; retry shortly", type="rate_limit_error", code="queue_full"
+        429,
+        f"the server is busy: {config.max_queue} requests are already queued or running; retry shortly",
+        type="rate_limit_error",
+        code="queue_full",
+        headers={"Retry-After": "1"},
     )
-    return JSONResponse(error.body(), status_code=429, headers={"Retry-After": "1"})
+    return _error_response(error)
 
 
 def _log(config: ServerConfig, request_id: str, request: ParsedRequest, result) -> None:
@@ -272,6 +283,10 @@ def _completions(kind: str):
         config: ServerConfig = request.app.state.config
         metrics: ServerMetrics = request.app.state.metrics
         clock = PieceClock(metrics, time.perf_counter())
+        drain: Drain = request.app.state.drain
+        if drain.begun:
+            metrics.finished(kind, 503)
+            return _error_response(shutting_down())
         admission: Admission | None = Admission(request.app)
         assert admission is not None
         if not admission.enter():
@@ -288,11 +303,11 @@ def _completions(kind: str):
             except Exception as exc:
                 raise from_engine_error(exc, kind) from None
             if parsed.stream:
-                events = _stream(config, request_id, parsed, stream, clock, admission.release)
+                events = _stream(config, request_id, parsed, stream, clock, drain, admission.release)
                 admission = None  # the stream releases it when it ends
                 return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache", **_served_by(stream)})
             try:
-                result = await _until_disconnect(request, _finish(stream, clock))
+                result = await _until_disconnect(request, _finish(stream, clock, drain))
             except asyncio.CancelledError:
                 log.info("%s cancelled: the client disconnected", request_id)
                 metrics.finished(kind, 499)
@@ -317,7 +332,7 @@ def _completions(kind: str):
     return endpoint
 
 
-async def _stream(config: ServerConfig, request_id: str, parsed: ParsedRequest, stream, clock: PieceClock, release):
+async def _stream(config: ServerConfig, request_id: str, parsed: ParsedRequest, stream, clock: PieceClock, drain: Drain, release):
     metrics = clock.metrics
     writer = ChunkWriter(parsed, request_id, config.model_id)
     try:
@@ -327,7 +342,7 @@ async def _stream(config: ServerConfig, request_id: str, parsed: ParsedRequest, 
         finished = False
         try:
             async with stream:
-                async for piece in stream:
+                async for piece in drain.pieces(stream):
                     clock.tick()
                     yield writer.piece(piece)
             finished = True
@@ -351,6 +366,8 @@ async def _stream(config: ServerConfig, request_id: str, parsed: ParsedRequest, 
 async def embeddings(request: Request):
     config: ServerConfig = request.app.state.config
     try:
+        if request.app.state.drain.begun:
+            raise shutting_down()
         if config.embedder is None:
             raise APIError(404, "this server serves no embeddings (started with --embedder none)", code="model_not_found")
         model, texts, encoding = parse_embedding_request(await _json_body(request, config.max_request_bytes))
@@ -412,8 +429,9 @@ async def prometheus_metrics(request: Request):
 async def health(request: Request):
     config: ServerConfig = request.app.state.config
     serving = await config.backend.health()
-    body = {"status": "ok" if serving["replicas"] else "unavailable", "model": config.model_id, "compression": config.compression_spec, **serving}
-    return JSONResponse(body, status_code=200 if serving["replicas"] else 503)
+    status = "shutting_down" if request.app.state.drain.begun else "ok" if serving["replicas"] else "unavailable"
+    body = {"status": status, "model": config.model_id, "compression": config.compression_spec, **serving}
+    return JSONResponse(body, status_code=200 if status == "ok" else 503)
 
 
 async def not_found(request: Request, exc: Exception):
@@ -451,5 +469,6 @@ def create_app(config: ServerConfig) -> Starlette:
     )
     app.state.config = config
     app.state.metrics = ServerMetrics(config.engine)  # without an engine here (Ray Serve), request metrics only
+    app.state.drain = Drain(config.shutdown_grace)  # begun by DrainingServer at Ctrl+C or SIGTERM
     app.state.in_flight = 0  # completion requests admitted and not finished (the event loop's own count)
     return app

@@ -11,7 +11,7 @@ from ..errors import SnapKVRagError
 
 
 def add_serve_parser(sub) -> None:
-    from .defaults import DEFAULT_COMPRESSION, DEFAULT_MAX_QUEUE, DEFAULT_MAX_REQUEST_BYTES, DEFAULT_MAX_TOKENS
+    from .defaults import DEFAULT_COMPRESSION, DEFAULT_MAX_QUEUE, DEFAULT_MAX_REQUEST_BYTES, DEFAULT_MAX_TOKENS, DEFAULT_SHUTDOWN_GRACE
 
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (chat, completions, embeddings)")
     p.add_argument("--model", default="default", help="'default' (embedded SmolLM2), a model dir, a .gguf file or a hub id")
@@ -66,6 +66,13 @@ def add_serve_parser(sub) -> None:
         help="a prompt that arrives while others decode is prefilled in chunks of this many tokens (default: 512 on a CPU, 2048 on a GPU; 0: whole)",
     )
     p.add_argument(
+        "--shutdown-grace",
+        type=float,
+        default=DEFAULT_SHUTDOWN_GRACE,
+        help=f"seconds that generating requests get to finish at Ctrl+C or SIGTERM; then they end with a server_shutting_down error "
+        f"(default {DEFAULT_SHUTDOWN_GRACE:g}; `docker stop` kills after 10)",
+    )
+    p.add_argument(
         "--replicas",
         type=int,
         default=1,
@@ -99,6 +106,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     from .app import create_app
     from .config import build_config, check_args
+    from .draining import DrainingServer
 
     check_args(args)
     if args.replicas > 1 or args.ray_address is not None:
@@ -115,6 +123,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         f"compression: {config.compression_spec}{'; API key required' if config.api_key else ''}). Ctrl+C stops it.",
         file=sys.stderr,
     )
-    # In-flight streams get 5 s to finish on Ctrl+C or `docker stop` (which kills after 10 s).
-    uvicorn.run(create_app(config), host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=5)
+    # Requests stop within the grace and a step (DrainingServer); uvicorn's own bound cuts connections only past that.
+    app = create_app(config)
+    settings = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=int(args.shutdown_grace) + 5)
+    DrainingServer(settings, app.state.drain).run()
     return 0

@@ -47,6 +47,8 @@ def check_args(args: argparse.Namespace) -> None:
             raise SnapKVRagError(f"--{name.replace('_', '-')} must be at least {least}, got {value}")
     if args.prefill_chunk_tokens is not None and not (args.prefill_chunk_tokens == 0 or args.prefill_chunk_tokens >= 16):
         raise SnapKVRagError(f"--prefill-chunk-tokens must be 0 (whole prompts) or at least 16, got {args.prefill_chunk_tokens}")
+    if not 0 <= args.shutdown_grace <= 3600:  # NaN fails too
+        raise SnapKVRagError(f"--shutdown-grace must be 0-3600 seconds, got {args.shutdown_grace}")
 
 
 def load_served_engine(args: argparse.Namespace):
@@ -99,4 +101,5 @@ def build_config(args: argparse.Namespace, engine=None, backend=None):
         allow_origins=tuple(args.allow_origin or ()),
         max_queue=args.max_queue,
         backend=backend,
+        shutdown_grace=args.shutdown_grace,
     )

@@ -6,3 +6,5 @@ DEFAULT_MAX_REQUEST_BYTES = 8 << 20  # a full 128K-token prompt is about 0.5 MB 
 # Completion requests admitted at once (waiting or generating); beyond it, 429 with Retry-After.
 # The engine decodes at most max_batch_size of them together (16 on a CPU, 64 on a GPU); the rest wait for room.
 DEFAULT_MAX_QUEUE = 64
+# Seconds that generating requests get to finish at Ctrl+C or SIGTERM; `docker stop` kills after 10.
+DEFAULT_SHUTDOWN_GRACE = 3.0

@@ -38,11 +38,22 @@ from ..tools.calls import ToolCallDelta
 
 
 class APIError(Exception):
-    """An error response: HTTP ``status`` and OpenAI's ``{"error": {...}}`` body."""
+    """An error response: HTTP ``status``, OpenAI's ``{"error": {...}}`` body and any ``headers``
+    (``Retry-After``)."""
 
-    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error", param: str | None = None, code: str | None = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ):
         super().__init__(message)
         self.status = status
+        self.headers = headers or {}
         self.message = message
         self.type = type
         self.param = param

@@ -41,7 +41,6 @@ log = logging.getLogger("snapkv_rag.server")
 
 APP_NAME = "snapkv-rag"
 ENGINE_DEPLOYMENT = "EngineReplica"
-GRACE_SECONDS = 3  # for streams in flight at Ctrl+C or `docker stop` (SIGKILL after 10 s): the whole shutdown must fit
 
 
 def _error_fields(error: APIError) -> dict[str, Any]:
@@ -301,7 +300,7 @@ def build_application(args: argparse.Namespace):
         },
         health_check_period_s=2,
         graceful_shutdown_wait_loop_s=1,
-        graceful_shutdown_timeout_s=GRACE_SECONDS,
+        graceful_shutdown_timeout_s=args.shutdown_grace,
     )(EngineReplica)
     ingress = serve.deployment(
         name="OpenAIIngress",
@@ -309,7 +308,7 @@ def build_application(args: argparse.Namespace):
         max_ongoing_requests=args.max_queue + 16,
         ray_actor_options={"num_cpus": 0},
         graceful_shutdown_wait_loop_s=1,
-        graceful_shutdown_timeout_s=GRACE_SECONDS,
+        graceful_shutdown_timeout_s=args.shutdown_grace,
     )(OpenAIIngress)
     return ingress.bind(engines.bind(options), options)
 
