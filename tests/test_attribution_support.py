@@ -117,3 +117,27 @@ def test_the_cli_says_not_supported():
     )
     text = "\n".join(_describe(answer))
     assert 'NOT SUPPORTED by the stuffed documents: "The primary school is 100." (no stuffed document contains 100)' in text
+
+
+VISITORS = "The Tessaly museum counted 7,699 visitors in 2019 and charged 10 crowns a ticket."
+
+
+def test_a_wrong_calculation_is_not_supported_though_its_operands_are(attributor):
+    """Issue 51, item 11: "So, 7,699 * 10 = 769" was cited, partly supported, by the chunk holding 7,699 and 10."""
+    q = "What did the museum take in tickets in 2019?"
+    assert fact_gate("So, 7,699 * 10 = 769.", q, [VISITORS, FERRY]) == ([False, False], {"769"})
+    (support,) = attributor.attribute(q, "So, 7,699 * 10 = 769.", [VISITORS, FERRY])
+    assert not support.supported and support.missing == ("769",)
+
+
+def test_a_right_calculation_is_supported_where_its_operands_are():
+    q = "What did the museum take in tickets in 2019?"
+    assert fact_gate("So, 7,699 * 10 = 76,990 crowns.", q, [VISITORS, FERRY]) == ([True, False], set())
+    assert fact_gate("That is 10 / 3 = 3.33 each.", q, [VISITORS]) == ([False], {"3"})  # 3 comes from nowhere
+    assert fact_gate("It took 7,699 + 1 = 7,700 tickets.", q, [VISITORS]) == ([False], {"1"})
+
+
+def test_a_sentence_without_a_calculation_is_still_partly_supported():
+    q = "When does the first ferry leave?"
+    gate, missing = fact_gate("The first ferry leaves Tessaly at 6:15, which is 1 hour and 40 minutes early.", q, CHUNKS)
+    assert gate == [False, False, True] and missing == {"1 hour", "40 minutes"}
