@@ -4,7 +4,7 @@
 # Chroma server on one named volume, then takes them down.
 #
 #   bash docker/test.sh              # about 10 minutes the first time (image build), root or docker group
-#   KEEP=1 bash docker/test.sh       # leave the image and volume behind
+#   KEEP=1 bash docker/test.sh       # leave compose's named volume behind too (the image always stays)
 #
 # Uses docker when a daemon answers, else podman (installed with apt when missing and root).
 # Where no registry is reachable, python:3.11-slim is replaced by a stand-in built from Debian
@@ -30,13 +30,21 @@ else
   if ! command -v podman >/dev/null 2>&1; then
     [ "$(id -u)" -eq 0 ] || fail "neither a docker daemon nor podman; install podman (apt-get install podman runc)"
     say "installing podman"
-    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq podman runc mmdebstrap netavark aardvark-dns >/dev/null
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq podman runc mmdebstrap netavark aardvark-dns iptables >/dev/null
+  fi
+  # netavark sets up container networks with iptables, which minimal hosts lack
+  if ! command -v iptables >/dev/null 2>&1; then
+    [ "$(id -u)" -eq 0 ] || fail "podman's netavark needs iptables: apt-get install iptables"
+    say "installing iptables (for podman's netavark)"
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq iptables >/dev/null
   fi
   CE=podman
   # rootful podman here: runc (crun trips over the cgroup setup) and the host's hard nofile limit
   hard=$(ulimit -Hn)
   [ "$hard" = unlimited ] && hard=65536
-  cat >"$WORK/containers.conf" <<EOF
+  # kept in .podman/ (git-ignored) for running the image by hand afterwards (docs/docker.md)
+  mkdir -p "$ROOT/.podman"
+  cat >"$ROOT/.podman/containers.conf" <<EOF
 [containers]
 default_ulimits = ["nofile=$hard:$hard", "nproc=32768:32768"]
 [engine]
@@ -48,12 +56,12 @@ EOF
   if [ ! -x /usr/lib/podman/aardvark-dns ] && ! command -v aardvark-dns >/dev/null 2>&1; then
     [ "$(id -u)" -eq 0 ] && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq netavark aardvark-dns >/dev/null
   fi
-  export CONTAINERS_CONF="$WORK/containers.conf"
+  export CONTAINERS_CONF="$ROOT/.podman/containers.conf"
 fi
 say "container engine: $CE ($($CE --version))"
 
 cleanup() {
-  $CE rm -f "$NAME" >/dev/null 2>&1 || true
+  $CE rm -f -v "$NAME" >/dev/null 2>&1 || true  # -v: the image's anonymous /data volume too
   if [ -n "${COMPOSE:-}" ]; then
     (cd docker && SNAPKV_RAG_PORT=$PORT SNAPKV_RAG_APP_PORT=$APP_PORT $COMPOSE -p "$NAME" down -v >/dev/null 2>&1) || true
   fi
@@ -118,6 +126,7 @@ wait_for() {  # URL, seconds
 
 # ------------------------------------------------------------------ the server alone
 say "server: start, /health, one chat completion"
+volumes_before=$($CE volume ls -q | wc -l)
 $CE run -d --name "$NAME" -p "127.0.0.1:$PORT:8000" "$IMAGE" >/dev/null
 wait_for "http://127.0.0.1:$PORT/health" 120 || { $CE logs "$NAME" >&2; fail "the server did not answer /health"; }
 curl -fsS "http://127.0.0.1:$PORT/health" >&2; echo >&2
@@ -125,7 +134,12 @@ answer=$(curl -fsS "http://127.0.0.1:$PORT/v1/chat/completions" -H 'Content-Type
   -d '{"model": "default", "messages": [{"role": "user", "content": "What is the capital of France?"}], "max_tokens": 16}')
 echo "$answer" | python3 -c "import json, sys; r = json.load(sys.stdin); print('chat answer:', repr(r['choices'][0]['message']['content'])); assert r['usage']['completion_tokens'] > 0" >&2 \
   || fail "no chat completion: $answer"
-$CE rm -f "$NAME" >/dev/null
+$CE stop -t 10 "$NAME" >/dev/null
+code=$($CE inspect "$NAME" --format '{{.State.ExitCode}}')
+[ "$code" = 0 ] || fail "the server exited with $code on SIGTERM (docker stop), not 0"
+echo "docker stop: the server exited 0" >&2
+$CE rm -f -v "$NAME" >/dev/null
+[ "$($CE volume ls -q | wc -l)" -eq "$volumes_before" ] || fail "the server's container left a volume behind"
 
 # ------------------------------------------------------------------ compose: API, app, Chroma server
 if [ "$CE" = docker ] && docker compose version >/dev/null 2>&1; then
@@ -154,9 +168,13 @@ if [ "$CE" = podman ]; then
     podman healthcheck run "$container" >/dev/null 2>&1 && echo "healthcheck $service: healthy" >&2 || fail "compose: $service healthcheck failed"
   done
 fi
-(cd docker && SNAPKV_RAG_PORT=$PORT SNAPKV_RAG_APP_PORT=$APP_PORT $COMPOSE -p "$NAME" down -v) >/dev/null
-COMPOSE=""
-if [ -z "${KEEP:-}" ]; then
-  $CE volume ls --format '{{.Name}}' | grep -q "${NAME}_snapkv-data" && fail "compose down -v left the named volume behind"
+if [ -n "${KEEP:-}" ]; then
+  (cd docker && SNAPKV_RAG_PORT=$PORT SNAPKV_RAG_APP_PORT=$APP_PORT $COMPOSE -p "$NAME" down) >/dev/null
+  $CE volume ls --format '{{.Name}}' | grep -qx "${NAME}_snapkv-data" || fail "KEEP=1: the named volume ${NAME}_snapkv-data is gone"
+  say "KEEP=1: the named volume ${NAME}_snapkv-data stays; remove it with: $CE volume rm ${NAME}_snapkv-data"
+else
+  (cd docker && SNAPKV_RAG_PORT=$PORT SNAPKV_RAG_APP_PORT=$APP_PORT $COMPOSE -p "$NAME" down -v) >/dev/null
+  $CE volume ls --format '{{.Name}}' | grep -qx "${NAME}_snapkv-data" && fail "compose down -v left the named volume behind"
 fi
+COMPOSE=""
 say "docker/test.sh: all checks passed"
