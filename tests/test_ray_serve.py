@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -153,6 +154,9 @@ def test_an_unreachable_ray_address_is_one_error_line_not_a_hang():
 # --------------------------------------------------------------------------- the deployment
 
 
+SERVER: dict = {}  # the ray_server fixture's process
+
+
 @pytest.fixture(scope="module")
 def ray_server(tmp_path_factory):
     folder = tmp_path_factory.mktemp("tiny-llama-ray")
@@ -167,6 +171,7 @@ def ray_server(tmp_path_factory):
     with open(log_path, "wb") as log:
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     base = f"http://127.0.0.1:{port}"
+    SERVER["process"] = process
     try:
         wait_for_replicas(base, 2, process, log_path, timeout=240)
         yield base
@@ -217,6 +222,29 @@ def test_two_replicas_serve_the_openai_api(ray_server):
     assert events[-1] == "[DONE]"
     chunks = [json.loads(e) for e in events[:-1]]
     assert chunks[-1]["choices"][0]["finish_reason"] == "length" and sum(1 for c in chunks if c["choices"][0]["delta"].get("content")) >= 1
+
+
+def listening_addresses(session: int) -> list[str]:
+    """Local addresses of the TCP sockets listening in processes of ``session`` (Ray's own among them)."""
+    pids = set()
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                if os.getsid(int(entry)) == session:
+                    pids.add(int(entry))
+            except OSError:
+                pass
+    lines = subprocess.run(["ss", "-ltnpH"], capture_output=True, text=True, check=True).stdout.splitlines()
+    return [line.split()[3] for line in lines if any(f"pid={pid}," in line for pid in pids)]
+
+
+@pytest.mark.skipif(shutil.which("ss") is None, reason="needs ss (iproute2) to list listening sockets")
+def test_a_local_ray_instance_listens_on_loopback_only(ray_server):
+    """Issue 51, item 9: Ray's GCS, raylet, agents and workers listened on every interface."""
+    addresses = listening_addresses(SERVER["process"].pid)
+    assert len(addresses) >= 5, addresses  # the Serve proxy, GCS, raylet, agents, workers
+    exposed = [a for a in addresses if a.rpartition(":")[0] not in ("127.0.0.1", "[::ffff:127.0.0.1]", "[::1]")]
+    assert exposed == [], (exposed, subprocess.run(["ss", "-ltnpH"], capture_output=True, text=True).stdout)
 
 
 def test_bad_requests_get_the_single_process_errors(ray_server):
@@ -272,4 +300,5 @@ def kill_replica(replica_id: str) -> None:
         "import ray; ray.init(address='auto', logging_level='ERROR');"
         f"ray.kill(ray.get_actor('SERVE_REPLICA::snapkv-rag#EngineReplica#{replica_id}', namespace='serve'), no_restart=True)"
     )
-    subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}  # the server's local Ray listens on loopback (a single-machine instance)
+    subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True, env=env)

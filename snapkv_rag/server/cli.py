@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 from ..errors import SnapKVRagError
@@ -104,12 +105,19 @@ def add_serve_parser(sub) -> None:
 def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
+    from ..model.allocator import bound_allocator
     from .app import create_app
     from .config import build_config, check_args
     from .draining import DrainingServer
 
     check_args(args)
+    bound_allocator()  # before the model loads: a long-running server's memory plateaus (model.allocator)
     if args.replicas > 1 or args.ray_address is not None:
+        if args.ray_address in (None, "local"):
+            # Ray's single-machine mode: a local instance's own services (GCS, raylet, agents,
+            # workers) listen on loopback only, not on every interface; set it to 1 to let other
+            # machines reach them (docs/ray-serve.md). Read when ray is first imported.
+            os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
         try:
             from .ray_serve import serve_on_ray
         except ImportError as exc:

@@ -10,7 +10,7 @@ import time
 from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 # Seconds: a first token within 50 ms (a reused prompt on a GPU) to minutes (a long CPU prefill).
 TTFT_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32, 64, 128)
@@ -34,6 +34,7 @@ class ServerMetrics:
         )
         if engine is not None:  # None: the engines are Ray Serve replicas in other processes
             self._engine_gauges(engine)
+        r.register(MemoryCollector())
 
     def _engine_gauges(self, engine: Any) -> None:
         r = self.registry
@@ -104,3 +105,21 @@ def _prefix_hit_ratio(engine: Any) -> float:
 
 def _ratio(part: int, whole: int) -> float:
     return part / whole if whole else 0.0
+
+
+class MemoryCollector:
+    """The process's resident memory and what the C allocator holds (:mod:`snapkv_rag.model.allocator`):
+    in use, and freed but kept (resident until trimmed)."""
+
+    def collect(self):
+        from ..model.allocator import malloc_stats, trim_stats
+        from ..model.memory import current_rss_bytes
+
+        yield GaugeMetricFamily("snapkv_process_resident_bytes", "Resident memory of this process", value=current_rss_bytes())
+        stats = malloc_stats()
+        if stats is not None:
+            yield GaugeMetricFamily("snapkv_malloc_in_use_bytes", "Bytes the C allocator has handed out (CPU tensors among them)", value=stats.in_use_bytes)
+            yield GaugeMetricFamily("snapkv_malloc_free_bytes", "Bytes freed and still held by the C allocator", value=stats.free_bytes)
+        trims, seconds = trim_stats()
+        yield CounterMetricFamily("snapkv_malloc_trims", "Times the allocator's free pages were given back (every 5 s)", value=trims)
+        yield CounterMetricFamily("snapkv_malloc_trim_seconds", "Seconds those trims took", value=seconds)

@@ -39,6 +39,25 @@ from .protocol import APIError, ParsedRequest, from_engine_error
 
 log = logging.getLogger("snapkv_rag.server")
 
+
+def _replicas_on_loopback() -> None:
+    """A local Ray instance (``snapkv-rag serve`` sets Ray's single-machine mode) listens on
+    loopback, except that Ray Serve starts each replica's inter-deployment gRPC server on every
+    interface ("[::]:0", no option): bind it to loopback as well, in that mode only."""
+    if os.environ.get("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER") != "0":
+        return
+    from ray.serve._private import replica
+
+    every_interface = replica.add_port_to_grpc_server
+
+    def on_loopback(server: Any, address: str) -> int:
+        return every_interface(server, "127.0.0.1:0" if address == "[::]:0" else address)
+
+    replica.add_port_to_grpc_server = on_loopback
+
+
+_replicas_on_loopback()  # this module is imported in every replica before it starts serving
+
 APP_NAME = "snapkv-rag"
 ENGINE_DEPLOYMENT = "EngineReplica"
 
@@ -127,8 +146,10 @@ class EngineReplica:
     """One engine, loaded from the ``serve`` options, with ``threads`` torch threads."""
 
     def __init__(self, options: dict[str, Any]):
+        from ..model.allocator import bound_allocator
         from .config import load_served_engine
 
+        bound_allocator()  # each replica is a long-running process of its own
         args = argparse.Namespace(**options)
         self.engine = load_served_engine(args)
         self.compression = as_policy(args.compression)
