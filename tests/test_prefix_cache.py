@@ -263,8 +263,8 @@ def test_chat_turns_reuse_the_previous_prompt(eng):
 
 
 def test_a_prefix_under_the_minimum_share_is_not_reused(eng, monkeypatch):
-    """Reusing a small share is slower than a plain prefill (the rest runs through a masked
-    path), so a stored prefix shorter than MIN_REUSE_SHARE of the prompt is left unused."""
+    """Reusing a tiny share costs more than it saves (the fixed cost of reusing), so a stored
+    prefix shorter than MIN_REUSE_SHARE of the prompt is left unused (set to a half here)."""
     monkeypatch.setattr("snapkv_rag.reuse.prefix_cache.MIN_REUSE_SHARE", 0.5)
     cache = PrefixCache(1 << 30)
     base = ids(eng, DOC)

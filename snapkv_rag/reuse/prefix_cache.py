@@ -155,11 +155,12 @@ def reuse_tail(policy: CompressionPolicy | None) -> int | None:
 
 
 #: A stored prefix is reused only when it covers at least this share of the prompt. The rest
-#: of the prompt then runs against the cache through an explicit attention mask, which costs
-#: more than SDPA's causal path: measured on the embedded model (bf16, 2 threads), reusing
-#: 2-25% of a 2K prompt was 0.75-1.0x the speed of no reuse, 2-40% of a 6K prompt 0.6-0.9x;
-#: 60% gave 1.85x and 1.47x (eval/RESULTS.md, "Chunk-level K/V reuse").
-MIN_REUSE_SHARE = 0.5
+#: of the prompt attends to it through compression.runtime.cached_prefix_attention, at a causal
+#: prefill's cost per token, so reuse pays from small shares: on the embedded model 1.02-1.07x
+#: at 5-10% in fp32 (2.4K and 8K tokens) and 1.03x at 10% in bf16, but 0.88x at 5% in bf16 (2K),
+#: where the fixed cost of reusing outweighs 98 tokens (eval/RESULTS.md, "Exact prefix reuse at
+#: any share"). It was 0.5 while the rest went through an explicit mask (0.6-0.9x below half).
+MIN_REUSE_SHARE = 0.1
 
 
 def reusable_tokens(prefix_length: int, prompt_length: int, policy: CompressionPolicy | None) -> int:

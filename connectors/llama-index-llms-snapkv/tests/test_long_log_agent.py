@@ -32,7 +32,7 @@ def test_agent_workflow_keeps_every_tool_log_and_reuses_each_turns_prefix(smollm
     tool_messages = [str(m.content) for m in stored if m.role.value == "tool"]
     assert tool_messages == [example.read_log(r["tool_call"]["args"]["part"]) for r in rows if r["tool_call"]]  # verbatim
     # each call's prompt starts with the previous call's, so from turn 2 on (where the history
-    # is most of the prompt; the cache skips a reuse under half the prompt) it comes from the cache
+    # is most of the prompt) it comes from the cache
     assert rows[0]["reused_prompt_tokens"] == 0
     later = [r for r in rows if r["turn"] > 1]
     assert later and all(r["reused_prompt_tokens"] > 0.5 * r["prompt_tokens"] for r in later)
