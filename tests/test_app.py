@@ -7,6 +7,7 @@ comparison, the kept-entries record, and every bad input handled in the page.
 
 from __future__ import annotations
 
+import re
 import threading
 from pathlib import Path
 
@@ -254,11 +255,30 @@ def test_question_too_long_for_the_context(app_env):
 
 
 def test_context_tokens_larger_than_the_model_context(app_env):
+    """The full cache cannot read past the window: one clear error before any answer."""
     at = small_settings(with_documents(start()), context_tokens=5000)
-    assert "exceed the model's context" in texts(at.sidebar.warning)
+    at.selectbox(key="method").set_value("full")
+    at.run()
+    warning = texts(at.sidebar.warning)
+    assert "exceed the model's context" in warning and "choose SnapKV" in warning
     ask(at, "When does the first ferry leave?")
     error = texts(at.chat_message[1].error)
     assert "context_tokens=5000 does not fit" in error and "use at most" in error
+
+
+def test_snapkv_stuffs_past_the_model_context(app_env):
+    """Issue 46: a sparse policy reads a stuffing larger than the window with a rolling prefill;
+    the full-cache side, which cannot, is left out of a side-by-side run."""
+    log = "".join(f"Entry {i}: the harbour office logged the {i % 12 + 6}:40 ferry and its cargo of timber.\n" for i in range(60))
+    at = small_settings(upload(with_documents(start()), {"harbour-log.txt": log.encode()}), context_tokens=5000)
+    at.toggle(key="side_by_side").set_value(True)
+    at.run()
+    assert "rolling prefill" in texts(at.sidebar.info) and not texts(at.sidebar.warning)
+    at = ask(at, "When does the first ferry leave?")
+    assert not at.chat_message[1].error, texts(at.chat_message[1].error)
+    assert "Full cache" not in texts(at.chat_message[1].markdown)
+    stuffed = re.search(r"documents \(([\d,]+) tokens\) stuffed", texts(at.chat_message[1].caption))
+    assert stuffed and int(stuffed.group(1).replace(",", "")) > 512  # more than the whole window, read in chunks
 
 
 def test_budget_larger_than_the_context(app_env):

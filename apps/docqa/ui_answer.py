@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 
 import streamlit as st
-from ui_config import MAX_QUESTION_CHARS, Settings, checked_policy
+from ui_config import MAX_QUESTION_CHARS, Settings, checked_policy, reads_past_window
 from ui_views import Run, Turn, answer_markdown, md_escape, render_comparison, render_kept, render_run_caption, render_sources
 
 from snapkv_rag import Engine
@@ -76,10 +76,12 @@ def answer_question(question: str, engine: Engine | None, engine_error: str | No
             turn.error = problem
             return turn
         turn.model_note = small_model_note(engine, "For better answers start the app with a larger instruct model: `snapkv-rag app --model PATH_OR_HUB_ID`.")
+        # the chosen policy decides the stuffing: a sparse one may stuff past the window (rolling prefill)
         qa = DocumentQA(
-            engine, store, compression=None, context_tokens=settings.context_tokens, max_new_tokens=settings.max_new_tokens, kv_reuse=settings.kv_reuse
+            engine, store, compression=policy, context_tokens=settings.context_tokens, max_new_tokens=settings.max_new_tokens, kv_reuse=settings.kv_reuse
         )
-        runs = [Run("Full cache", "full")] if settings.side_by_side else []
+        past_window = reads_past_window(settings, engine, policy)
+        runs = [Run("Full cache", "full")] if settings.side_by_side and not past_window else []
         runs.append(Run(settings.label, settings.method))
         targets = st.columns(2, gap="large") if len(runs) == 2 else [st.container()]
         try:

@@ -151,6 +151,15 @@ class Settings:
         return {"temperature": self.temperature, **({"seed": 0} if self.temperature > 0 else {})}
 
 
+def reads_past_window(settings: Settings, engine: Engine | None, policy) -> bool:
+    """Whether the stuffed context plus the answer exceed the model's window and ``policy`` reads
+    such a prompt with a rolling prefill (the full cache cannot read it at all)."""
+    from snapkv_rag.rag.qa import rolls
+
+    context = engine.context_length if engine is not None else None
+    return bool(context) and settings.context_tokens + settings.max_new_tokens > context and policy is not None and rolls(policy)
+
+
 def checked_policy(settings: Settings, engine: Engine | None):
     """The policy, checked against the model before any answer is produced: LESS needs kernels
     for this model and budget, and finding out after the full-cache side finished lost that answer."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import streamlit as st
-from ui_config import KV_REUSE, METHODS, NEW_COLLECTION, AppConfig, Settings, checked_policy, load_engine
+from ui_config import KV_REUSE, METHODS, NEW_COLLECTION, AppConfig, Settings, checked_policy, load_engine, reads_past_window
 from ui_views import fmt_bytes
 
 from snapkv_rag import Engine
@@ -117,8 +117,9 @@ def sidebar_settings(engine: Engine | None) -> Settings:
     settings = Settings(
         method, int(budget), window, int(window_size), int(context_tokens), int(max_new_tokens), float(temperature), bool(side_by_side and compressed), kv_reuse
     )
+    policy = None
     try:
-        checked_policy(settings, engine)
+        policy = checked_policy(settings, engine)
     except SnapKVRagError as exc:
         st.sidebar.error(str(exc))
     if compressed and budget >= context_tokens:
@@ -126,8 +127,15 @@ def sidebar_settings(engine: Engine | None) -> Settings:
             f"The budget ({budget:,}) is not below the context tokens ({context_tokens:,}): the prompt will usually fit whole and nothing gets compressed."
         )
     if engine is not None and engine.context_length and context_tokens + max_new_tokens > engine.context_length:
-        st.sidebar.warning(
-            f"Context tokens plus max new tokens ({context_tokens + max_new_tokens:,}) exceed the model's context "
-            f"({engine.context_length:,}); lower one of them."
-        )
+        if reads_past_window(settings, engine, policy):
+            st.sidebar.info(
+                f"Context tokens plus max new tokens ({context_tokens + max_new_tokens:,}) exceed the model's context "
+                f"({engine.context_length:,}): the prompt is read a chunk at a time into the budget (rolling prefill), "
+                "slower than one forward; the full cache cannot read it, so there is no side-by-side run."
+            )
+        else:
+            st.sidebar.warning(
+                f"Context tokens plus max new tokens ({context_tokens + max_new_tokens:,}) exceed the model's context "
+                f"({engine.context_length:,}); lower one of them, or choose SnapKV, H2O or StreamingLLM, whose prefill reads past the window."
+            )
     return settings
