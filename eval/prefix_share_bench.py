@@ -7,7 +7,7 @@ a fresh prompt (council minutes, its own seed), and before each timed call only 
 ``share`` of tokens in the prefix cache (a 1-token generation over them); the
 whole prompt's prefill is timed without reuse (``prefix_cache=False``), with reuse and the merged
 attention, and with reuse and the masked attention, interleaved, ``--repeats`` times; medians.
-The engine's reuse threshold (``MIN_REUSE_SHARE``) is set to 0 here so every share is reused.
+The engine's reuse thresholds (``MIN_REUSE_SHARE`` and its bf16 one) are set to 0 here so every share is reused.
 The full cache (no compression) isolates the prefill; the reused answers are checked equal.
 
     HF_HUB_OFFLINE=1 .venv/bin/python eval/prefix_share_bench.py --dtype float32 --out eval/results/prefix_share_fp32
@@ -46,7 +46,7 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=Path("eval/results/prefix_share"))
     args = parser.parse_args()
     engine = Engine.from_pretrained(args.model, dtype=args.dtype)
-    prefix_cache.MIN_REUSE_SHARE = 0.0
+    prefix_cache.MIN_REUSE_SHARE = prefix_cache.MIN_REUSE_SHARE_LOW_PRECISION = 0.0
     records: list[dict] = []
     table = [
         f"Prefill speed-up from an exact stored prefix, by share reused: {engine.name}, {args.dtype}, full cache, "

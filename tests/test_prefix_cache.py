@@ -34,6 +34,7 @@ def any_prefix_share(monkeypatch):
     """These tests check that reuse is exact for a prefix of any length; the share below
     which reuse is skipped as a slowdown (MIN_REUSE_SHARE) has its own test."""
     monkeypatch.setattr("snapkv_rag.reuse.prefix_cache.MIN_REUSE_SHARE", 0.0)
+    monkeypatch.setattr("snapkv_rag.reuse.prefix_cache.MIN_REUSE_SHARE_LOW_PRECISION", 0.0)
 
 
 @pytest.fixture(scope="module")
@@ -278,3 +279,15 @@ def test_a_prefix_under_the_minimum_share_is_not_reused(eng, monkeypatch):
     run = DecodeRun(eng.model, [long], GenerationParams(max_new_tokens=1), None, eng._pad_id, prefix_cache=cache)
     run._prefill()
     assert run.reused_tokens == [3 * len(base) // 4]
+
+
+def test_the_least_share_reused_depends_on_the_precision(monkeypatch):
+    """fp32 reuse is exact and pays from a tenth of the prompt; in bf16 it is not bit-exact and stays at half."""
+    from snapkv_rag.reuse import prefix_cache
+
+    monkeypatch.setattr(prefix_cache, "MIN_REUSE_SHARE", 0.1)
+    monkeypatch.setattr(prefix_cache, "MIN_REUSE_SHARE_LOW_PRECISION", 0.5)
+    assert prefix_cache.reusable_tokens(300, 1000, None, torch.float32) == 300
+    assert prefix_cache.reusable_tokens(300, 1000, None, torch.bfloat16) == 0
+    assert prefix_cache.reusable_tokens(600, 1000, None, torch.bfloat16) == 600
+    assert prefix_cache.reusable_tokens(50, 1000, None, torch.float32) == 0

@@ -161,16 +161,22 @@ def reuse_tail(policy: CompressionPolicy | None) -> int | None:
 #: where the fixed cost of reusing outweighs 98 tokens (eval/RESULTS.md, "Exact prefix reuse at
 #: any share"). It was 0.5 while the rest went through an explicit mask (0.6-0.9x below half).
 MIN_REUSE_SHARE = 0.1
+#: The same in bf16/fp16, where reuse is not bit-exact (attention computed in two pieces rounds
+#: otherwise): below half it gained at most 1.17x and changed the greedy continuation on 2 of the
+#: 3 prompts measured there, so half the prompt stays the bar, as before.
+MIN_REUSE_SHARE_LOW_PRECISION = 0.5
 
 
-def reusable_tokens(prefix_length: int, prompt_length: int, policy: CompressionPolicy | None) -> int:
+def reusable_tokens(prefix_length: int, prompt_length: int, policy: CompressionPolicy | None, dtype: torch.dtype = torch.float32) -> int:
     """How many leading tokens of a prompt may come from a stored prefix of ``prefix_length``
-    (0 when that is less than :data:`MIN_REUSE_SHARE` of the prompt: a slowdown, not a saving)."""
+    (0 when that is less than :data:`MIN_REUSE_SHARE` of the prompt, or
+    :data:`MIN_REUSE_SHARE_LOW_PRECISION` for K/V in ``dtype`` below fp32)."""
     tail = reuse_tail(policy)
     if tail is None:
         return 0
     take = max(0, min(prefix_length, prompt_length - tail))
-    return take if take >= MIN_REUSE_SHARE * prompt_length else 0
+    least = MIN_REUSE_SHARE if dtype == torch.float32 else MIN_REUSE_SHARE_LOW_PRECISION
+    return take if take >= least * prompt_length else 0
 
 
 # ------------------------------------------------------------------ a batch's layout
@@ -188,7 +194,7 @@ def plan_reuse(cache: PrefixCache, rows: list[list[int]], policies: list[Compres
     plan: ReusePlan = []
     for row, policy in zip(rows, policies):
         entry, common = cache.lookup(row)
-        plan.append((entry, reusable_tokens(common, len(row), policy) if entry is not None else 0))
+        plan.append((entry, reusable_tokens(common, len(row), policy, entry.keys[0].dtype) if entry is not None else 0))
     new_tokens = max(len(row) - take for row, (_, take) in zip(rows, plan))
     return [(entry, max(0, len(row) - new_tokens) if take else 0) for row, (entry, take) in zip(rows, plan)]
 
