@@ -19,13 +19,10 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import functools
-import logging
 import os
 import threading
 import time
 from dataclasses import dataclass
-
-log = logging.getLogger("snapkv_rag")
 
 M_ARENA_MAX = -8  # mallopt parameters (malloc.h)
 ARENAS = 2

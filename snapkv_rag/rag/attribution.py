@@ -79,8 +79,11 @@ class SentenceSupport:
 _TOKEN = re.compile(r"\d+(?:[.,:]\d+)*|[A-Za-z][A-Za-z'\-]*")
 
 
+_THOUSANDS = re.compile(r",(?=\d{3}\b)")  # "40,000": the comma between thousands
+
+
 def _normal_number(raw: str) -> str:
-    raw = re.sub(r",(?=\d{3}\b)", "", raw.strip(".,:"))
+    raw = _THOUSANDS.sub("", raw.strip(".,:"))
     return ":".join(part.lstrip("0") or "0" for part in re.split(r"[.:,]", raw))
 
 
@@ -222,8 +225,8 @@ def calculations(sentence: str) -> list[tuple[set[str], str, bool]]:
     found = []
     for m in _CALCULATION.finditer(sentence):
         left, result = m.group(1), m.group(2)
-        expression = re.sub(r",(?=\d{3}\b)", "", left).replace("×", "*").replace("x", "*").replace("−", "-").replace("÷", "/")
-        written = re.sub(r",(?=\d{3}\b)", "", result)
+        expression = _THOUSANDS.sub("", left).replace("×", "*").replace("x", "*").replace("−", "-").replace("÷", "/")
+        written = _THOUSANDS.sub("", result)
         try:
             value = _value(ast.parse(expression, mode="eval").body)
             shown = float(written)
@@ -251,14 +254,15 @@ def fact_gate(sentence: str, question: str, chunk_texts: Sequence[str]) -> tuple
     facts = key_facts(sentence, question)
     worked = calculations(sentence)
     derived = {result for _, result, right in worked if right}
-    facts = {f for f in facts if _unit_prefix(f).split(" ")[0] not in derived}
+    facts = {f for f in facts if f.partition(" ")[0] not in derived}  # a fact's number ("12 beds" -> "12")
     if not facts:
         return [True] * len(chunk_texts), set()
     found = [facts_in(facts, text) for text in chunk_texts]
     present = set().union(*found)
     missing = facts - present
     wrong = {result for _, result, right in worked if not right}
-    operands = {f for f in missing if _unit_prefix(f).split(" ")[0] in set().union(*(numbers for numbers, _, _ in worked))}
+    operand_numbers = set().union(*(numbers for numbers, _, _ in worked))
+    operands = {f for f in missing if f.partition(" ")[0] in operand_numbers}
     if wrong or operands:  # the claim is the calculation: a wrong result or an unsourced operand sinks it
         return nowhere, missing | wrong
     if not present:
