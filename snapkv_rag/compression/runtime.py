@@ -89,14 +89,20 @@ def cached_prefix_attention(query, key, value, scaling=None):
     calls (the cached part in full, the new part causal) merged by their log-sum-exp, as flash
     attention merges blocks. ``query`` ``[b, heads, q, d]``, ``key``/``value``
     ``[b, kv_heads, n, d]`` with ``n > q``. Returns ``[b, q, heads, d]``."""
-    heads, q = query.shape[1], query.shape[2]
-    groups = heads // key.shape[1]
-    if groups > 1:
-        key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+    b, heads, q, d = query.shape
+    kv_heads = key.shape[1]
+    groups = heads // kv_heads
     cached = key.shape[2] - q
     flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-    before, lse_before = flash(query, key[:, :, :cached], value[:, :, :cached], 0.0, False, scale=scaling)
-    among, lse_among = flash(query, key[:, :, cached:], value[:, :, cached:], 0.0, True, scale=scaling)
+    # The cached part has no mask, so a KV head's query heads can be stacked along the query
+    # axis: no copy of the cache per query head (repeating the keys cost more than the attention).
+    stacked = query.reshape(b, kv_heads, groups * q, d)
+    before, lse_before = flash(stacked, key[:, :, :cached], value[:, :, :cached], 0.0, False, scale=scaling)
+    before, lse_before = before.reshape(b, heads, q, d), lse_before.reshape(b, heads, q)
+    new_keys, new_values = key[:, :, cached:], value[:, :, cached:]
+    if groups > 1:
+        new_keys, new_values = new_keys.repeat_interleave(groups, dim=1), new_values.repeat_interleave(groups, dim=1)
+    among, lse_among = flash(query, new_keys, new_values, 0.0, True, scale=scaling)
     lse = torch.logaddexp(lse_before, lse_among)
     out = before.float() * (lse_before - lse).exp().unsqueeze(-1) + among.float() * (lse_among - lse).exp().unsqueeze(-1)
     return out.to(query.dtype).transpose(1, 2).contiguous()
