@@ -329,7 +329,10 @@ class Engine:
         of the last user message. ``sampling``: ``max_new_tokens`` (256), ``temperature`` (0 =
         greedy), ``top_p`` (1.0), ``stop`` (string or list), ``seed``, ``ignore_eos``,
         ``min_new_tokens`` (0: end-of-sequence tokens are not chosen before this many; stop
-        strings still end a reply).
+        strings still end a reply), ``prompt_lookup_num_tokens`` (0: off; K: each forward also
+        checks up to K tokens that followed the text's latest n-gram in the prompt, and keeps
+        those greedy decoding would have chosen; exact in fp32, greedy and unconstrained
+        only, see docs/speculative.md; ``stats.drafts`` says what it did or why it was off).
 
         Tool calling and structured output (constrained decoding, see docs/tools.md):
         ``tools`` (OpenAI function specs), ``tool_choice`` (``"auto"`` (default), ``"required"``,

@@ -22,8 +22,9 @@ def row_results(member: Member, request: Request, cancelled: bool, peak: PeakMem
     run = member.run
     total = run.timings.prefill_seconds + sum(run.timings.step_seconds)
     results = []
+    drafts = member.drafts_stats()
     for i, (row, t) in enumerate(zip(request.rows, member.texts)):
-        stats = row_stats(run, i, request, peak, member.kv_bytes_final, total, info, model)
+        stats = row_stats(run, i, request, peak, member.kv_bytes_final, total, info, model, drafts)
         result = GenerationResult(
             text=t.text,
             finish_reason="cancelled" if cancelled and not t.finished else (t.finish_reason or "length"),

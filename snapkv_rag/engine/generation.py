@@ -26,6 +26,7 @@ from ..compression.span_attention import SpanAttention, observing
 from ..errors import InvalidCompressionError
 from ..reuse.blending import SegmentRequest, assemble, blended_mask, blending_cache, model_rope_shift, recompute_positions
 from ..reuse.prefix_cache import PrefixCache, ReusePlan, plan_reuse, reuse_tail, reused_columns, reused_layer, store_prompts
+from .lookup import drop_last
 from .rolling import RollingPlan, RollingStats, rolling_plan, rolling_prefill
 from .sampling import GenerationParams, make_generator, select_next_tokens
 
@@ -73,10 +74,15 @@ def layer_token_bytes(layer) -> int:
 class DecodeTimings:
     prefill_seconds: float = 0.0
     step_seconds: list[float] = field(default_factory=list)
+    step_tokens: list[int] = field(default_factory=list)  # tokens each forward produced (more than 1: accepted drafts)
 
     @property
     def decode_ms_per_token(self) -> float | None:
+        """The median step; with drafts taken, decode time over the tokens it produced (first step excluded both ways)."""
         steps = self.step_seconds[1:] or self.step_seconds
+        tokens = self.step_tokens[1:] or self.step_tokens
+        if tokens and max(tokens) > 1 and len(tokens) == len(steps):
+            return sum(steps) / sum(tokens) * 1000
         return statistics.median(steps) * 1000 if steps else None
 
     @property
@@ -93,13 +99,20 @@ class TokenConstraint(Protocol):
     """Per-row logits masks (grammar-constrained decoding), consulted once per step.
 
     ``mask`` edits ``[batch, vocab]`` logits before a token is chosen (rows it does not
-    constrain stay as they are); ``advance`` receives the chosen token of every row.
+    constrain stay as they are); ``advance`` receives the chosen token of every row. A mask
+    computed without advancing is computed again, the same, from the same state (prompt-lookup
+    drafts check a draft token that way).
     See :class:`snapkv_rag.tools.constraints.BatchConstraint`.
     """
 
     def mask(self, logits: torch.Tensor) -> torch.Tensor: ...
 
     def advance(self, tokens: list[int]) -> None: ...
+
+    @property
+    def closing(self) -> bool:
+        """Whether masks now depend on the step count (unfinished JSON steered to close): drafts stop there."""
+        ...
 
 
 def model_forward(model, cache, input_ids, attention_mask, position_ids, state: PolicyState | None = None, *, last_only: bool = True) -> torch.Tensor:
@@ -505,6 +518,23 @@ class DecodeRun:
         self._extend(tokens[:, None])
         self._after_step()
         return self.last_logits
+
+    def extend_all(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Append ``tokens [1, t]`` (a token and its draft); the logits ``[t, vocab]`` after each."""
+        return self._extend(tokens, last_only=False)[0]
+
+    def drop_last(self, count: int) -> None:
+        """Remove the last ``count`` appended entries (rejected draft tokens) from the cache."""
+        if count <= 0:
+            return
+        drop_last(self.cache, count)
+        self._last_position = self._last_position - count
+        if self._kv_mask is not None:
+            self._kv_mask = self._kv_mask[:, :-count]
+
+    def after_step(self) -> None:
+        """What the policy does after a decode forward (LESS's step time; decode-time cuts)."""
+        self._after_step()
 
     def _after_step(self) -> None:
         if self.policy_state is not None:

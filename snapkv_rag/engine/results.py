@@ -89,6 +89,9 @@ class GenerationStats:
     tool_decision: dict[str, Any] | None = None  # tool_choice="auto" under a call gate: the tool chosen (None: prose), its score, the threshold
     span_attention: str | None = None  # attend_to: "recorded (N spans)", or why it was not (None: not asked)
     protected_prompt_tokens: int = 0  # keep_texts: their prompt tokens (kept by every compressed layer, as many as fit)
+    # prompt_lookup_num_tokens: forwards with a draft, tokens drafted and accepted, tokens per
+    # forward, or draft_off saying why none was tried (None: not asked)
+    drafts: dict[str, Any] | None = None
 
     @property
     def compression_ratio(self) -> float:
@@ -128,7 +131,9 @@ class GenerationResult:
         }
 
 
-def row_stats(run: DecodeRun, row: int, request: Request, peak: PeakMemory, kv_final: int, total: float, info: ModelInfo, model: str) -> GenerationStats:
+def row_stats(
+    run: DecodeRun, row: int, request: Request, peak: PeakMemory, kv_final: int, total: float, info: ModelInfo, model: str, drafts: dict[str, Any] | None = None
+) -> GenerationStats:
     """Row ``row``'s stats after ``run`` (a decode run of ``request``'s rows) finished."""
     import torch
 
@@ -184,4 +189,5 @@ def row_stats(run: DecodeRun, row: int, request: Request, peak: PeakMemory, kv_f
         low_rank_state_bytes=policy_stats.get("low_rank_state_bytes", 0),
         low_rank_state_tokens=policy_stats.get("low_rank_state_tokens", 0.0),
         low_rank_ms_per_step=policy_stats.get("low_rank_ms_per_step"),
+        drafts=drafts,
     )

@@ -11,6 +11,8 @@ import torch
 
 from ..errors import InvalidGenerationParameterError
 
+MAX_DRAFT_TOKENS = 64  # the most prompt_lookup_num_tokens accepts
+
 
 @dataclass(frozen=True)
 class GenerationParams:
@@ -21,6 +23,7 @@ class GenerationParams:
     seed: int | None = None
     ignore_eos: bool = False  # benchmarks: always produce max_new_tokens tokens
     min_new_tokens: int = 0  # end-of-sequence tokens are not chosen before this many tokens (vLLM's min_tokens)
+    prompt_lookup_num_tokens: int = 0  # draft tokens looked up in the prompt per forward (0: none; see engine.lookup)
 
     def __post_init__(self) -> None:
         bad = InvalidGenerationParameterError
@@ -37,13 +40,17 @@ class GenerationParams:
         m = self.min_new_tokens
         if isinstance(m, bool) or not isinstance(m, int) or not 0 <= m <= self.max_new_tokens:
             raise bad(f"min_new_tokens must be an integer from 0 to max_new_tokens ({self.max_new_tokens}), got {m!r}", param="min_new_tokens")
+        k = self.prompt_lookup_num_tokens
+        if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= MAX_DRAFT_TOKENS:
+            raise bad(f"prompt_lookup_num_tokens must be an integer from 0 (no drafts) to {MAX_DRAFT_TOKENS}, got {k!r}", param="prompt_lookup_num_tokens")
         for s in self.stop:
             if not isinstance(s, str) or not s:
                 raise bad(f"stop sequences must be non-empty strings, got {s!r}", param="stop")
 
     @classmethod
     def build(cls, **options: Any) -> GenerationParams:
-        """From keyword options: max_new_tokens, temperature, top_p, stop (str or list), seed, ignore_eos, min_new_tokens."""
+        """From keyword options: max_new_tokens, temperature, top_p, stop (str or list), seed, ignore_eos, min_new_tokens,
+        prompt_lookup_num_tokens."""
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(options) - known)
         if unknown:

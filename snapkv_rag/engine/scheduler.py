@@ -20,6 +20,11 @@ cache, chunk K/V reuse, layer-wise compression with its own policy and budget). 
   decode-time cuts) or a model with sliding-window layers decodes on its own cache, one forward
   per step, interleaved with the shared group's.
 
+A request that asks for prompt-lookup drafts (``prompt_lookup_num_tokens``, :mod:`.lookup`)
+checks a draft with each forward while it decodes alone: in a solo group, or as the only row
+of a shared group. Beside other rows it decodes one token per step (a batch of drafts costs
+every row the longest draft's forward).
+
 Each request samples with its own parameters, grammar and seed, and its text and tool-call
 streams are fed here, so a stop string ends its rows at once. Events go to the request's
 outbox; a consumer that reads slowly or not at all never holds the worker back.
@@ -46,6 +51,7 @@ from ..model.openmp import release_thread_pool
 from ..tools.calls import ToolCallStream
 from .detokenize import SequenceText
 from .generation import cache_bytes, choose_tokens, model_forward
+from .lookup import Drafter, draft_blocker, draft_input, drop_last
 from .sampling import make_generator
 
 if TYPE_CHECKING:
@@ -84,6 +90,13 @@ class Member:
         self.cancelled = False
         self.batch_rows_max = 0  # the most rows decoded in one forward with this request's
         self.kv_bytes_final = 0
+        self.drafter: Drafter | None = None  # prompt-lookup drafts (None: not asked, or not exact here)
+        self.draft_off: str | None = None  # why drafts were asked for and not used
+        self.accepted_last = 0  # draft tokens the latest forward accepted
+        if self.params.prompt_lookup_num_tokens:
+            self.draft_off = draft_blocker(run, self.params)
+            if self.draft_off is None:
+                self.drafter = Drafter(run.rows[0], self.params.prompt_lookup_num_tokens)
 
     @property
     def rows(self) -> int:
@@ -108,14 +121,60 @@ class Member:
         """Choose every row's next token, feed the text streams and post what they release."""
         run = self.run
         tokens = choose_tokens(self.logits, self.steps, self.params, self.generator, run.eos_ids, run.constraint)
+        self.accepted_last = 0
+        self._take(tokens.tolist())
+        return tokens
+
+    def _take(self, tokens: list[int]) -> None:
+        """One generated token per row: feed the text streams and post what they release."""
         self.steps += 1
-        for i, token in enumerate(tokens.tolist()):
+        for i, token in enumerate(tokens):
             for event in self.pieces(i, self.texts[i].add(token)):
                 self.outbox.put(event)
             call = self.calls[i]
             if call is not None and call.duplicate:
                 self.texts[i].end()  # a repeated call: the turn's calls are all written
-        return tokens
+        if self.drafter is not None:
+            self.drafter.generated(tokens[0])
+
+    def drafts_stats(self) -> dict[str, Any] | None:
+        """What drafting did (None: not asked for)."""
+        if self.drafter is not None:
+            return self.drafter.stats.to_dict()
+        if self.draft_off is not None:
+            return {"prompt_lookup_num_tokens": self.params.prompt_lookup_num_tokens, "draft_off": self.draft_off}
+        return None
+
+    def draft_step(self, token: torch.Tensor, extend: Callable[[torch.Tensor], torch.Tensor], drop: Callable[[int], None]) -> bool:
+        """Decode ``token [1]`` with a draft after it, if the text so far has one: ``extend``
+        runs ``[1, 1 + k]`` tokens and returns their logits ``[1 + k, vocab]``, ``drop(n)``
+        removes the last ``n`` entries. Draft tokens are taken while greedy decoding would have
+        chosen them; the logits after the last one taken are this member's next. False: no draft
+        (the caller decodes ``token`` alone)."""
+        assert self.drafter is not None
+        draft = self.drafter.draft(self.params.max_new_tokens - self.steps)
+        if not draft:
+            self.drafter.record(0, 0)
+            return False
+        logits = extend(draft_input(token, draft))
+        constraint = self.run.constraint
+        accepted = 0
+        for i, proposed in enumerate(draft):
+            if self.done or (constraint is not None and constraint.closing):
+                break
+            # the grammar's mask (in place) without advancing it: a rejected position's token is chosen again, from the same state
+            row = constraint.mask(logits[i : i + 1]) if constraint is not None else logits[i : i + 1]
+            if int(choose_tokens(row, self.steps, self.params, None, self.run.eos_ids, None)) != proposed:
+                break
+            if constraint is not None:
+                constraint.advance([proposed])
+            self._take([proposed])
+            accepted += 1
+        drop(len(draft) - accepted)
+        self.logits = logits[accepted : accepted + 1]
+        self.accepted_last = accepted
+        self.drafter.record(len(draft), accepted)
+        return True
 
     def finish(self, error: BaseException | None = None) -> None:
         """Tell the reader that this member is done (with ``error`` when it failed)."""
@@ -254,14 +313,40 @@ class SharedGroup:
             self.mask = None
 
     def step(self, tokens: list[torch.Tensor]) -> None:
-        """One forward for every row; ``tokens`` per member, in member order."""
-        assert self.positions is not None
-        self.positions = self.positions + 1
-        if self.mask is not None:
-            self.mask = torch.cat([self.mask, self.mask.new_ones(self.rows, 1)], dim=-1)
-        logits = model_forward(self.model, self.cache, torch.cat(tokens)[:, None], self.mask, self.positions)[:, -1]
+        """One forward for every row; ``tokens`` per member, in member order. A lone drafting
+        member's forward checks its draft too."""
+        if len(self.members) == 1 and self.members[0].drafter is not None:
+            if self.members[0].draft_step(tokens[0], self._extend_all, self._drop_last):
+                return
+        for m in self.members:
+            if m.drafter is not None and len(self.members) > 1:
+                m.drafter.record(0, 0)
+                m.drafter.stats.shared_steps += 1
+        logits = self._extend(torch.cat(tokens)[:, None])[:, -1]
         for m, part in zip(self.members, logits.split([m.rows for m in self.members])):
             m.logits = part
+
+    def _extend(self, tokens: torch.Tensor, *, last_only: bool = True) -> torch.Tensor:
+        """Append ``tokens [rows, t]`` after every row's latest position; their logits."""
+        assert self.positions is not None
+        t = tokens.shape[1]
+        positions = self.positions + 1 + torch.arange(t, device=tokens.device)
+        self.positions = positions[:, -1:]
+        if self.mask is not None:
+            self.mask = torch.cat([self.mask, self.mask.new_ones(self.rows, t)], dim=-1)
+        return model_forward(self.model, self.cache, tokens, self.mask, positions, last_only=last_only)
+
+    def _extend_all(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self._extend(tokens, last_only=False)[0]
+
+    def _drop_last(self, count: int) -> None:
+        if count <= 0:
+            return
+        assert self.positions is not None
+        drop_last(self.cache, count)
+        self.positions = self.positions - count
+        if self.mask is not None:
+            self.mask = self.mask[:, :-count]
 
 
 class SoloGroup:
@@ -283,7 +368,11 @@ class SoloGroup:
 
     def step(self, tokens: list[torch.Tensor]) -> None:
         (member,) = self.members
-        member.logits = member.run.decode_step(tokens[0])
+        run = member.run
+        if member.drafter is not None and member.draft_step(tokens[0], run.extend_all, run.drop_last):
+            run.after_step()
+            return
+        member.logits = run.decode_step(tokens[0])
 
 
 Group = SharedGroup | SoloGroup
@@ -496,6 +585,9 @@ class Scheduler:
                     member.cancelled = True
                     leaving.append(member)
                     continue
+                if member.done:  # its last forward's accepted draft tokens finished it
+                    leaving.append(member)
+                    continue
                 try:
                     chosen = member.advance()
                 except Exception as exc:  # its grammar or stop handling failed: this request alone ends
@@ -525,6 +617,7 @@ class Scheduler:
         self._decoded_rows += rows
         for member in group.members:
             member.run.timings.step_seconds.append(seconds)
+            member.run.timings.step_tokens.append(1 + member.accepted_last)
             member.batch_rows_max = max(member.batch_rows_max, rows)
 
     def _leave(self, group: Group, members: list[Member], error: BaseException | None = None) -> None:

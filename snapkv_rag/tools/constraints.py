@@ -271,6 +271,11 @@ class BatchConstraint:
         self._elapsed = time.perf_counter() - start
         return logits
 
+    @property
+    def closing(self) -> bool:
+        """Whether steps now steer unfinished JSON to close (masks then depend on the step; drafts stop here)."""
+        return self._closing()
+
     def _closing(self) -> bool:
         return self.max_new_tokens is not None and self.steps >= self.max_new_tokens - closing_reserve(self.max_new_tokens)
 
