@@ -24,6 +24,14 @@ def _add_generation_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     p.add_argument("--ignore-eos", action="store_true", help="always produce --max-new-tokens tokens (benchmarks)")
     p.add_argument(
+        "--prompt-lookup-num-tokens",
+        type=int,
+        default=None,
+        metavar="K",
+        help="check up to K draft tokens looked up in the prompt per decode forward (greedy output unchanged; 0 = off, "
+        "the default except for ask, which follows DocumentQA's)",
+    )
+    p.add_argument(
         "--compression",
         default=None,
         help="policy spec, e.g. snapkv:budget=1024,window=32,kernel=7,pooling=max | streamingllm:budget=1024 | h2o:budget=1024 | random:budget=1024 | full",
@@ -36,7 +44,13 @@ def _gen_kwargs(args) -> dict[str, Any]:
     from .engine.sampling import GenerationParams
 
     sampling = dict(
-        max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed, stop=args.stop, ignore_eos=args.ignore_eos
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        seed=args.seed,
+        stop=args.stop,
+        ignore_eos=args.ignore_eos,
+        prompt_lookup_num_tokens=args.prompt_lookup_num_tokens or 0,
     )
     GenerationParams.build(**sampling)
     return {**sampling, "compression": as_policy(args.compression)}

@@ -27,6 +27,13 @@ def test_generate_json(model_dir, capsys):
     assert set(payload["stats"]) >= {"prefill_seconds", "decode_ms_per_token", "kept_tokens_per_layer", "prompt_kv_bytes_kept", "peak_memory_bytes"}
 
 
+def test_generate_with_prompt_lookup_drafts(model_dir, capsys):
+    args = ["generate", "--model", model_dir, "--json", "--max-new-tokens", "8", "--ignore-eos", "--prompt-lookup-num-tokens", "3"]
+    assert main([*args, "Hello world, hello"]) == 0
+    drafts = json.loads(capsys.readouterr().out)["stats"]["drafts"]
+    assert drafts["prompt_lookup_num_tokens"] == 3 and "draft_forwards" in drafts
+
+
 def test_generate_with_compression_from_stdin(model_dir, capsys, monkeypatch):
     monkeypatch.setattr("sys.stdin", io.StringIO("The quick brown fox jumps over the lazy dog. " * 8))
     args = ["generate", "--model", model_dir, "--json", "--max-new-tokens", "3", "--compression", "snapkv:budget=24,window=8,kernel=3"]
@@ -60,6 +67,7 @@ def test_chat_reads_turns(model_dir, capsys, monkeypatch):
         ["generate", "--compression", "zip", "hi"],
         ["generate", "--max-new-tokens", "0", "hi"],
         ["generate", "   "],
+        ["generate", "--prompt-lookup-num-tokens", "65", "hi"],
     ],
 )
 def test_errors_exit_2_with_one_message(args, model_dir, capsys):

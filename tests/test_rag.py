@@ -481,6 +481,18 @@ def test_document_qa_runs_the_engine_path_with_the_aligned_window(filled_store, 
     assert full.result.stats.compression is None
 
 
+def test_document_qa_drafts_greedy_answers_by_default(filled_store, long_engine):
+    from snapkv_rag.rag.qa import DEFAULT_LOOKUP_TOKENS
+
+    qa = DocumentQA(long_engine, filled_store, context_tokens=800)
+    answer = qa.ask("When did the garden open?", max_new_tokens=12)
+    assert answer.result.stats.drafts["prompt_lookup_num_tokens"] == DEFAULT_LOOKUP_TOKENS
+    off = DocumentQA(long_engine, filled_store, context_tokens=800, prompt_lookup_num_tokens=0).ask("When did the garden open?", max_new_tokens=12)
+    assert off.result.stats.drafts is None and off.text == answer.text
+    sampled = qa.ask("When did the garden open?", max_new_tokens=4, temperature=0.7, seed=1)
+    assert sampled.result.stats.drafts is None  # drafts are for greedy answers
+
+
 def test_document_qa_records_attention_for_the_attention_route(filled_store, long_engine):
     from snapkv_rag.rag.qa import ROUTES
 

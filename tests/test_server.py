@@ -544,3 +544,19 @@ def test_vllm_ignore_eos_and_min_tokens_are_honoured(tokenizer):
         for body, param in (({"min_tokens": -1}, "min_tokens"), ({"min_tokens": 20}, "min_tokens"), ({"ignore_eos": "yes"}, "ignore_eos")):
             response = httpx.post(url + "/v1/completions", json={"model": "tiny", "prompt": "Hello", "max_tokens": 12, **body}, timeout=60)
             assert response.status_code == 400 and response.json()["error"]["param"] == param, response.text
+
+
+def test_prompt_lookup_drafts_are_a_request_field_with_stats_and_metrics(client, base_url):
+    prompt = LONG_QUESTION + " Repeat the facts."
+    plain = client.completions.create(model="tiny", prompt=prompt, max_tokens=24, extra_body={"ignore_eos": True})
+    drafted = client.completions.create(model="tiny", prompt=prompt, max_tokens=24, extra_body={"ignore_eos": True, "prompt_lookup_num_tokens": 4})
+    assert drafted.choices[0].text == plain.choices[0].text
+    drafts = drafted.model_extra["snapkv"]["drafts"]
+    assert drafts["prompt_lookup_num_tokens"] == 4 and "draft_forwards" in drafts
+    assert plain.model_extra["snapkv"]["drafts"] is None
+    metrics = httpx.get(base_url + "/metrics", timeout=30).text
+    drafted_total = [line for line in metrics.splitlines() if line.startswith("snapkv_draft_tokens_total")]
+    assert drafted_total and float(drafted_total[0].split()[-1]) == drafts["drafted_tokens"]
+    for bad in (-1, 65, "4", True):
+        response = httpx.post(base_url + "/v1/completions", json={"model": "tiny", "prompt": "Hi", "prompt_lookup_num_tokens": bad}, timeout=30)
+        assert response.status_code == 400 and response.json()["error"]["param"] == "prompt_lookup_num_tokens", response.text

@@ -140,6 +140,8 @@ def _qa_kwargs(args) -> tuple[dict[str, Any], dict[str, Any]]:
     from ..engine.sampling import GenerationParams
 
     sampling = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed, stop=args.stop)
+    if args.prompt_lookup_num_tokens is not None:  # else DocumentQA's default
+        sampling["prompt_lookup_num_tokens"] = args.prompt_lookup_num_tokens
     GenerationParams.build(**sampling)
     compression = {} if args.compression == "default" else {"compression": as_policy(args.compression)}
     return sampling, compression
@@ -168,9 +170,14 @@ def _describe(answer) -> list[str]:
         f"prompt {answer.result.usage.prompt_tokens} tokens, KV kept {kept_tokens_text(stats.kept_tokens_per_layer)} per layer "
         f"({stats.compression['method'] if stats.compression else 'full cache'}, {stats.compression_ratio_text}x); "
         f"prefill {stats.prefill_seconds:.1f} s{_reuse_note(stats, answer.result.usage.prompt_tokens)}{_rolling_note(stats)}"
-        + (f", decode {stats.decode_ms_per_token:.0f} ms/token" if stats.decode_ms_per_token else "")
+        + (f", decode {stats.decode_ms_per_token:.0f} ms/token{_drafts_note(stats)}" if stats.decode_ms_per_token else "")
     )
     return lines
+
+
+def _drafts_note(stats) -> str:
+    per_forward = (stats.drafts or {}).get("tokens_per_forward")
+    return f" ({per_forward:.1f} tokens per forward with prompt-lookup drafts)" if per_forward else ""
 
 
 def _rolling_note(stats) -> str:

@@ -26,6 +26,7 @@ from .store import DocumentStore, StoredChunk
 from .stuffing import SYSTEM_PROMPT, StuffedContext, StuffingRetriever, chunk_segment
 
 ROUTES = ("generated", "attributed", "attention")
+DEFAULT_LOOKUP_TOKENS = 4  # set by eval/lookup_bench.py (eval/RESULTS.md, "Prompt-lookup drafts")
 TEXT_ROUTES = ("generated", "attributed")  # the routes computed from an answer's text alone
 # Question-aligned observation window (the question plus the template tail, 8-64 tokens) and,
 # where the prompt is at least twice the budget, 16-token spans (eval/RESULTS.md, "Selection
@@ -239,6 +240,9 @@ class DocumentQA:
     ``recompute``: the share of reused chunk tokens recomputed (None: the engine's default).
     ``keep_labels``: every compressed layer keeps each document's opening line (``[n] title``,
     the engine's ``keep_texts``), so the numbers an answer cites are never evicted.
+    ``prompt_lookup_num_tokens``: draft tokens looked up in the stuffed documents per decode
+    forward for greedy answers (the engine's option; 0: off); the default follows eval/RESULTS.md,
+    "Prompt-lookup drafts".
     """
 
     def __init__(
@@ -262,6 +266,7 @@ class DocumentQA:
         kv_cache_bytes: int | None = None,
         recompute: float | None = None,
         keep_labels: bool = False,
+        prompt_lookup_num_tokens: int = DEFAULT_LOOKUP_TOKENS,
     ):
         unknown = set(routes) - set(ROUTES)
         if unknown:
@@ -289,6 +294,7 @@ class DocumentQA:
         self.kv_store = chunk_kv_store(store, kv_dir, kv_cache_bytes) if self.kv_reuse == "chunks" else None
         self.recompute = recompute
         self.keep_labels = keep_labels
+        self.prompt_lookup_num_tokens = prompt_lookup_num_tokens
 
     def precompute_kv(self, *, progress: bool = False) -> tuple[int, int]:
         """Compute every stored chunk's K/V now (``kv_reuse="chunks"``); returns ``(computed, already stored)``."""
@@ -318,6 +324,8 @@ class DocumentQA:
         policy = rolled_if_needed(self.policy(compression), context.prompt_tokens, new_tokens, self.engine.context_length)
         if self.keep_labels and policy is not None and context.chunks:
             sampling.setdefault("keep_texts", context.labels())
+        if self.prompt_lookup_num_tokens and sampling.get("temperature", 0) == 0:
+            sampling.setdefault("prompt_lookup_num_tokens", self.prompt_lookup_num_tokens)
         return {
             "compression": policy,
             "question": context.question_text,

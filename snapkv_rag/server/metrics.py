@@ -25,6 +25,8 @@ class ServerMetrics:
         self.prompt_tokens = Counter("snapkv_prompt_tokens", "Prompt tokens of finished completions", registry=r)
         self.completion_tokens = Counter("snapkv_completion_tokens", "Generated tokens of finished completions", registry=r)
         self.reused_tokens = Counter("snapkv_reused_prompt_tokens", "Prompt tokens whose K/V came from a cache (prefix or chunks)", registry=r)
+        self.drafted = Counter("snapkv_draft_tokens", "Prompt-lookup draft tokens checked (prompt_lookup_num_tokens)", registry=r)
+        self.accepted = Counter("snapkv_accepted_draft_tokens", "Draft tokens accepted: divided by snapkv_draft_tokens_total, the acceptance rate", registry=r)
         self.in_flight = Gauge("snapkv_requests_in_flight", "Completion requests admitted and not finished (waiting or generating)", registry=r)
         self.rejected = Counter("snapkv_requests_rejected", "Completion requests turned away with 429 because the queue was full", registry=r)
         self.ttft = Histogram("snapkv_time_to_first_token_seconds", "From the request's arrival to its first generated piece", buckets=TTFT_BUCKETS, registry=r)
@@ -58,6 +60,9 @@ class ServerMetrics:
             self.completion_tokens.inc(result.usage.completion_tokens)
             self.reused_tokens.inc(result.stats.reused_prompt_tokens)
             self.kv_kept.observe(result.stats.prompt_kv_bytes_kept)
+            drafts = result.stats.drafts or {}
+            self.drafted.inc(drafts.get("drafted_tokens", 0))
+            self.accepted.inc(drafts.get("accepted_draft_tokens", 0))
 
 
 class SchedulerCollector:

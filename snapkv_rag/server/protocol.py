@@ -9,7 +9,8 @@ that overrides the server's default for this request; ``reuse_segments``, texts 
 prompt (the documents a client stuffed) whose K/V the server stores once and reuses at any
 position later, with ``recompute`` (0-1) the share recomputed (see :mod:`snapkv_rag.reuse.blending`);
 ``keep_texts``, texts of the prompt (document labels) that the compression never evicts;
-vLLM's ``ignore_eos`` and ``min_tokens``. Field types and ranges are declared as pydantic
+``prompt_lookup_num_tokens``, draft tokens looked up in the prompt per decode forward (exact,
+greedy only; :mod:`snapkv_rag.engine.lookup`); vLLM's ``ignore_eos`` and ``min_tokens``. Field types and ranges are declared as pydantic
 models (:class:`CompletionFields`, :class:`ChatFields`); the first violation is one 400 naming
 its field. Every response carries the engine's stats for it under ``snapkv``.
 """
@@ -27,6 +28,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, ValidationError, field_validator, model_validator
 
+from ..engine.sampling import MAX_DRAFT_TOKENS
 from ..errors import (
     EmptyPromptError,
     InvalidPromptError,
@@ -169,6 +171,7 @@ _COMMON = {
     "keep_texts",
     "ignore_eos",
     "min_tokens",  # vLLM's extensions, which benchmark clients send
+    "prompt_lookup_num_tokens",
 }
 MAX_REUSE_SEGMENTS = 1024
 CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "tools", "tool_choice", "parallel_tool_calls", "response_format"}
@@ -208,6 +211,7 @@ class CompletionFields(BaseModel):
     keep_texts: list[StrictStr] | None = Field(default=None, max_length=MAX_REUSE_SEGMENTS)
     ignore_eos: StrictBool | None = None
     min_tokens: StrictInt | None = Field(default=None, ge=0)
+    prompt_lookup_num_tokens: StrictInt | None = Field(default=None, ge=0, le=MAX_DRAFT_TOKENS)
 
     @field_validator("temperature", "top_p", "recompute", mode="before")
     @classmethod
@@ -250,6 +254,8 @@ class CompletionFields(BaseModel):
             out["ignore_eos"] = True
         if self.min_tokens is not None:
             out["min_new_tokens"] = self.min_tokens
+        if self.prompt_lookup_num_tokens:
+            out["prompt_lookup_num_tokens"] = self.prompt_lookup_num_tokens
         return out
 
 

@@ -90,6 +90,9 @@ def run_session(llm: ChatSnapKV, history: SnapKVChatMessageHistory, turns: int =
                 "prefill_seconds": meta["prefill_seconds"],
                 "tool_calls": m.tool_calls,
                 "text": m.content,
+                "completion_tokens": (m.usage_metadata or {}).get("output_tokens"),
+                "decode_seconds": meta["total_seconds"] - meta["prefill_seconds"],
+                "drafts": meta["snapkv_stats"].get("drafts"),
             }
             rows.append(row)
             what = f"tool call {m.tool_calls[0]['name']}({m.tool_calls[0]['args']})" if m.tool_calls else repr(m.content.strip()[:70])

@@ -58,7 +58,14 @@ _ENGINE_KWARGS = (
     "prefix_cache",
 )
 # Per-call overrides of the model's own sampling fields: LangChain name -> engine name.
-_SAMPLING = {"max_tokens": "max_new_tokens", "max_new_tokens": "max_new_tokens", "temperature": "temperature", "top_p": "top_p", "seed": "seed"}
+_SAMPLING = {
+    "max_tokens": "max_new_tokens",
+    "max_new_tokens": "max_new_tokens",
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "seed": "seed",
+    "prompt_lookup_num_tokens": "prompt_lookup_num_tokens",
+}
 
 
 # ----------------------------------------------------------------------------- messages
@@ -250,6 +257,9 @@ class ChatSnapKV(BaseChatModel):
     top_p: float | None = None
     stop: list[str] | None = Field(default=None, alias="stop_sequences")
     seed: int | None = None
+    prompt_lookup_num_tokens: int = 0
+    """Draft tokens looked up in the prompt per decode forward (0: off): greedy output unchanged,
+    fewer forwards when the reply copies the prompt (tool arguments, quoted results)."""
     prefix_cache_bytes: int | None = None
     """Bound of the engine's prefix cache (None: the engine's default, 0: off), for engines built by name."""
     timeout: float | None = None
@@ -343,6 +353,8 @@ class ChatSnapKV(BaseChatModel):
             out["top_p"] = self.top_p
         if self.seed is not None:
             out["seed"] = self.seed
+        if self.prompt_lookup_num_tokens:
+            out["prompt_lookup_num_tokens"] = self.prompt_lookup_num_tokens
         stops = list(self.stop or []) + list(stop or [])
         for key, value in kwargs.items():
             if key in _SAMPLING:

@@ -267,3 +267,12 @@ def test_an_async_stream_left_early_stops_generating(engine, method):
         assert len(forwards) <= at_exit + 2 and len(forwards) < 50  # 300 steps without the close
     finally:
         hook.remove()
+
+
+def test_prompt_lookup_drafts_keep_the_greedy_text(engine):
+    plain = SnapKVLLM(engine, max_new_tokens=16, generate_kwargs={"ignore_eos": True}).complete(LONG)
+    drafted = SnapKVLLM(engine, max_new_tokens=16, prompt_lookup_num_tokens=4, generate_kwargs={"ignore_eos": True}).complete(LONG)
+    assert drafted.text == plain.text
+    assert drafted.raw["stats"]["drafts"]["prompt_lookup_num_tokens"] == 4
+    with pytest.raises(ValueError):
+        SnapKVLLM(engine, prompt_lookup_num_tokens=65)

@@ -230,3 +230,14 @@ async def test_an_async_stream_left_early_stops_generating(tiny_engine):
         assert len(forwards) <= at_exit + 2 and len(forwards) < 50
     finally:
         hook.remove()
+
+
+def test_prompt_lookup_drafts_keep_the_greedy_reply(tiny_engine):
+    plain = ChatSnapKV(engine=tiny_engine, max_tokens=24, compression="full").invoke(LONG, ignore_eos=True)
+    llm = ChatSnapKV(engine=tiny_engine, max_tokens=24, compression="full", prompt_lookup_num_tokens=4)
+    drafted = llm.invoke(LONG, ignore_eos=True)
+    assert drafted.content == plain.content
+    assert drafted.response_metadata["snapkv_stats"]["drafts"]["prompt_lookup_num_tokens"] == 4
+    assert plain.response_metadata["snapkv_stats"]["drafts"] is None
+    per_call = llm.invoke(LONG, ignore_eos=True, prompt_lookup_num_tokens=2)
+    assert per_call.content == plain.content and per_call.response_metadata["snapkv_stats"]["drafts"]["prompt_lookup_num_tokens"] == 2

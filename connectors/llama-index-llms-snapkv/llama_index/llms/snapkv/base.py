@@ -104,6 +104,13 @@ class SnapKVLLM(FunctionCallingLLM):
     prefix_cache_bytes: int | None = Field(default=None, description="Prefix-cache bound of a loaded engine (None = engine default).")
     device: str | None = Field(default=None)
     dtype: str | None = Field(default=None)
+    prompt_lookup_num_tokens: int = Field(
+        default=0,
+        ge=0,
+        le=64,
+        description="Draft tokens looked up in the prompt per decode forward (0: off); greedy output unchanged, "
+        "fewer forwards when answers copy the retrieved text.",
+    )
     generate_kwargs: dict[str, Any] = Field(default_factory=dict, description="Other engine options (top_p, stop, seed).")
     kv_reuse: str | None = Field(
         default=None,
@@ -194,6 +201,8 @@ class SnapKVLLM(FunctionCallingLLM):
     def _options(self, kwargs: dict[str, Any]) -> dict[str, Any]:
         options: dict[str, Any] = {"compression": self.compression, "max_new_tokens": self.max_new_tokens, "temperature": self.temperature}
         options.update(reuse_kwargs(resolve_kv_reuse(self.kv_reuse, self._engine), "offered", segment_store_at(self.kv_dir)))
+        if self.prompt_lookup_num_tokens:
+            options["prompt_lookup_num_tokens"] = self.prompt_lookup_num_tokens
         options.update(self.generate_kwargs)
         kwargs = dict(kwargs)
         if "max_tokens" in kwargs:
