@@ -8,6 +8,8 @@ prompts are the same for every setting, numbered so the prefix cache never serve
 Reports per setting: aggregate completion tokens/s over the wall time, TTFT p50/p95 (request
 sent -> first content chunk), the mean decode batch (rows per decode forward, from the
 engine's scheduler) and the ratio of tokens/s against one client of the same compression.
+``--lookup K`` runs every setting again with ``prompt_lookup_num_tokens=K`` (prompt-lookup
+drafts, which decode alone only: beside other rows a request decodes one token per step).
 
     .venv/bin/python eval/batching_throughput.py --out eval/results/batching
 """
@@ -52,7 +54,7 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
-async def client(base: str, spec: str, prompts: list[str], tokens: int, records: list[dict]) -> None:
+async def client(base: str, spec: str, prompts: list[str], tokens: int, records: list[dict], lookup: int = 0) -> None:
     import httpx
 
     async with httpx.AsyncClient(timeout=600) as http:
@@ -65,6 +67,7 @@ async def client(base: str, spec: str, prompts: list[str], tokens: int, records:
                 "stream": True,
                 "stream_options": {"include_usage": True},
                 "compression": spec,
+                **({"prompt_lookup_num_tokens": lookup} if lookup else {}),
             }
             sent = time.perf_counter()
             first = None
@@ -82,10 +85,10 @@ async def client(base: str, spec: str, prompts: list[str], tokens: int, records:
             records.append({"ttft": (first or time.perf_counter()) - sent, "tokens": completion})
 
 
-async def load(base: str, spec: str, clients: int, requests: int, prompts: list[str], tokens: int) -> tuple[float, list[dict]]:
+async def load(base: str, spec: str, clients: int, requests: int, prompts: list[str], tokens: int, lookup: int = 0) -> tuple[float, list[dict]]:
     records: list[dict] = []
     start = time.perf_counter()
-    await asyncio.gather(*(client(base, spec, prompts[c * requests : (c + 1) * requests], tokens, records) for c in range(clients)))
+    await asyncio.gather(*(client(base, spec, prompts[c * requests : (c + 1) * requests], tokens, records, lookup) for c in range(clients)))
     return time.perf_counter() - start, records
 
 
@@ -96,6 +99,8 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=400, help="stuffed document tokens per prompt")
     parser.add_argument("--tokens", type=int, default=64, help="new tokens per request (ignore_eos)")
     parser.add_argument("--max-batch-size", type=int, default=None)
+    parser.add_argument("--lookup", type=int, default=0, help="also run every setting with prompt_lookup_num_tokens=K")
+    parser.add_argument("--settings", default="full,snapkv", help="which of full, snapkv")
     parser.add_argument("--out", type=Path, default=ROOT / "eval" / "results" / "batching")
     args = parser.parse_args()
 
@@ -118,12 +123,15 @@ def main() -> None:
     engine.generate(f"Warm-up.\n\n{docs}{question}", max_new_tokens=4)
     rows, records = [], []
     serial = 0
+    settings = [
+        (label + (f" +lookup {k}" if k else ""), spec, k) for label, spec in SETTINGS if label in args.settings.split(",") for k in sorted({0, args.lookup})
+    ]
     for clients in counts:
-        for label, spec in SETTINGS:
+        for label, spec, lookup in settings:
             prompts = [f"Request {serial + i}.\n\n{docs}{question}" for i in range(needed)]
             serial += needed  # never the same prompt twice: no prefix-cache hits between requests
             before = engine.scheduler_stats()
-            wall, done = asyncio.run(load(base, spec, clients, args.requests, prompts, args.tokens))
+            wall, done = asyncio.run(load(base, spec, clients, args.requests, prompts, args.tokens, lookup))
             after = engine.scheduler_stats()
             steps = after.decode_steps - before.decode_steps
             mean_batch = (after.decoded_rows - before.decoded_rows) / steps if steps else 0.0
@@ -144,7 +152,7 @@ def main() -> None:
             rows.append(row)
             records.extend({**row, **r} for r in done)
             print(
-                f"{clients:>2} clients {label:>6}: {row['tokens_per_s']:.1f} tok/s, TTFT p50 {row['ttft_p50_s']:.2f}s p95 {row['ttft_p95_s']:.2f}s, batch {mean_batch:.1f}",
+                f"{clients:>2} clients {label:>16}: {row['tokens_per_s']:.1f} tok/s, TTFT p50 {row['ttft_p50_s']:.2f}s p95 {row['ttft_p95_s']:.2f}s, batch {mean_batch:.1f}",
                 flush=True,
             )
             write_records(args.out, rows)
@@ -164,7 +172,11 @@ def main() -> None:
             f"| {r['clients']} | {r['compression']} | {r['tokens_per_s']:.1f} | {r['tokens_per_s'] / single[r['compression']]:.2f}x "
             f"| {r['ttft_p50_s']:.2f} s | {r['ttft_p95_s']:.2f} s | {r['mean_decode_batch']:.1f} |"
         )
-    lines += ["", f"Command: `.venv/bin/python eval/batching_throughput.py --clients {args.clients} --requests {args.requests} --tokens {args.tokens}`"]
+    options = f" --lookup {args.lookup} --settings {args.settings}" if args.lookup else ""
+    lines += [
+        "",
+        f"Command: `.venv/bin/python eval/batching_throughput.py --clients {args.clients} --requests {args.requests} --tokens {args.tokens}{options}`",
+    ]
     write_table(args.out, lines)
 
 
