@@ -25,7 +25,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 if TYPE_CHECKING:
-    from .generation import DecodeRun
     from .sampling import GenerationParams
 
 MAX_NGRAM = 3  # the longest suffix looked up
@@ -61,8 +60,9 @@ class DraftIndex:
         return [], 0
 
 
-def draft_blocker(run: DecodeRun, params: GenerationParams) -> str | None:
-    """Why ``run`` cannot decode with exact drafts (None: it can)."""
+def draft_blocker(run: Any, params: GenerationParams) -> str | None:
+    """Why ``run`` (a prefilled :class:`~snapkv_rag.engine.generation.DecodeRun`) cannot decode
+    with exact drafts (None: it can)."""
     if run.batch_size != 1:
         return "several prompts decode in one batch"
     if params.temperature > 0:
