@@ -109,11 +109,17 @@ def cmd_chat(args) -> int:
     return 0
 
 
+def kv_bits_supported() -> str:
+    from .compression.quantized import KEY_GROUP, KV_BITS
+
+    return f"{', '.join(map(str, KV_BITS))} (keys per channel in groups of {KEY_GROUP} entries, values per entry; e.g. snapkv:budget=1024,kv_bits=4)"
+
+
 def cmd_info(args) -> int:
     from .model.loading import cpu_bf16_support
 
     info = load_engine(args).info()
-    details = {**info.to_dict(), "cpu_native_bf16": cpu_bf16_support() or "no"}
+    details = {**info.to_dict(), "cpu_native_bf16": cpu_bf16_support() or "no", "kv_bits": kv_bits_supported()}
     if args.json:
         print(json.dumps(details, indent=2))
     else:

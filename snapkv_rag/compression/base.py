@@ -29,9 +29,10 @@ import torch
 
 from ..errors import InvalidCompressionError
 from .decoding import PolicyState
+from .quantized import check_kv_bits
 
 DECODE_FIELDS = ("decode_budget", "decode_interval")
-OPTIONAL_FIELDS = (*DECODE_FIELDS, "rolling")  # left out of a spec when unset
+OPTIONAL_FIELDS = (*DECODE_FIELDS, "rolling", "kv_bits")  # left out of a spec when unset
 MIN_ROLLING = 16
 DEFAULT_DECODE_INTERVAL = 64
 
@@ -151,6 +152,15 @@ class CompressionPolicy(ABC):
         """Validate ``rolling`` (call from ``__post_init__``)."""
         if self.rolling is not None:
             check_positive_int(type(self).__name__, "rolling", self.rolling, minimum=MIN_ROLLING)
+
+    # ------------------------------------------------------------ stored width
+    kv_bits: int | None = None  # every policy declares it as a dataclass field: 8 or 4 (None: full width)
+
+    def check_kv_bits(self) -> None:
+        """Validate ``kv_bits`` (call from ``__post_init__``)."""
+        check_kv_bits(type(self).__name__, self.kv_bits)
+        if self.kv_bits is not None and self.ragged_heads:
+            raise InvalidCompressionError(f"{type(self).__name__}: kv_bits does not combine with head_budgets='adaptive' (per-head budgets keep ragged layers)")
 
     @property
     def window_bound(self) -> int:

@@ -34,6 +34,7 @@ class H2O(CompressionPolicy):
     decode_budget: int | None = None  # cut the cache back to this many entries per layer during decoding
     decode_interval: int | None = None  # ... every this many generated tokens (None: 64)
     rolling: int | None = None  # prefill this many prompt tokens at a time, cut back to the budget after each (engine/rolling.py)
+    kv_bits: int | None = None  # store kept entries in 8 or 4 bits (compression/quantized.py)
 
     def __post_init__(self) -> None:
         check_positive_int("H2O", "max_capacity_prompt", self.max_capacity_prompt)
@@ -47,6 +48,7 @@ class H2O(CompressionPolicy):
         check_choice("H2O", "gqa_reduce", self.gqa_reduce, ("mean", "max"))
         self.check_decode_budget()
         self.check_rolling()
+        self.check_kv_bits()
 
     @property
     def recent_tokens(self) -> int:

@@ -141,4 +141,4 @@ def as_policy(compression: CompressionPolicy | str | None) -> CompressionPolicy 
         compression = parse_compression(compression)
     if not isinstance(compression, CompressionPolicy):
         raise InvalidCompressionError(f"compression must be a policy, a spec string or None, got {type(compression).__name__}")
-    return None if isinstance(compression, FullCache) else compression
+    return None if isinstance(compression, FullCache) and compression.kv_bits is None else compression

@@ -24,6 +24,7 @@ class RandomKeep(CompressionPolicy):
     decode_budget: int | None = None  # cut the cache back to this many entries per layer during decoding
     decode_interval: int | None = None  # ... every this many generated tokens (None: 64)
     rolling: int | None = None  # prefill this many prompt tokens at a time, cut back to the budget after each (engine/rolling.py)
+    kv_bits: int | None = None  # store kept entries in 8 or 4 bits (compression/quantized.py)
 
     def __post_init__(self) -> None:
         check_positive_int("RandomKeep", "max_capacity_prompt", self.max_capacity_prompt)
@@ -33,6 +34,7 @@ class RandomKeep(CompressionPolicy):
             raise InvalidCompressionError(f"RandomKeep: recent ({self.recent}) must be smaller than max_capacity_prompt ({self.max_capacity_prompt})")
         self.check_decode_budget()
         self.check_rolling()
+        self.check_kv_bits()
 
     def select(self, queries, keys, attention_mask=None, *, scaling=None, protected=None):
         b, kv_heads, n, _ = keys.shape

@@ -20,6 +20,7 @@ import torch
 
 from ..errors import InvalidCompressionError
 from .base import CompressionPolicy
+from .quantized import active_quantized_layer
 from .ragged import RaggedHeadsLayer, active_ragged_layer
 from .span_attention import active_observer
 
@@ -147,6 +148,11 @@ def _fast_decode(module, query, kwargs) -> bool:
 
 def _make_attention(base_fn):
     def attention(module, query, key, value, attention_mask, **kwargs):
+        quantized = active_quantized_layer(module.layer_idx)
+        if quantized is not None:
+            if quantized.quantized_entries and _fast_decode(module, query, kwargs) and _reads_output_only():
+                return quantized.attend(query, attention_mask, kwargs.get("scaling")), None
+            key, value = quantized.keys, quantized.values  # dequantized: several tokens, or a hook that reads the keys
         if attention_mask is not None and attention_mask.shape[-1] > key.shape[2]:
             # a layer kept fewer entries than the widest (per-layer budgets): its mask is the
             # widest one's last columns (see CompressionPolicy.for_layer)
@@ -178,6 +184,12 @@ def _make_attention(base_fn):
         return output
 
     return attention
+
+
+def _reads_output_only() -> bool:
+    """Whether nothing in the running forward reads the keys beside the attention output
+    (no prefill selection, policy state, span observer or training capture)."""
+    return _ACTIVE.get() is None and _POLICY_STATE.get() is None and active_observer() is None and _CAPTURE.get() is None
 
 
 def register_attention_functions() -> None:

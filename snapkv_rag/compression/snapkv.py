@@ -91,6 +91,7 @@ class SnapKV(CompressionPolicy):
     decode_budget: int | None = None  # cut the cache back to this many entries per layer during decoding
     decode_interval: int | None = None  # ... every this many generated tokens (None: 64)
     rolling: int | None = None  # prefill this many prompt tokens at a time, cut back to the budget after each (engine/rolling.py)
+    kv_bits: int | None = None  # store kept entries in 8 or 4 bits (compression/quantized.py)
 
     def __post_init__(self) -> None:
         check_positive_int("SnapKV", "max_capacity_prompt", self.max_capacity_prompt)
@@ -124,6 +125,7 @@ class SnapKV(CompressionPolicy):
             raise InvalidCompressionError("SnapKV: decode_budget (decode-time cuts) does not combine with head_budgets='adaptive'")
         self.check_decode_budget()
         self.check_rolling()
+        self.check_kv_bits()
         if self.rolling is not None:
             if self.ragged_heads:
                 raise InvalidCompressionError("SnapKV: rolling= does not combine with head_budgets='adaptive' (per-head budgets)")

@@ -20,6 +20,7 @@ import torch
 
 from ..compression.base import CompressionPolicy
 from ..compression.decoding import PolicyState, layer_entries
+from ..compression.quantized import MIN_RESIDUAL, is_quantized, quantize_cache, quantized_layers
 from ..compression.ragged import is_ragged, ragged_layers
 from ..compression.runtime import PrefillCompression, compressing, plain_causal, policy_attention, sliding_layers
 from ..compression.span_attention import SpanAttention, observing
@@ -56,15 +57,25 @@ def plain_cache(model, cache):
 
 
 def cache_bytes(cache) -> int:
-    return sum(
-        layer.held_bytes() if is_ragged(layer) else layer.keys.numel() * layer.keys.element_size() + layer.values.numel() * layer.values.element_size()
-        for layer in cache.layers
-        if getattr(layer, "keys", None) is not None and layer.keys.numel()
-    )
+    return sum(layer_bytes(layer) for layer in cache.layers)
 
 
-def layer_token_bytes(layer) -> int:
-    """K and V bytes of one cached token in ``layer`` (all its KV heads)."""
+def layer_bytes(layer) -> int:
+    """Bytes ``layer`` holds (ragged and quantized layers count their own buffers)."""
+    if hasattr(layer, "held_bytes"):
+        return layer.held_bytes()
+    keys, values = getattr(layer, "keys", None), getattr(layer, "values", None)
+    if keys is None or values is None or not keys.numel():
+        return 0
+    return keys.numel() * keys.element_size() + values.numel() * values.element_size()
+
+
+def layer_token_bytes(layer, *, stored: bool = True) -> float:
+    """K and V bytes of one cached token in ``layer`` (all its KV heads); a quantized layer's
+    mean over the entries it holds (codes, scales and zero points, and its full-width residual),
+    or with ``stored=False`` what a token takes at the model's width."""
+    if is_quantized(layer):
+        return layer.held_bytes() / (layer.batch_size * layer.get_seq_length()) if stored else layer.full_token_bytes
     keys = layer.keys
     heads = layer.heads if is_ragged(layer) else keys.shape[1]
     return 2 * heads * keys.shape[3] * keys.element_size()
@@ -118,7 +129,7 @@ class TokenConstraint(Protocol):
 def model_forward(model, cache, input_ids, attention_mask, position_ids, state: PolicyState | None = None, *, last_only: bool = True) -> torch.Tensor:
     """One forward through ``cache`` at explicit positions; the logits ``[batch, t or 1, vocab]``.
     Without ``attention_mask`` (no padding) the new tokens attend causally over the whole cache."""
-    with policy_attention(state), ragged_layers(cache), plain_causal(attention_mask is None):
+    with policy_attention(state), ragged_layers(cache), quantized_layers(cache), plain_causal(attention_mask is None):
         return model(
             input_ids=input_ids,
             attention_mask=attention_mask,
@@ -180,6 +191,10 @@ class DecodeRun:
         self.rows = rows
         self.pad_id = pad_id
         self.device = next(model.parameters()).device
+        widths = {p.kv_bits if p is not None else None for p in (policy if isinstance(policy, list) else [policy])}
+        if len(widths) > 1:
+            raise InvalidCompressionError("the rows of one batch store their entries at one width (kv_bits)")
+        self.kv_bits: int | None = widths.pop()
         if len(rows) > 1 and self.ragged_heads:
             raise InvalidCompressionError("per-head budgets (heads=adaptive) run one prompt at a time; Engine.generate_batch runs such rows one by one")
         self.input_ids, self.attention_mask = left_pad(rows, pad_id, self.device)
@@ -215,7 +230,8 @@ class DecodeRun:
         self.segment_hits = self.segment_misses = 0
         self.timings = DecodeTimings()
         self.kept_tokens_per_layer: list[int] = []
-        self.token_bytes_per_layer: list[int] = []  # K and V bytes of one cached token, per layer
+        self.token_bytes_per_layer: list[float] = []  # K and V bytes of one cached token, per layer (a quantized layer's mean)
+        self.full_token_bytes_per_layer: list[float] = []  # the same at the model's width
         self.prompt_kv_bytes_kept = 0
         self.session: PrefillCompression | None = None
         self.last_logits = torch.empty(0)  # [batch, vocab] of the latest forward
@@ -397,11 +413,14 @@ class DecodeRun:
         return self._prefill()
 
     def _finish_prefill(self, seconds: float, mask: torch.Tensor) -> torch.Tensor:
+        if self.kv_bits is not None:
+            quantize_cache(self.cache, self.kv_bits, self._kv_residual(), self.sliding)
         self.timings.prefill_seconds = seconds
         if self.span_attention is not None:
             self.span_attention.bind(self.session.kept_indices if self.session is not None else None)
         self.kept_tokens_per_layer = [layer_entries(layer) for layer in self.cache.layers]
         self.token_bytes_per_layer = [layer_token_bytes(layer) if layer_entries(layer) else 0 for layer in self.cache.layers]
+        self.full_token_bytes_per_layer = [layer_token_bytes(layer, stored=False) if layer_entries(layer) else 0 for layer in self.cache.layers]
         self.prompt_kv_bytes_kept = cache_bytes(self.cache)
         if self.has_padding:
             compressed = self.session.kept_attention_mask if self.session is not None else None
@@ -409,6 +428,11 @@ class DecodeRun:
             if compressed is not None and any(self.sliding) and not all(self.sliding):
                 self._sliding_mask = mask
         return self.last_logits
+
+    def _kv_residual(self) -> int:
+        """Entries kept at full width after a quantized prefill: the policy's observation window, or more."""
+        windows = [self._row_policy(i) for i in range(self.batch_size)]
+        return max([MIN_RESIDUAL] + [p.query_window or 0 for p in windows if p is not None])
 
     def _exact_prefix_covers_more(self, take: int) -> bool:
         """Whether the ``take`` tokens the prefix cache reuses exactly are at least as many as the
@@ -458,11 +482,11 @@ class DecodeRun:
 
     def row_kv_bytes(self, row: int) -> tuple[int, int]:
         """``(kept, full)`` prompt K/V bytes of ``row``'s real tokens."""
-        kept = full = 0
-        for per_token, k in zip(self.token_bytes_per_layer, self.kept_tokens_per_layer):
+        kept = full = 0.0
+        for per_token, per_full_token, k in zip(self.token_bytes_per_layer, self.full_token_bytes_per_layer, self.kept_tokens_per_layer):
             kept += min(self.row_lengths[row], k) * per_token
-            full += self.row_lengths[row] * per_token
-        return kept, full
+            full += self.row_lengths[row] * per_full_token
+        return round(kept), round(full)
 
     def _masks(self, tokens: torch.Tensor, positions: torch.Tensor):
         """The attention-mask argument for a decode forward: 2-D, or one 4-D mask per layer kind."""

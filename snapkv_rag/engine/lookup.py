@@ -83,8 +83,7 @@ def drop_last(cache, count: int) -> None:
     if count <= 0:
         return
     for layer in cache.layers:
-        layer.keys = layer.keys[:, :, :-count]
-        layer.values = layer.values[:, :, :-count]
+        layer.crop(-count)
 
 
 @dataclass

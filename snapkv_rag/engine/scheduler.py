@@ -47,6 +47,7 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 
 from ..compression.decoding import layer_entries
+from ..compression.quantized import cache_kv_bits
 from ..model.openmp import release_thread_pool
 from ..tools.calls import ToolCallStream
 from .detokenize import SequenceText
@@ -238,9 +239,11 @@ class SharedGroup:
     def fits(self, run: DecodeRun) -> bool:
         """Whether ``run``'s rows should join: widths within 2x (+64) of each other, so that
         padding every row to the widest stays cheap (a full 32K-token cache beside 256-entry
-        SnapKV rows gets a group of its own)."""
+        SnapKV rows gets a group of its own), and entries stored at the same width (``kv_bits``)."""
         if not self.members:
             return True
+        if cache_kv_bits(self.cache) != run.kv_bits:
+            return False
         a, b = sorted((self.width, run.kept_tokens_per_layer[0]))
         return b <= 2 * a + 64
 
@@ -280,7 +283,7 @@ class SharedGroup:
         """The member's real cached entries (padding excluded), all layers."""
         rows = self._row_slices()[id(member)]
         entries = int(self.mask[rows].sum()) if self.mask is not None else member.rows * self.width
-        return entries * sum(member.run.token_bytes_per_layer)
+        return round(entries * sum(member.run.token_bytes_per_layer))
 
     def remove(self, gone: list[Member]) -> None:
         slices = self._row_slices()

@@ -78,6 +78,11 @@ class LESS(CompressionPolicy):
     def decode_interval(self) -> int | None:  # type: ignore[override]
         return self.base.decode_interval
 
+    @property
+    def kv_bits(self) -> int | None:  # type: ignore[override]
+        """The base's stored width: the kept entries are quantized, the low-rank state stays full width."""
+        return self.base.kv_bits
+
     def decode_state(self, model, sliding):
         """The low-rank state every eviction of the run (prefill and decode-time) is folded into."""
         from .state import LessPolicyState, LowRankState

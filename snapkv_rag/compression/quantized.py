@@ -1,0 +1,330 @@
+"""Kept entries stored in 8 or 4 bits (``kv_bits=``), as KIVI (Liu et al., ICML 2024) stores them.
+
+Keys are quantized per channel over groups of ``KEY_GROUP`` consecutive entries (a few key
+channels carry outliers, so each channel needs its own range); values per entry, over the
+head dimension (their error then stays within the entry that an attention weight scales).
+Both are asymmetric: ``x ~ code * scale + zero``, ``scale`` and ``zero`` in float16. 4-bit
+codes pack two to a byte: the low nibble holds channel ``c``, the high one ``c + dim / 2``.
+
+The most recent entries stay at full width (the residual: at least ``residual`` of them,
+fewer than ``residual + KEY_GROUP``); once the residual reaches ``residual + KEY_GROUP``
+entries its oldest whole groups are quantized. The policy selects over full-precision K/V
+during the prefill; the engine quantizes what it kept when the prefill ends
+(:func:`quantize_cache`), so the prefix cache and the chunk store keep full-width copies.
+
+A decode token attends straight over the codes (:meth:`QuantizedLayer.attend`): the query is
+scaled per key group, the codes are cast and multiplied, and the zero points add one small
+product each, so no full-width copy of the layer is built. Anything else (several tokens in
+one forward, span attention, LESS, decode-time cuts, the scheduler's joins) reads and writes
+``keys``/``values``, which dequantize and quantize again: exact for entries whose groups do not
+change, and within one more quantization step where they do.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass
+from typing import Self
+
+import torch
+from transformers.cache_utils import DynamicLayer
+
+from ..errors import InvalidCompressionError
+
+KV_BITS = (8, 4)
+KEY_GROUP = 64  # entries per key-quantization group (each channel has its own scale per group)
+MIN_RESIDUAL = 32  # entries kept at full width at least (more when the policy's window is longer)
+_SCALE_DTYPE = torch.float16
+
+_CACHE: ContextVar[object | None] = ContextVar("snapkv_rag_quantized_cache", default=None)
+
+
+def check_kv_bits(owner: str, value: object) -> None:
+    if value is not None and (isinstance(value, bool) or value not in KV_BITS):
+        raise InvalidCompressionError(f"{owner}: kv_bits must be {' or '.join(map(str, KV_BITS))} (unset: full width), got {value!r}")
+
+
+def _levels(bits: int) -> int:
+    return (1 << bits) - 1
+
+
+def _pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    if bits == 8:
+        return codes
+    half = codes.shape[-1] // 2
+    return codes[..., :half] | (codes[..., half:] << 4)
+
+
+def _unpack(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    return codes if bits == 8 else torch.cat([codes & 15, codes >> 4], dim=-1)
+
+
+def _quantize(x: torch.Tensor, dim: int, bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Codes, scale and zero of ``x`` with one range per slice along ``dim``."""
+    x = x.float()
+    low, high = x.amin(dim, keepdim=True), x.amax(dim, keepdim=True)
+    scale = ((high - low) / _levels(bits)).to(_SCALE_DTYPE)
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))  # a constant slice: every code 0
+    zero = low.to(_SCALE_DTYPE)
+    codes = ((x - zero.float()) / scale.float()).round_().clamp_(0, _levels(bits)).to(torch.uint8)
+    return _pack(codes, bits), scale, zero
+
+
+@dataclass
+class _Quantized:
+    codes: torch.Tensor
+    scale: torch.Tensor
+    zero: torch.Tensor
+    bits: int
+
+    def tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.codes, self.scale, self.zero
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors())
+
+    def append(self, other: Self) -> Self:
+        """These entries followed by ``other``'s (both are concatenated along dim 2)."""
+        codes, scale, zero = (torch.cat([a, b], dim=2) for a, b in zip(self.tensors(), other.tensors()))
+        return type(self)(codes, scale, zero, self.bits)
+
+
+class QuantizedKeys(_Quantized):
+    """``[b, h, n, dim]`` keys as codes ``[b, h, n / G, G, dim (/ 2)]`` and per-channel
+    ``scale``/``zero`` ``[b, h, n / G, 1, dim]`` of each group of ``G = KEY_GROUP`` entries."""
+
+    @classmethod
+    def of(cls, keys: torch.Tensor, bits: int) -> QuantizedKeys:
+        b, h, n, dim = keys.shape
+        return cls(*_quantize(keys.reshape(b, h, n // KEY_GROUP, KEY_GROUP, dim), 3, bits), bits)
+
+    @property
+    def length(self) -> int:
+        return self.codes.shape[2] * KEY_GROUP
+
+    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        b, h, groups, size, _ = self.codes.shape
+        full = _unpack(self.codes, self.bits).float() * self.scale.float() + self.zero.float()
+        return full.reshape(b, h, groups * size, -1).to(dtype)
+
+
+class QuantizedValues(_Quantized):
+    """``[b, h, n, dim]`` values as codes ``[b, h, n, dim (/ 2)]`` and ``scale``/``zero`` ``[b, h, n, 1]``."""
+
+    @classmethod
+    def of(cls, values: torch.Tensor, bits: int) -> QuantizedValues:
+        return cls(*_quantize(values, 3, bits), bits)
+
+    @property
+    def length(self) -> int:
+        return self.codes.shape[2]
+
+    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        return (_unpack(self.codes, self.bits).float() * self.scale.float() + self.zero.float()).to(dtype)
+
+
+class QuantizedLayer(DynamicLayer):
+    """One full-attention layer's K/V: a quantized body of whole key groups and a full-width
+    residual of the latest entries (see the module docstring).
+
+    ``keys``/``values`` read as the dequantized ``[b, h, n, dim]`` tensors and, assigned,
+    quantize what they are given; :meth:`update` appends to the residual and returns it only
+    (attention reads the layer through :func:`active_quantized_layer`)."""
+
+    def __init__(self, bits: int, residual: int = MIN_RESIDUAL):
+        check_kv_bits("QuantizedLayer", bits)
+        self.bits = bits
+        self.residual = max(MIN_RESIDUAL, residual)
+        self._key_body: QuantizedKeys | None = None
+        self._value_body: QuantizedValues | None = None
+        self._key_rest: torch.Tensor | None = None
+        self._value_rest: torch.Tensor | None = None
+        self.dtype = torch.float32
+        super().__init__()
+
+    @classmethod
+    def from_layer(cls, layer, bits: int, residual: int) -> QuantizedLayer:
+        quantized = cls(bits, residual)
+        quantized.lazy_initialization(layer.keys, layer.values)
+        quantized.keys, quantized.values = layer.keys, layer.values
+        return quantized
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.device, self.dtype = key_states.device, key_states.dtype
+        self._key_rest, self._value_rest = key_states[:, :, :0], value_states[:, :, :0]
+        self.is_initialized = True
+
+    def body_length(self, entries: int) -> int:
+        """Entries of a layer holding ``entries`` that are quantized: whole groups, leaving at least ``residual``."""
+        return max(0, entries - self.residual) // KEY_GROUP * KEY_GROUP
+
+    # ------------------------------------------------------------ the dense view
+    @property
+    def keys(self) -> torch.Tensor | None:
+        if self._key_rest is None:
+            return None
+        if self._key_body is None:
+            return self._key_rest
+        return torch.cat([self._key_body.dequantize(self.dtype), self._key_rest], dim=2)
+
+    @keys.setter
+    def keys(self, tensor: torch.Tensor | None) -> None:
+        if tensor is None or tensor.dim() != 4:  # reset, or not yet initialized
+            self._key_body, self._key_rest = None, tensor
+            return
+        body = self.body_length(tensor.shape[2])
+        self._key_body = QuantizedKeys.of(tensor[:, :, :body], self.bits) if body else None
+        self._key_rest = tensor[:, :, body:].clone()
+
+    @property
+    def values(self) -> torch.Tensor | None:
+        if self._value_rest is None:
+            return None
+        if self._value_body is None:
+            return self._value_rest
+        return torch.cat([self._value_body.dequantize(self.dtype), self._value_rest], dim=2)
+
+    @values.setter
+    def values(self, tensor: torch.Tensor | None) -> None:
+        if tensor is None or tensor.dim() != 4:  # reset, or not yet initialized
+            self._value_body, self._value_rest = None, tensor
+            return
+        body = self.body_length(tensor.shape[2])
+        self._value_body = QuantizedValues.of(tensor[:, :, :body], self.bits) if body else None
+        self._value_rest = tensor[:, :, body:].clone()
+
+    # ------------------------------------------------------------ the cache-layer interface
+    @property
+    def quantized_entries(self) -> int:
+        return self._key_body.length if self._key_body is not None else 0
+
+    def get_seq_length(self) -> int:
+        rest = self._key_rest.shape[2] if self._key_rest is not None and self._key_rest.dim() == 4 else 0
+        return self.quantized_entries + rest
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        assert self._key_rest is not None and self._value_rest is not None
+        self._key_rest = torch.cat([self._key_rest, key_states], dim=2)
+        self._value_rest = torch.cat([self._value_rest, value_states], dim=2)
+        if self._key_rest.shape[2] >= self.residual + KEY_GROUP:
+            self._flush()
+        return self._key_rest, self._value_rest
+
+    def _flush(self) -> None:
+        """Quantize the residual's oldest whole groups, leaving ``residual`` or more at full width."""
+        assert self._key_rest is not None and self._value_rest is not None
+        moved = self.body_length(self._key_rest.shape[2])
+        keys = QuantizedKeys.of(self._key_rest[:, :, :moved], self.bits)
+        values = QuantizedValues.of(self._value_rest[:, :, :moved], self.bits)
+        self._key_body = keys if self._key_body is None else self._key_body.append(keys)
+        self._value_body = values if self._value_body is None else self._value_body.append(values)
+        self._key_rest, self._value_rest = self._key_rest[:, :, moved:].clone(), self._value_rest[:, :, moved:].clone()
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Drop the last ``-tokens_to_remove`` entries (rejected drafts): from the residual when it holds them."""
+        count = -tokens_to_remove
+        if count <= 0 or not self.is_initialized:
+            return
+        assert self._key_rest is not None and self._value_rest is not None
+        if count <= self._key_rest.shape[2]:
+            self._key_rest, self._value_rest = self._key_rest[:, :, :-count], self._value_rest[:, :, :-count]
+        else:
+            keys, values = self.keys, self.values
+            assert keys is not None and values is not None
+            self.keys, self.values = keys[:, :, :-count], values[:, :, :-count]
+
+    @property
+    def batch_size(self) -> int:
+        assert self._key_rest is not None
+        return self._key_rest.shape[0]
+
+    @property
+    def full_token_bytes(self) -> int:
+        """K and V bytes of one entry (all KV heads) at the model's width."""
+        assert self._key_rest is not None
+        _, heads, _, dim = self._key_rest.shape
+        return 2 * heads * dim * self._key_rest.element_size()
+
+    def held_bytes(self) -> int:
+        """Bytes held: codes, scales and zero points of the body, and the full-width residual."""
+        body = sum(part.nbytes for part in (self._key_body, self._value_body) if part is not None)
+        rest = sum(t.numel() * t.element_size() for t in (self._key_rest, self._value_rest) if t is not None)
+        return body + rest
+
+    # ------------------------------------------------------------ attention
+    def attend(self, query: torch.Tensor, attention_mask: torch.Tensor | None, scaling: float | None) -> torch.Tensor:
+        """One decode token per row, ``query [b, q_heads, 1, dim]``, over the layer (its new
+        entry already appended); ``attention_mask`` None, bool (True: attend) or additive,
+        broadcastable to ``[b, q_heads, 1, entries]`` (a wider mask's last columns are used).
+        Scores in the input dtype, softmax in float32, as ``runtime.decode_attention``.
+        Returns ``[b, 1, q_heads, dim]``."""
+        keys, values, rest_keys, rest_values = self._key_body, self._value_body, self._key_rest, self._value_rest
+        assert keys is not None and values is not None and rest_keys is not None and rest_values is not None
+        b, q_heads, _, dim = query.shape
+        kv_heads = rest_keys.shape[1]
+        group = q_heads // kv_heads
+        dtype = query.dtype
+        q = query.reshape(b, kv_heads, 1, group, dim).float()  # [b, h, 1, g, d]: broadcast over key groups
+        # keys: q . (code * scale + zero) = (q * scale) . code + q . zero, per group of entries, in
+        # float32: both terms can be far larger than the score they sum to (a channel's zero point
+        # far from its entries), and bf16 would round each of them on its own
+        codes = _unpack(keys.codes, self.bits).float()  # [b, h, G#, G, d]
+        scores = torch.matmul(q * keys.scale.float(), codes.transpose(-1, -2))
+        scores += torch.matmul(q, keys.zero.float().transpose(-1, -2))  # [b, h, G#, g, 1]
+        body = keys.length
+        scores = scores.permute(0, 1, 3, 2, 4).reshape(b, kv_heads, group, body)
+        recent = torch.matmul(query.reshape(b, kv_heads, group, dim), rest_keys.transpose(-1, -2)).float()  # [b, h, g, r]
+        scores = torch.cat([scores, recent], dim=-1) * (scaling if scaling is not None else dim**-0.5)
+        if attention_mask is not None:
+            mask = attention_mask[..., -1:, -scores.shape[-1] :]
+            mask = mask.reshape(mask.shape[0], kv_heads, group, -1) if mask.shape[1] == q_heads else mask
+            scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask.float()
+        probs = torch.softmax(scores, dim=-1)
+        weights, recent_weights = probs[..., :body], probs[..., body:]
+        # values: sum_t p_t (code_t * scale_t + zero_t) = (p * scale) . code + p . zero
+        scaled = (weights * values.scale[..., 0].float()[:, :, None]).to(dtype)
+        out = torch.matmul(scaled, _unpack(values.codes, self.bits).to(dtype)).float()
+        out += torch.matmul(weights, values.zero.float())
+        out += torch.matmul(recent_weights.to(dtype), rest_values).float()
+        return out.to(dtype).reshape(b, q_heads, 1, dim).transpose(1, 2).contiguous()
+
+
+def is_quantized(layer) -> bool:
+    return isinstance(layer, QuantizedLayer)
+
+
+def quantize_cache(cache, bits: int, residual: int, sliding: list[bool]) -> None:
+    """Replace ``cache``'s full-attention layers by :class:`QuantizedLayer` ones holding the same entries."""
+    for i, layer in enumerate(cache.layers):
+        if sliding[i] or is_quantized(layer) or getattr(layer, "keys", None) is None or layer.keys.dim() != 4:
+            continue
+        cache.layers[i] = QuantizedLayer.from_layer(layer, bits, residual)
+
+
+def cache_kv_bits(cache) -> int | None:
+    """The width ``cache``'s quantized layers store (None: full width)."""
+    return next((layer.bits for layer in cache.layers if is_quantized(layer)), None)
+
+
+@contextmanager
+def quantized_layers(cache) -> Iterator[None]:
+    """Let the attention of the model calls inside the block find ``cache``'s quantized layers."""
+    token = _CACHE.set(cache if cache is not None and any(is_quantized(layer) for layer in cache.layers) else None)
+    try:
+        yield
+    finally:
+        _CACHE.reset(token)
+
+
+def active_quantized_layer(layer_idx: int) -> QuantizedLayer | None:
+    """The running forward's cache layer ``layer_idx`` when it is quantized (else None)."""
+    cache = _CACHE.get()
+    if cache is None:
+        return None
+    layer = cache.layers[layer_idx]  # type: ignore[attr-defined]
+    return layer if isinstance(layer, QuantizedLayer) else None
