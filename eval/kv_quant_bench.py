@@ -137,18 +137,19 @@ def table(records: list[dict]) -> list[str]:
     rows = [r for r in records if r["part"] == "answers"]
     if rows:
         lines += [
-            "| cache | bits | answers changed vs same cache at full width | right | median prompt K/V kept (MiB) | bytes vs full width |",
-            "|---|---|---|---|---|---|",
+            "| cache | bits | texts changed vs same cache at full width | answers lost (right there, wrong here) | right | median prompt K/V kept (MiB) | bytes vs full width |",
+            "|---|---|---|---|---|---|---|",
         ]
         for name in dict.fromkeys(r["setting"] for r in rows):
             base = {r["question"]: r for r in rows if r["setting"] == name and r["bits"] == 16}
             for bits in (16, 8, 4):
                 group = {r["question"]: r for r in rows if r["setting"] == name and r["bits"] == bits}
                 changed = sum(group[q]["text"] != base[q]["text"] for q in group)
+                lost = sum(base[q]["correct"] and not group[q]["correct"] for q in group)
                 kept = statistics.median(r["prompt_kv_bytes_kept"] for r in group.values())
                 ratio = statistics.median(group[q]["prompt_kv_bytes_kept"] / base[q]["prompt_kv_bytes_kept"] for q in group)
                 lines.append(
-                    f"| {name} | {bits if bits != 16 else 'full width'} | {changed}/{len(group)} | "
+                    f"| {name} | {bits if bits != 16 else 'full width'} | {changed}/{len(group)} | {lost} | "
                     f"{sum(r['correct'] for r in group.values())}/{len(group)} | {kept / 2**20:.2f} | {ratio:.3f} |"
                 )
         lines.append("")
@@ -179,8 +180,15 @@ def main() -> int:
     ap.add_argument("--dtype", default="float32", help="answers and needle (reuse is bit-exact in float32)")
     ap.add_argument("--limit", type=int, default=None, help="the first N questions only (a smoke run)")
     ap.add_argument("--out", default=str(ROOT / "eval/results/kv_quant_bench"))
+    ap.add_argument("--table-only", action="store_true", help="rewrite the table from the records in --out")
     args = ap.parse_args()
     out = Path(args.out)
+    if args.table_only:
+        import json
+
+        records = [json.loads(line) for line in (out / "records.jsonl").read_text().splitlines() if line.strip()]
+        write_table(out, table(records))
+        return 0
     records: list[dict] = []
     for part in args.parts.split(","):
         {"answers": answers, "needle": needle, "speed": speed}[part](args, records)

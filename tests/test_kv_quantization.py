@@ -35,7 +35,8 @@ def dense(batch=2, heads=3, n=300, dim=64, seed=0, dtype=torch.float32):
 
 @pytest.mark.parametrize("bits", [8, 4])
 def test_four_bit_codes_pack_two_to_a_byte_and_back(bits):
-    codes = torch.randint(0, 1 << bits, (2, 3, 5, 64), dtype=torch.uint8)
+    half = 1 << (bits - 1)
+    codes = torch.randint(-half, half, (2, 3, 5, 64), dtype=torch.int8)  # centred codes
     packed = _pack(codes, bits)
     assert packed.shape[-1] == (64 if bits == 8 else 32)
     assert torch.equal(_unpack(packed, bits), codes)
@@ -115,7 +116,7 @@ class _Dense:
 def test_attention_over_the_codes_equals_attention_over_the_dequantized_entries(dtype, bits, mask_kind):
     keys, values = dense(batch=2, heads=2, n=333, dim=64, dtype=dtype)
     layer = QuantizedLayer.from_layer(_Dense(keys, values), bits, residual=40)
-    query = torch.randn(2, 6, 1, 64).to(dtype)  # 3 query heads per KV head
+    query = torch.randn(2, 6, 1, 64, generator=torch.Generator().manual_seed(1)).to(dtype)  # 3 query heads per KV head
     mask = None
     if mask_kind is not None:
         allowed = torch.ones(2, 1, 1, 333, dtype=torch.bool)
@@ -128,7 +129,8 @@ def test_attention_over_the_codes_equals_attention_over_the_dequantized_entries(
         assert torch.allclose(got, want, atol=1e-4, rtol=1e-4)
     else:  # bf16 rounds the products in another order: no further from float32 than the engine's bf16 attention is
         engine_bf16, _ = decode_attention(None, query, layer.keys, layer.values, mask, scaling=0.125)
-        assert (got.float() - want).norm() <= 1.5 * (engine_bf16.float() - want).norm() + 1e-3
+        relative, engine_relative = ((out.float() - want).norm() / want.norm() for out in (got, engine_bf16))
+        assert relative <= max(2 * engine_relative, 0.02)
     # and near attention over the original entries (these keys have a +30 outlier channel and wide ranges)
     exact, _ = decode_attention(None, query.float(), keys.float(), values.float(), mask, scaling=0.125)
     relative = float((got.float() - exact).norm() / exact.norm())

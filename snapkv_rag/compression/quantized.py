@@ -3,8 +3,9 @@
 Keys are quantized per channel over groups of ``KEY_GROUP`` consecutive entries (a few key
 channels carry outliers, so each channel needs its own range); values per entry, over the
 head dimension (their error then stays within the entry that an attention weight scales).
-Both are asymmetric: ``x ~ code * scale + zero``, ``scale`` and ``zero`` in float16. 4-bit
-codes pack two to a byte: the low nibble holds channel ``c``, the high one ``c + dim / 2``.
+Both are asymmetric: ``x ~ code * scale + zero``, ``scale`` and ``zero`` in float16. Codes are
+stored centred, as int8; 4-bit ones two to a byte: the low nibble holds channel ``c``, the high
+one ``c + dim / 2``.
 
 The most recent entries stay at full width (the residual: at least ``residual`` of them,
 fewer than ``residual + KEY_GROUP``); once the residual reaches ``residual + KEY_GROUP``
@@ -22,6 +23,8 @@ change, and within one more quantization step where they do.
 
 from __future__ import annotations
 
+import math
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -50,26 +53,65 @@ def _levels(bits: int) -> int:
     return (1 << bits) - 1
 
 
+def _centre(bits: int) -> int:
+    return 1 << (bits - 1)
+
+
 def _pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """Centred codes (``code - centre``, int8 range) as stored: int8, 4-bit ones two to a byte."""
     if bits == 8:
-        return codes
+        return codes.to(torch.int8)
     half = codes.shape[-1] // 2
-    return codes[..., :half] | (codes[..., half:] << 4)
+    low, high = codes[..., :half].to(torch.int16), codes[..., half:].to(torch.int16)
+    return (high * 16 + (low & 15)).to(torch.int8)
 
 
 def _unpack(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    return codes if bits == 8 else torch.cat([codes & 15, codes >> 4], dim=-1)
+    """The centred codes, int8; 4-bit nibbles sign-extended by arithmetic shifts."""
+    return codes if bits == 8 else torch.cat([(codes << 4) >> 4, codes >> 4], dim=-1)
+
+
+_SCRATCH = threading.local()
+
+
+def _as_float(codes: torch.Tensor, bits: int, dtype: torch.dtype, slot: str) -> torch.Tensor:
+    """The unpacked centred codes in ``dtype``, written into a buffer this thread reuses for
+    ``slot``: a fresh multi-MiB tensor per layer and step cost 4x the cast itself here (fresh
+    pages from the allocator). The buffer is one layer's codes at ``dtype``, shared by all layers."""
+    shape = (*codes.shape[:-1], codes.shape[-1] * (2 if bits == 4 else 1))
+    size = math.prod(shape)
+    buffers = _SCRATCH.__dict__.setdefault("buffers", {})
+    buffer = buffers.get((slot, dtype))
+    if buffer is None or buffer.numel() < size or buffer.device != codes.device:
+        buffer = buffers[(slot, dtype)] = torch.empty(size, dtype=dtype, device=codes.device)
+    out = buffer[:size].view(shape)
+    if bits == 8:
+        out.copy_(codes)
+    else:
+        half = codes.shape[-1]
+        out[..., :half].copy_((codes << 4) >> 4)
+        out[..., half:].copy_(codes >> 4)
+    return out
 
 
 def _quantize(x: torch.Tensor, dim: int, bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Codes, scale and zero of ``x`` with one range per slice along ``dim``."""
+    """Codes, scale and zero of ``x`` with one range per slice along ``dim``: ``x ~ code * scale + zero``.
+
+    Codes are stored centred (``code - 2 ** (bits - 1)``, see :func:`_zero_point`): a product over
+    them then stays near the size of the scores it adds up to, which bf16 rounds as finely as the
+    model's own attention, and int8 casts to bf16 exactly."""
     x = x.float()
     low, high = x.amin(dim, keepdim=True), x.amax(dim, keepdim=True)
     scale = ((high - low) / _levels(bits)).to(_SCALE_DTYPE)
     scale = torch.where(scale > 0, scale, torch.ones_like(scale))  # a constant slice: every code 0
     zero = low.to(_SCALE_DTYPE)
-    codes = ((x - zero.float()) / scale.float()).round_().clamp_(0, _levels(bits)).to(torch.uint8)
+    codes = ((x - zero.float()) / scale.float()).round_().clamp_(0, _levels(bits)) - _centre(bits)
     return _pack(codes, bits), scale, zero
+
+
+def _zero_point(part: _Quantized) -> torch.Tensor:
+    """The float32 value of a stored (centred) code 0."""
+    return part.zero.float() + _centre(part.bits) * part.scale.float()
 
 
 @dataclass
@@ -107,7 +149,7 @@ class QuantizedKeys(_Quantized):
 
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
         b, h, groups, size, _ = self.codes.shape
-        full = _unpack(self.codes, self.bits).float() * self.scale.float() + self.zero.float()
+        full = _unpack(self.codes, self.bits).float() * self.scale.float() + _zero_point(self)
         return full.reshape(b, h, groups * size, -1).to(dtype)
 
 
@@ -123,7 +165,7 @@ class QuantizedValues(_Quantized):
         return self.codes.shape[2]
 
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
-        return (_unpack(self.codes, self.bits).float() * self.scale.float() + self.zero.float()).to(dtype)
+        return (_unpack(self.codes, self.bits).float() * self.scale.float() + _zero_point(self)).to(dtype)
 
 
 class QuantizedLayer(DynamicLayer):
@@ -269,13 +311,12 @@ class QuantizedLayer(DynamicLayer):
         kv_heads = rest_keys.shape[1]
         group = q_heads // kv_heads
         dtype = query.dtype
-        q = query.reshape(b, kv_heads, 1, group, dim).float()  # [b, h, 1, g, d]: broadcast over key groups
-        # keys: q . (code * scale + zero) = (q * scale) . code + q . zero, per group of entries, in
-        # float32: both terms can be far larger than the score they sum to (a channel's zero point
-        # far from its entries), and bf16 would round each of them on its own
-        codes = _unpack(keys.codes, self.bits).float()  # [b, h, G#, G, d]
-        scores = torch.matmul(q * keys.scale.float(), codes.transpose(-1, -2))
-        scores += torch.matmul(q, keys.zero.float().transpose(-1, -2))  # [b, h, G#, g, 1]
+        q = query.reshape(b, kv_heads, 1, group, dim)  # [b, h, 1, g, d]: broadcast over key groups
+        # keys: q . (code * scale + zero) = (q * scale) . code + q . zero, per group of entries; the
+        # zero term in float32 (a zero point far from 0 gives a term far larger than the score)
+        codes = _as_float(keys.codes, self.bits, dtype, "keys")  # [b, h, G#, G, d]
+        scores = torch.matmul(q * keys.scale.to(dtype), codes.transpose(-1, -2)).float()
+        scores += torch.matmul(q.float(), _zero_point(keys).transpose(-1, -2))  # [b, h, G#, g, 1]
         body = keys.length
         scores = scores.permute(0, 1, 3, 2, 4).reshape(b, kv_heads, group, body)
         recent = torch.matmul(query.reshape(b, kv_heads, group, dim), rest_keys.transpose(-1, -2)).float()  # [b, h, g, r]
@@ -288,8 +329,8 @@ class QuantizedLayer(DynamicLayer):
         weights, recent_weights = probs[..., :body], probs[..., body:]
         # values: sum_t p_t (code_t * scale_t + zero_t) = (p * scale) . code + p . zero
         scaled = (weights * values.scale[..., 0].float()[:, :, None]).to(dtype)
-        out = torch.matmul(scaled, _unpack(values.codes, self.bits).to(dtype)).float()
-        out += torch.matmul(weights, values.zero.float())
+        out = torch.matmul(scaled, _as_float(values.codes, self.bits, dtype, "values")).float()
+        out += torch.matmul(weights, _zero_point(values))
         out += torch.matmul(recent_weights.to(dtype), rest_values).float()
         return out.to(dtype).reshape(b, q_heads, 1, dim).transpose(1, 2).contiguous()
 
