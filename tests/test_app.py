@@ -369,6 +369,9 @@ def test_app_reads_its_options_after_the_double_dash(monkeypatch):
     assert settings.policy().window_size == "question" and settings.spec() == "snapkv:budget=256,window=question"
     assert ui_config.Settings("less", 128, "fixed", 16, 1024, 96, 0.0, True).spec() == "less:base=snapkv,budget=128,window=16"
     assert ui_config.Settings("full", 128, "fixed", 16, 1024, 96, 0.0, True).policy() is None
+    four = ui_config.Settings("snapkv", 256, "question", 32, 1024, 96, 0.0, True, "prefix", 4)
+    assert four.spec() == "snapkv:budget=256,window=question,kv_bits=4" and four.policy().kv_bits == 4 and "4-bit" in four.label
+    assert ui_config.Settings("full", 128, "fixed", 16, 1024, 96, 0.0, True, "prefix", 8).policy().kv_bits == 8
 
 
 # ----------------------------------------------------------------------------- issue 31: found by a new user

@@ -43,6 +43,17 @@ def test_generate_with_compression_from_stdin(model_dir, capsys, monkeypatch):
     assert payload["stats"]["compression"]["method"] == "snapkv"
 
 
+def test_generate_with_kept_entries_in_fewer_bits(model_dir, capsys, monkeypatch):
+    monkeypatch.setattr("sys.stdin", io.StringIO("The quick brown fox jumps over the lazy dog. " * 30))
+    sizes = {}
+    for spec in ("snapkv:budget=200,window=8", "snapkv:budget=200,window=8,kv_bits=8"):
+        assert main(["generate", "--model", model_dir, "--json", "--max-new-tokens", "3", "--compression", spec, "-"]) == 0
+        stats = json.loads(capsys.readouterr().out)["stats"]
+        sizes[stats["compression"].get("kv_bits")] = stats["prompt_kv_bytes_kept"]
+        monkeypatch.setattr("sys.stdin", io.StringIO("The quick brown fox jumps over the lazy dog. " * 30))
+    assert sizes[8] < sizes[None]
+
+
 def test_info_json(model_dir, capsys):
     assert main(["info", "--model", model_dir, "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
@@ -50,6 +61,7 @@ def test_info_json(model_dir, capsys):
     # bf16 by default on a CPU that computes it natively, fp32 elsewhere (issue 25)
     assert data["dtype"] == ("float32" if data["cpu_native_bf16"] == "no" else "bfloat16")
     assert data["kv_bytes_per_token"] == 2 * 2 * 2 * 16 * {"float32": 4, "bfloat16": 2}[data["dtype"]]
+    assert data["kv_bits"].startswith("8, 4 ")
 
 
 def test_chat_reads_turns(model_dir, capsys, monkeypatch):

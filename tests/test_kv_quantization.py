@@ -36,10 +36,11 @@ def dense(batch=2, heads=3, n=300, dim=64, seed=0, dtype=torch.float32):
 @pytest.mark.parametrize("bits", [8, 4])
 def test_four_bit_codes_pack_two_to_a_byte_and_back(bits):
     half = 1 << (bits - 1)
-    codes = torch.randint(-half, half, (2, 3, 5, 64), dtype=torch.int8)  # centred codes
-    packed = _pack(codes, bits)
-    assert packed.shape[-1] == (64 if bits == 8 else 32)
-    assert torch.equal(_unpack(packed, bits), codes)
+    codes = torch.randint(-half, half, (2, 3, 6, 64), dtype=torch.int8)  # centred codes
+    for dim in (-1, -2):
+        packed = _pack(codes, bits, dim)
+        assert packed.dtype == torch.int8 and packed.shape[dim] == codes.shape[dim] // (8 // bits)
+        assert torch.equal(_unpack(packed, bits, dim), codes)
 
 
 @pytest.mark.parametrize("bits", [8, 4])

@@ -118,6 +118,17 @@ def test_chat_answer_is_the_engines_own_with_the_servers_compression(client, eng
     assert full.choices[0].message.content == engine.generate(messages, max_new_tokens=12).text
 
 
+def test_a_request_stores_its_kept_entries_in_fewer_bits(client, engine):
+    messages = [{"role": "user", "content": LONG_QUESTION}]
+    wide = client.chat.completions.create(model="tiny", messages=messages, max_tokens=8, extra_body={"compression": "snapkv:budget=200"})
+    narrow = client.chat.completions.create(model="tiny", messages=messages, max_tokens=8, extra_body={"compression": "snapkv:budget=200,kv_bits=4"})
+    stats, wide_stats = narrow.model_extra["snapkv"], wide.model_extra["snapkv"]
+    assert stats["compression"]["kv_bits"] == 4 and stats["kept_tokens_per_layer"] == wide_stats["kept_tokens_per_layer"]
+    assert stats["prompt_kv_bytes_kept"] < wide_stats["prompt_kv_bytes_kept"]
+    direct = engine.generate(messages, max_new_tokens=8, compression="snapkv:budget=200,kv_bits=4")
+    assert narrow.choices[0].message.content == direct.text and stats["prompt_kv_bytes_kept"] == direct.stats.prompt_kv_bytes_kept
+
+
 def test_streamed_chat_reassembles_to_the_plain_answer(client):
     plain = client.chat.completions.create(**ask(max_tokens=16, temperature=0.9, seed=3))
     chunks = list(client.chat.completions.create(**ask(max_tokens=16, temperature=0.9, seed=3), stream=True, stream_options={"include_usage": True}))
@@ -223,6 +234,7 @@ BAD_REQUESTS = [
     (ask(model="gpt-4o"), 404, "model", "model_not_found"),
     (ask(compression="snapkv:budget=-3"), 400, "compression", None),
     (ask(compression="zip:budget=3"), 400, "compression", None),
+    (ask(compression="snapkv:budget=64,kv_bits=2"), 400, "compression", None),
     (ask(max_tokens=0), 400, "max_tokens", None),
     (ask(max_tokens=100_000), 400, "messages", "context_length_exceeded"),
     (ask(messages=[{"role": "user", "content": "word " * 3000}]), 400, "messages", "context_length_exceeded"),

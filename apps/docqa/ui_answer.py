@@ -88,7 +88,7 @@ def answer_question(question: str, engine: Engine | None, engine_error: str | No
             for run, target in zip(runs, targets):
                 if len(runs) == 2:
                     target.markdown(f"##### {run.label}")
-                ask_one(qa, question, run, settings, None if run.method == "full" else policy, target)
+                ask_one(qa, question, run, settings, policy if run is runs[-1] else None, target)
                 with target:
                     render_sources(run.answer)
         except Exception as exc:  # say so in the page, keep the app running and every answer already made

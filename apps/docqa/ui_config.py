@@ -30,6 +30,8 @@ METHODS = {
 }
 
 
+KV_WIDTHS = {0: "Full width", 8: "8 bits", 4: "4 bits"}  # kv_bits: the stored width of kept entries (0: unset)
+
 KV_REUSE = {"chunks": "Chunks (stored document K/V)", "prefix": "Prefix only", "off": "Off"}
 
 
@@ -124,14 +126,16 @@ class Settings:
     temperature: float
     side_by_side: bool
     kv_reuse: str = "chunks"
+    kv_bits: int = 0  # 8 or 4: kept entries stored in that many bits (0: at the model's width)
 
     def spec(self) -> str:
         """The compression spec string (``snapkv_rag.compression.parse_compression``'s)."""
+        bits = f"kv_bits={self.kv_bits}" if self.kv_bits else ""
         if self.method == "full":
-            return "full"
+            return f"full:{bits}" if bits else "full"
         window = f",window={'question' if self.window == 'question' else self.window_size}" if self.method in ("snapkv", "less") else ""
         base = "less:base=snapkv," if self.method == "less" else f"{self.method}:"
-        return f"{base}budget={self.budget}{window}"
+        return f"{base}budget={self.budget}{window}" + (f",{bits}" if bits else "")
 
     def policy(self):
         """The compression policy (None for the full cache); raises InvalidCompressionError."""
@@ -139,12 +143,13 @@ class Settings:
 
     @property
     def label(self) -> str:
+        bits = f", {self.kv_bits}-bit entries" if self.kv_bits else ""
         if self.method == "full":
-            return "Full cache"
+            return f"Full cache{bits}"
         window = ""
         if self.method in ("snapkv", "less"):
             window = ", question window" if self.window == "question" else f", window {self.window_size}"
-        return f"{METHODS[self.method].split(' (')[0]} @ {self.budget}{window}"
+        return f"{METHODS[self.method].split(' (')[0]} @ {self.budget}{window}{bits}"
 
     def sampling(self) -> dict[str, Any]:
         # A fixed seed makes sampled answers repeatable, so both sides of a comparison draw alike.

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import streamlit as st
-from ui_config import KV_REUSE, METHODS, NEW_COLLECTION, AppConfig, Settings, checked_policy, load_engine, reads_past_window
+from ui_config import KV_REUSE, KV_WIDTHS, METHODS, NEW_COLLECTION, AppConfig, Settings, checked_policy, load_engine, reads_past_window
 from ui_views import fmt_bytes
 
 from snapkv_rag import Engine
@@ -69,9 +69,8 @@ def sidebar_collection(cfg: AppConfig, client) -> str:
 def sidebar_settings(engine: Engine | None) -> Settings:
     st.sidebar.subheader("Compression")
     method = st.sidebar.selectbox("Method", list(METHODS), format_func=METHODS.get, index=1, key="method")
-    compressed = method != "full"
     budget = st.sidebar.number_input(
-        "KV budget (entries per layer and head)", min_value=8, max_value=1_000_000, value=256, step=64, key="budget", disabled=not compressed
+        "KV budget (entries per layer and head)", min_value=8, max_value=1_000_000, value=256, step=64, key="budget", disabled=method == "full"
     )
     window, window_size = "question", 32
     if method in ("snapkv", "less"):
@@ -85,6 +84,15 @@ def sidebar_settings(engine: Engine | None) -> Settings:
         )
         if window == "fixed":
             window_size = st.sidebar.number_input("Window tokens", min_value=1, max_value=4096, value=32, key="window_size")
+    kv_bits = st.sidebar.selectbox(
+        "Stored width of kept entries",
+        list(KV_WIDTHS),
+        format_func=KV_WIDTHS.get,
+        key="kv_bits",
+        help="8 or 4 bits: the kept keys (per channel) and values (per entry) are quantized after the prefill, "
+        "the latest entries stay at full width (kv_bits=). Fewer bytes per entry, on top of what the budget drops.",
+    )
+    compressed = method != "full" or bool(kv_bits)
     st.sidebar.subheader("Generation")
     context_tokens = st.sidebar.number_input(
         "Context tokens to stuff",
@@ -115,14 +123,23 @@ def sidebar_settings(engine: Engine | None) -> Settings:
         "Prefix: only an identical prompt start is reused (exact). Off: every prompt is read whole.",
     )
     settings = Settings(
-        method, int(budget), window, int(window_size), int(context_tokens), int(max_new_tokens), float(temperature), bool(side_by_side and compressed), kv_reuse
+        method,
+        int(budget),
+        window,
+        int(window_size),
+        int(context_tokens),
+        int(max_new_tokens),
+        float(temperature),
+        bool(side_by_side and compressed),
+        kv_reuse,
+        int(kv_bits),
     )
     policy = None
     try:
         policy = checked_policy(settings, engine)
     except SnapKVRagError as exc:
         st.sidebar.error(str(exc))
-    if compressed and budget >= context_tokens:
+    if method != "full" and budget >= context_tokens:
         st.sidebar.info(
             f"The budget ({budget:,}) is not below the context tokens ({context_tokens:,}): the prompt will usually fit whole and nothing gets compressed."
         )

@@ -4,8 +4,8 @@ Keys are quantized per channel over groups of ``KEY_GROUP`` consecutive entries 
 channels carry outliers, so each channel needs its own range); values per entry, over the
 head dimension (their error then stays within the entry that an attention weight scales).
 Both are asymmetric: ``x ~ code * scale + zero``, ``scale`` and ``zero`` in float16. Codes are
-stored centred, as int8; 4-bit ones two to a byte: the low nibble holds channel ``c``, the high
-one ``c + dim / 2``.
+stored centred, as int8; 4-bit ones two to a byte (the first half of the head dimension in the
+low nibbles). Values are stored transposed, entries along the last axis.
 
 The most recent entries stay at full width (the residual: at least ``residual`` of them,
 fewer than ``residual + KEY_GROUP``); once the residual reaches ``residual + KEY_GROUP``
@@ -13,12 +13,13 @@ entries its oldest whole groups are quantized. The policy selects over full-prec
 during the prefill; the engine quantizes what it kept when the prefill ends
 (:func:`quantize_cache`), so the prefix cache and the chunk store keep full-width copies.
 
-A decode token attends straight over the codes (:meth:`QuantizedLayer.attend`): the query is
-scaled per key group, the codes are cast and multiplied, and the zero points add one small
-product each, so no full-width copy of the layer is built. Anything else (several tokens in
-one forward, span attention, LESS, decode-time cuts, the scheduler's joins) reads and writes
-``keys``/``values``, which dequantize and quantize again: exact for entries whose groups do not
-change, and within one more quantization step where they do.
+A decode token attends straight over the codes (:meth:`QuantizedLayer.attend`): for the keys
+the query is scaled per key group and multiplied by the codes cast to the model's dtype; the
+values' codes go as they are into PyTorch's int8 weight kernel (bf16 on the CPU); the zero
+points add one small float32 product each. Anything else (several tokens in one forward, span
+attention, LESS, decode-time cuts, the scheduler's joins) reads and writes ``keys``/``values``,
+which dequantize and quantize again: exact for entries whose groups do not change, and within
+one more quantization step where they do.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ import torch
 from transformers.cache_utils import DynamicLayer
 
 from ..errors import InvalidCompressionError
+from ..model.quantization import int8_kernel_available
 
 KV_BITS = (8, 4)
 KEY_GROUP = 64  # entries per key-quantization group (each channel has its own scale per group)
@@ -57,18 +59,18 @@ def _centre(bits: int) -> int:
     return 1 << (bits - 1)
 
 
-def _pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    """Centred codes (``code - centre``, int8 range) as stored: int8, 4-bit ones two to a byte."""
+def _pack(codes: torch.Tensor, bits: int, dim: int = -1) -> torch.Tensor:
+    """Centred codes (``code - centre``, int8 range) as stored: int8, 4-bit ones two to a byte
+    (the first half of ``dim`` in the low nibbles, the second in the high ones)."""
     if bits == 8:
         return codes.to(torch.int8)
-    half = codes.shape[-1] // 2
-    low, high = codes[..., :half].to(torch.int16), codes[..., half:].to(torch.int16)
+    low, high = (part.to(torch.int16) for part in codes.chunk(2, dim=dim))
     return (high * 16 + (low & 15)).to(torch.int8)
 
 
-def _unpack(codes: torch.Tensor, bits: int) -> torch.Tensor:
+def _unpack(codes: torch.Tensor, bits: int, dim: int = -1) -> torch.Tensor:
     """The centred codes, int8; 4-bit nibbles sign-extended by arithmetic shifts."""
-    return codes if bits == 8 else torch.cat([(codes << 4) >> 4, codes >> 4], dim=-1)
+    return codes if bits == 8 else torch.cat([(codes << 4) >> 4, codes >> 4], dim=dim)
 
 
 _SCRATCH = threading.local()
@@ -92,6 +94,20 @@ def _as_float(codes: torch.Tensor, bits: int, dtype: torch.dtype, slot: str) -> 
         out[..., :half].copy_((codes << 4) >> 4)
         out[..., half:].copy_(codes >> 4)
     return out
+
+
+def _int8_product(weights: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
+    """``weights [b, h, g, n] @ codes [b, h, d, n]^T`` in float32, ``codes`` int8: PyTorch's int8
+    weight kernel per head for bf16 on the CPU (it reads the codes as they are, where casting them
+    first cost a copy of the layer at the model's width every step), else a cast and a product."""
+    b, h, g, _ = weights.shape
+    d = codes.shape[2]
+    if weights.device.type != "cpu" or weights.dtype != torch.bfloat16 or not int8_kernel_available():  # its float32 path was 5x slower here
+        return torch.matmul(weights, codes.transpose(-1, -2).to(weights.dtype)).float()
+    ones = torch.ones(d, dtype=weights.dtype)
+    kernel = torch.ops.aten._weight_int8pack_mm
+    heads = [kernel(weights[i, j].contiguous(), codes[i, j], ones) for i in range(b) for j in range(h)]
+    return torch.stack(heads).view(b, h, g, d).float()
 
 
 def _quantize(x: torch.Tensor, dim: int, bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -154,18 +170,26 @@ class QuantizedKeys(_Quantized):
 
 
 class QuantizedValues(_Quantized):
-    """``[b, h, n, dim]`` values as codes ``[b, h, n, dim (/ 2)]`` and ``scale``/``zero`` ``[b, h, n, 1]``."""
+    """``[b, h, n, dim]`` values as codes ``[b, h, dim (/ 2), n]`` (entries along the last axis, as
+    the int8 product over them reads a weight) and ``scale``/``zero`` ``[b, h, n, 1]``."""
 
     @classmethod
     def of(cls, values: torch.Tensor, bits: int) -> QuantizedValues:
-        return cls(*_quantize(values, 3, bits), bits)
+        codes, scale, zero = _quantize(values, 3, bits)  # codes [b, h, n, dim (/ 2)]
+        return cls(_pack(_unpack(codes, bits).transpose(-1, -2), bits, dim=-2).contiguous(), scale, zero, bits)
 
     @property
     def length(self) -> int:
-        return self.codes.shape[2]
+        return self.codes.shape[3]
 
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
-        return (_unpack(self.codes, self.bits).float() * self.scale.float() + _zero_point(self)).to(dtype)
+        codes = _unpack(self.codes, self.bits, dim=-2).transpose(-1, -2)
+        return (codes.float() * self.scale.float() + _zero_point(self)).to(dtype)
+
+    def append(self, other: Self) -> Self:
+        return type(self)(
+            torch.cat([self.codes, other.codes], dim=3), torch.cat([self.scale, other.scale], dim=2), torch.cat([self.zero, other.zero], dim=2), self.bits
+        )
 
 
 class QuantizedLayer(DynamicLayer):
@@ -329,7 +353,7 @@ class QuantizedLayer(DynamicLayer):
         weights, recent_weights = probs[..., :body], probs[..., body:]
         # values: sum_t p_t (code_t * scale_t + zero_t) = (p * scale) . code + p . zero
         scaled = (weights * values.scale[..., 0].float()[:, :, None]).to(dtype)
-        out = torch.matmul(scaled, _as_float(values.codes, self.bits, dtype, "values")).float()
+        out = _int8_product(scaled, _unpack(values.codes, self.bits, dim=-2))
         out += torch.matmul(weights, _zero_point(values))
         out += torch.matmul(recent_weights.to(dtype), rest_values).float()
         return out.to(dtype).reshape(b, q_heads, 1, dim).transpose(1, 2).contiguous()
