@@ -289,3 +289,19 @@ def test_drafts_over_quantized_entries(tiny, tokenizer):
     result = tiny.generate(prompt, max_new_tokens=24, compression="snapkv:budget=200,kv_bits=8", prompt_lookup_num_tokens=4)
     assert result.usage.completion_tokens > 0
     assert result.stats.drafts is not None and result.stats.drafts.get("off") is None
+
+
+def test_less_keeps_its_state_at_full_width_over_quantized_entries(tiny, tokenizer):
+    from snapkv_rag.compression import LESS, SnapKV
+    from snapkv_rag.compression.less.kernels import LessKernels, model_signature
+
+    kernels = LessKernels.initial(model_signature(tiny.model), rank=4, hidden=8, seed=0, scale=1.0)
+    plain = LESS(base=SnapKV(window_size=16, max_capacity_prompt=200), kernels=kernels)
+    narrow = LESS(base=SnapKV(window_size=16, max_capacity_prompt=200, kv_bits=8), kernels=kernels)
+    prompt = _prompt(tokenizer)
+    results = [tiny.generate(prompt, max_new_tokens=6, ignore_eos=True, compression=p, prefix_cache=False) for p in (plain, narrow)]
+    assert results[1].stats.low_rank_state_bytes == results[0].stats.low_rank_state_bytes > 0
+    assert results[1].stats.prompt_kv_bytes_kept < results[0].stats.prompt_kv_bytes_kept
+    scores = [tiny.score(prompt, results[0].token_ids, compression=p) for p in (plain, narrow)]
+    kl = torch.nn.functional.kl_div(scores[1].log_softmax(-1), scores[0].log_softmax(-1), log_target=True, reduction="none").sum(-1)
+    assert float(kl.max()) < 1e-3

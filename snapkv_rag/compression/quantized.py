@@ -26,9 +26,6 @@ from __future__ import annotations
 
 import math
 import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
-from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Self
 
@@ -37,13 +34,12 @@ from transformers.cache_utils import DynamicLayer
 
 from ..errors import InvalidCompressionError
 from ..model.quantization import int8_kernel_available
+from .own_attention import active_layer
 
 KV_BITS = (8, 4)
 KEY_GROUP = 64  # entries per key-quantization group (each channel has its own scale per group)
 MIN_RESIDUAL = 32  # entries kept at full width at least (more when the policy's window is longer)
 _SCALE_DTYPE = torch.float16
-
-_CACHE: ContextVar[object | None] = ContextVar("snapkv_rag_quantized_cache", default=None)
 
 
 def check_kv_bits(owner: str, value: object) -> None:
@@ -137,6 +133,13 @@ class _Quantized:
     zero: torch.Tensor
     bits: int
 
+    @classmethod
+    def of(cls, x: torch.Tensor, bits: int) -> Self:
+        raise NotImplementedError
+
+    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        raise NotImplementedError
+
     def tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return self.codes, self.scale, self.zero
 
@@ -155,7 +158,7 @@ class QuantizedKeys(_Quantized):
     ``scale``/``zero`` ``[b, h, n / G, 1, dim]`` of each group of ``G = KEY_GROUP`` entries."""
 
     @classmethod
-    def of(cls, keys: torch.Tensor, bits: int) -> QuantizedKeys:
+    def of(cls, keys: torch.Tensor, bits: int) -> Self:
         b, h, n, dim = keys.shape
         return cls(*_quantize(keys.reshape(b, h, n // KEY_GROUP, KEY_GROUP, dim), 3, bits), bits)
 
@@ -174,7 +177,7 @@ class QuantizedValues(_Quantized):
     the int8 product over them reads a weight) and ``scale``/``zero`` ``[b, h, n, 1]``."""
 
     @classmethod
-    def of(cls, values: torch.Tensor, bits: int) -> QuantizedValues:
+    def of(cls, values: torch.Tensor, bits: int) -> Self:
         codes, scale, zero = _quantize(values, 3, bits)  # codes [b, h, n, dim (/ 2)]
         return cls(_pack(_unpack(codes, bits).transpose(-1, -2), bits, dim=-2).contiguous(), scale, zero, bits)
 
@@ -199,6 +202,8 @@ class QuantizedLayer(DynamicLayer):
     ``keys``/``values`` read as the dequantized ``[b, h, n, dim]`` tensors and, assigned,
     quantize what they are given; :meth:`update` appends to the residual and returns it only
     (attention reads the layer through :func:`active_quantized_layer`)."""
+
+    attends_itself = True
 
     def __init__(self, bits: int, residual: int = MIN_RESIDUAL):
         check_kv_bits("QuantizedLayer", bits)
@@ -228,39 +233,33 @@ class QuantizedLayer(DynamicLayer):
         return max(0, entries - self.residual) // KEY_GROUP * KEY_GROUP
 
     # ------------------------------------------------------------ the dense view
+    def _dense(self, body: _Quantized | None, rest: torch.Tensor | None) -> torch.Tensor | None:
+        if rest is None or body is None:
+            return rest
+        return torch.cat([body.dequantize(self.dtype), rest], dim=2)
+
+    def _split(self, tensor: torch.Tensor | None, kind: type[_Quantized]) -> tuple[_Quantized | None, torch.Tensor | None]:
+        """``(quantized body, full-width rest)`` of ``tensor`` (None or not 4-D: a reset, or not yet initialized)."""
+        if tensor is None or tensor.dim() != 4:
+            return None, tensor
+        body = self.body_length(tensor.shape[2])
+        return (kind.of(tensor[:, :, :body], self.bits) if body else None), tensor[:, :, body:].clone()
+
     @property
     def keys(self) -> torch.Tensor | None:
-        if self._key_rest is None:
-            return None
-        if self._key_body is None:
-            return self._key_rest
-        return torch.cat([self._key_body.dequantize(self.dtype), self._key_rest], dim=2)
+        return self._dense(self._key_body, self._key_rest)
 
     @keys.setter
     def keys(self, tensor: torch.Tensor | None) -> None:
-        if tensor is None or tensor.dim() != 4:  # reset, or not yet initialized
-            self._key_body, self._key_rest = None, tensor
-            return
-        body = self.body_length(tensor.shape[2])
-        self._key_body = QuantizedKeys.of(tensor[:, :, :body], self.bits) if body else None
-        self._key_rest = tensor[:, :, body:].clone()
+        self._key_body, self._key_rest = self._split(tensor, QuantizedKeys)  # type: ignore[assignment]
 
     @property
     def values(self) -> torch.Tensor | None:
-        if self._value_rest is None:
-            return None
-        if self._value_body is None:
-            return self._value_rest
-        return torch.cat([self._value_body.dequantize(self.dtype), self._value_rest], dim=2)
+        return self._dense(self._value_body, self._value_rest)
 
     @values.setter
     def values(self, tensor: torch.Tensor | None) -> None:
-        if tensor is None or tensor.dim() != 4:  # reset, or not yet initialized
-            self._value_body, self._value_rest = None, tensor
-            return
-        body = self.body_length(tensor.shape[2])
-        self._value_body = QuantizedValues.of(tensor[:, :, :body], self.bits) if body else None
-        self._value_rest = tensor[:, :, body:].clone()
+        self._value_body, self._value_rest = self._split(tensor, QuantizedValues)  # type: ignore[assignment]
 
     # ------------------------------------------------------------ the cache-layer interface
     @property
@@ -376,20 +375,6 @@ def cache_kv_bits(cache) -> int | None:
     return next((layer.bits for layer in cache.layers if is_quantized(layer)), None)
 
 
-@contextmanager
-def quantized_layers(cache) -> Iterator[None]:
-    """Let the attention of the model calls inside the block find ``cache``'s quantized layers."""
-    token = _CACHE.set(cache if cache is not None and any(is_quantized(layer) for layer in cache.layers) else None)
-    try:
-        yield
-    finally:
-        _CACHE.reset(token)
-
-
 def active_quantized_layer(layer_idx: int) -> QuantizedLayer | None:
     """The running forward's cache layer ``layer_idx`` when it is quantized (else None)."""
-    cache = _CACHE.get()
-    if cache is None:
-        return None
-    layer = cache.layers[layer_idx]  # type: ignore[attr-defined]
-    return layer if isinstance(layer, QuantizedLayer) else None
+    return active_layer(layer_idx, QuantizedLayer)

@@ -6,8 +6,8 @@ holds only what each head kept: one flat ``[entries, dim]`` tensor per K and V, 
 entries one after the other (head 0's first), with each head's count beside it. Its bytes
 are therefore the kept entries' bytes, the same as a uniform cache of the same mean budget.
 
-The registered attention function finds such a layer through :func:`ragged_layers` (set by
-the decode loop around each forward) and attends each KV head over its own slice
+The registered attention function finds such a layer through :func:`active_ragged_layer` (see
+:mod:`.own_attention`) and attends each KV head over its own slice
 (:meth:`RaggedHeadsLayer.attend`); the K/V arguments transformers passes are ignored there.
 One prompt at a time: no batch rows and no padding, so no mask is needed beyond causality
 among the tokens of one forward.
@@ -16,14 +16,12 @@ among the tokens of one forward.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
-from contextvars import ContextVar
+from collections.abc import Sequence
 
 import torch
 from transformers.cache_utils import DynamicLayer
 
-_CACHE: ContextVar[object | None] = ContextVar("snapkv_rag_ragged_cache", default=None)
+from .own_attention import active_layer
 
 
 class RaggedHeadsLayer(DynamicLayer):
@@ -42,6 +40,7 @@ class RaggedHeadsLayer(DynamicLayer):
     """
 
     BUCKET = 64
+    attends_itself = True
 
     keys: torch.Tensor
     values: torch.Tensor
@@ -157,20 +156,6 @@ def is_ragged(layer) -> bool:
     return isinstance(layer, RaggedHeadsLayer)
 
 
-@contextmanager
-def ragged_layers(cache) -> Iterator[None]:
-    """Let the attention of the model calls inside the block find ``cache``'s ragged layers."""
-    token = _CACHE.set(cache if cache is not None and any(is_ragged(layer) for layer in cache.layers) else None)
-    try:
-        yield
-    finally:
-        _CACHE.reset(token)
-
-
 def active_ragged_layer(layer_idx: int) -> RaggedHeadsLayer | None:
     """The running forward's cache layer ``layer_idx`` when it holds ragged heads (else None)."""
-    cache = _CACHE.get()
-    if cache is None:
-        return None
-    layer = cache.layers[layer_idx]  # type: ignore[attr-defined]
-    return layer if isinstance(layer, RaggedHeadsLayer) else None
+    return active_layer(layer_idx, RaggedHeadsLayer)

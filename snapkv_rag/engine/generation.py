@@ -20,8 +20,9 @@ import torch
 
 from ..compression.base import CompressionPolicy
 from ..compression.decoding import PolicyState, layer_entries
-from ..compression.quantized import MIN_RESIDUAL, is_quantized, quantize_cache, quantized_layers
-from ..compression.ragged import is_ragged, ragged_layers
+from ..compression.own_attention import layers_of
+from ..compression.quantized import MIN_RESIDUAL, is_quantized, quantize_cache
+from ..compression.ragged import is_ragged
 from ..compression.runtime import PrefillCompression, compressing, plain_causal, policy_attention, sliding_layers
 from ..compression.span_attention import SpanAttention, observing
 from ..errors import InvalidCompressionError
@@ -129,7 +130,7 @@ class TokenConstraint(Protocol):
 def model_forward(model, cache, input_ids, attention_mask, position_ids, state: PolicyState | None = None, *, last_only: bool = True) -> torch.Tensor:
     """One forward through ``cache`` at explicit positions; the logits ``[batch, t or 1, vocab]``.
     Without ``attention_mask`` (no padding) the new tokens attend causally over the whole cache."""
-    with policy_attention(state), ragged_layers(cache), quantized_layers(cache), plain_causal(attention_mask is None):
+    with policy_attention(state), layers_of(cache), plain_causal(attention_mask is None):
         return model(
             input_ids=input_ids,
             attention_mask=attention_mask,
