@@ -6,10 +6,12 @@
   the other settings reuse its K/V exactly from the prefix cache (float32 by default, where reuse is
   bit-exact, so a changed answer is the quantization's doing).
 - ``needle``: the pass key at 4K and 8K tokens, five depths, the same settings: hits.
+- ``kl``: next-token KL over 32 held-out tokens after 2,000 tokens of the sample corpus (8
+  windows, SnapKV with a 32-token window), against the same cache at full width and the full cache.
 - ``speed``: decode ms/token over a full cache of 512 and 7.8K prompt tokens, full width, 8 and 4
   bits, in the host's default dtype; 64 greedy tokens, three runs each, median step.
 
-    .venv/bin/python eval/kv_quant_bench.py [--parts answers,needle,speed] [--dtype float32] [--limit N]
+    .venv/bin/python eval/kv_quant_bench.py [--parts speed,answers,needle,kl] [--dtype float32] [--limit N]
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ sys.path.insert(0, str(ROOT))
 from results_io import write_records, write_table  # noqa: E402
 
 from snapkv_rag import Engine  # noqa: E402
+from snapkv_rag.evaluation.metrics import next_token_kl  # noqa: E402
 from snapkv_rag.evaluation.needle import build_needle_case  # noqa: E402
 from snapkv_rag.evaluation.rag_citation import answer_correct, load_questions  # noqa: E402
 from snapkv_rag.rag import DocumentQA, DocumentStore  # noqa: E402
@@ -106,6 +109,38 @@ def needle(args, records: list[dict]) -> None:
             print(f"needle {size} depth {depth} done", flush=True)
 
 
+def kl(args, records: list[dict]) -> None:
+    """Next-token KL over 32 held-out tokens after 2,000 tokens of the sample corpus, 8 windows."""
+    engine = Engine.default(dtype=args.dtype)
+    text = "\n\n".join(p.read_text() for p in sorted((ROOT / "examples/sample_corpus").iterdir()) if p.suffix in (".md", ".txt"))
+    ids = engine.tokenizer(text, add_special_tokens=False)["input_ids"]
+    stride = (len(ids) - 2032) // 8
+    for w in range(8):
+        start = w * stride
+        prompt, continuation = engine.tokenizer.decode(ids[start : start + 2000]), ids[start + 2000 : start + 2032]
+        logits = {}
+        for name, spec in settings(2000).items():
+            for bits in BITS:
+                policy = with_bits(spec.replace(",window=question", ",window=32"), bits)
+                logits[name, bits] = engine.score(prompt, continuation, compression=policy, chat=False)
+        for (name, bits), got in logits.items():
+            against_width, _ = next_token_kl(logits[name, None], got)
+            against_full, top1 = next_token_kl(logits["full", None], got)
+            records.append(
+                {
+                    "part": "kl",
+                    "dtype": args.dtype,
+                    "window": w,
+                    "setting": name,
+                    "bits": bits or 16,
+                    "kl_vs_same_width": float(against_width.mean()),
+                    "kl_vs_full": float(against_full.mean()),
+                    "top1_vs_full": float(top1.float().mean()),
+                }
+            )
+        print(f"kl window {w} done", flush=True)
+
+
 def speed(args, records: list[dict]) -> None:
     engine = Engine.default()
     filler = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
@@ -162,6 +197,20 @@ def table(records: list[dict]) -> list[str]:
                 total = sum(1 for r in rows if (r["size"], r["setting"], r["bits"]) == (size, name, 16))
                 lines.append(f"| {size} | {name} | " + " | ".join(f"{h}/{total}" for h in hits) + " |")
         lines.append("")
+    rows = [r for r in records if r["part"] == "kl"]
+    if rows:
+        lines += [
+            "| cache | bits | next-token KL vs same cache at full width | KL vs full cache | top-1 agreement with full cache |",
+            "|---|---|---|---|---|",
+        ]
+        for name in dict.fromkeys(r["setting"] for r in rows):
+            for bits in (16, 8, 4):
+                group = [r for r in rows if r["setting"] == name and r["bits"] == bits]
+                lines.append(
+                    f"| {name} | {bits if bits != 16 else 'full width'} | {statistics.mean(r['kl_vs_same_width'] for r in group):.1e} | "
+                    f"{statistics.mean(r['kl_vs_full'] for r in group):.4f} | {statistics.mean(r['top1_vs_full'] for r in group):.3f} |"
+                )
+        lines.append("")
     rows = [r for r in records if r["part"] == "speed"]
     if rows:
         lines += ["| dtype | prompt tokens | bits | decode ms/token (median of 3) | vs full width | prompt K/V (MiB) |", "|---|---|---|---|---|---|"]
@@ -176,7 +225,7 @@ def table(records: list[dict]) -> list[str]:
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--parts", default="answers,needle,speed")
+    ap.add_argument("--parts", default="speed,answers,needle,kl")
     ap.add_argument("--dtype", default="float32", help="answers and needle (reuse is bit-exact in float32)")
     ap.add_argument("--limit", type=int, default=None, help="the first N questions only (a smoke run)")
     ap.add_argument("--out", default=str(ROOT / "eval/results/kv_quant_bench"))
@@ -191,7 +240,7 @@ def main() -> int:
         return 0
     records: list[dict] = []
     for part in args.parts.split(","):
-        {"answers": answers, "needle": needle, "speed": speed}[part](args, records)
+        {"answers": answers, "needle": needle, "kl": kl, "speed": speed}[part](args, records)
         write_records(out, records)
         write_table(out, table(records))
     return 0
