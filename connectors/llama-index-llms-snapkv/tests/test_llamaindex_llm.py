@@ -77,6 +77,15 @@ def test_per_call_compression_override_and_stats(engine):
     assert other.additional_kwargs["kept_tokens_per_layer"] == [24, 24]
 
 
+def test_kept_entries_in_fewer_bits_per_call(engine):
+    llm = SnapKVLLM(engine, compression="snapkv:budget=200,window=8", max_new_tokens=4)
+    prompt = " ".join(["The quick brown fox jumps over the lazy dog."] * 30) + " What does the fox do?"
+    wide, narrow = llm.complete(prompt), llm.complete(prompt, compression="snapkv:budget=200,window=8,kv_bits=8")
+    assert narrow.additional_kwargs["compression"]["kv_bits"] == 8
+    assert narrow.additional_kwargs["kept_tokens_per_layer"] == wide.additional_kwargs["kept_tokens_per_layer"]
+    assert narrow.additional_kwargs["prompt_kv_bytes_kept"] < wide.additional_kwargs["prompt_kv_bytes_kept"]
+
+
 def test_stream_complete_and_stream_chat_deltas(llm, engine):
     expected = engine.generate("Hello world", max_new_tokens=6).text
     chunks = list(llm.stream_complete("Hello world"))
