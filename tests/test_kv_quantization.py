@@ -305,3 +305,12 @@ def test_less_keeps_its_state_at_full_width_over_quantized_entries(tiny, tokeniz
     scores = [tiny.score(prompt, results[0].token_ids, compression=p) for p in (plain, narrow)]
     kl = torch.nn.functional.kl_div(scores[1].log_softmax(-1), scores[0].log_softmax(-1), log_target=True, reduction="none").sum(-1)
     assert float(kl.max()) < 1e-3
+
+
+def test_rows_leave_a_batch_without_being_quantized_again():
+    keys, values = dense(batch=3, n=300)
+    layer = QuantizedLayer.from_layer(_Dense(keys, values), 4, residual=40)
+    before_keys, before_values = layer.keys, layer.values
+    layer.batch_select_indices(torch.tensor([0, 2]))
+    assert torch.equal(layer.keys, before_keys[[0, 2]]) and torch.equal(layer.values, before_values[[0, 2]])
+    assert layer.get_seq_length() == 300 and layer.batch_size == 2

@@ -147,6 +147,11 @@ class _Quantized:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors())
 
+    def rows(self, indices: torch.Tensor) -> Self:
+        """The batch rows ``indices``, as stored."""
+        codes, scale, zero = (t[indices] for t in self.tensors())
+        return type(self)(codes, scale, zero, self.bits)
+
     def append(self, other: Self) -> Self:
         """These entries followed by ``other``'s (both are concatenated along dim 2)."""
         codes, scale, zero = (torch.cat([a, b], dim=2) for a, b in zip(self.tensors(), other.tensors()))
@@ -314,6 +319,14 @@ class QuantizedLayer(DynamicLayer):
         assert self._key_rest is not None
         _, heads, _, dim = self._key_rest.shape
         return 2 * heads * dim * self._key_rest.element_size()
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        """Keep the batch rows ``indices`` (a finished request leaves a batch): codes, scales and
+        residual are selected as they are, so the rows that stay are not quantized again."""
+        if self._key_body is not None and self._value_body is not None:
+            self._key_body, self._value_body = self._key_body.rows(indices), self._value_body.rows(indices)
+        if self._key_rest is not None and self._value_rest is not None:
+            self._key_rest, self._value_rest = self._key_rest[indices], self._value_rest[indices]
 
     def held_bytes(self) -> int:
         """Bytes held: codes, scales and zero points of the body, and the full-width residual."""

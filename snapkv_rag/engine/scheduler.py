@@ -294,8 +294,7 @@ class SharedGroup:
         assert self.positions is not None
         rows = torch.tensor([r for m in staying for r in range(slices[id(m)].start, slices[id(m)].stop)], device=self.positions.device)
         for layer in self.cache.layers:
-            layer.keys = layer.keys.index_select(0, rows)
-            layer.values = layer.values.index_select(0, rows)
+            layer.batch_select_indices(rows)
         self.positions = self.positions.index_select(0, rows)
         self.mask = self.mask.index_select(0, rows) if self.mask is not None else None
         self.members = staying
