@@ -314,3 +314,13 @@ def test_rows_leave_a_batch_without_being_quantized_again():
     layer.batch_select_indices(torch.tensor([0, 2]))
     assert torch.equal(layer.keys, before_keys[[0, 2]]) and torch.equal(layer.values, before_values[[0, 2]])
     assert layer.get_seq_length() == 300 and layer.batch_size == 2
+
+
+def test_a_rolling_prefill_past_the_window_ends_in_quantized_entries(tiny, tokenizer):
+    prompt = _prompt(tokenizer, 220)  # past the tiny model's 512 positions
+    assert len(tokenizer(prompt)["input_ids"]) > 512
+    rolled = "snapkv:budget=200,window=16,rolling=128"
+    wide, narrow = (tiny.generate(prompt, max_new_tokens=4, compression=spec) for spec in (rolled, rolled + ",kv_bits=8"))
+    assert narrow.stats.policy_stats["rolled_chunks"] == wide.stats.policy_stats["rolled_chunks"] > 1
+    assert narrow.stats.kept_tokens_per_layer == wide.stats.kept_tokens_per_layer
+    assert narrow.stats.prompt_kv_bytes_kept < wide.stats.prompt_kv_bytes_kept
