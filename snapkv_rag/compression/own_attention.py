@@ -14,6 +14,8 @@ from contextlib import contextmanager
 from contextvars import ContextVar
 from typing import TypeVar
 
+import torch
+
 _CACHE: ContextVar[object | None] = ContextVar("snapkv_rag_own_attention_cache", default=None)
 
 Layer = TypeVar("Layer")
@@ -37,3 +39,16 @@ def active_layer(layer_idx: int, kind: type[Layer]) -> Layer | None:
         return None
     layer = cache.layers[layer_idx]  # type: ignore[attr-defined]
     return layer if isinstance(layer, kind) else None
+
+
+def mask_decode_scores(scores: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
+    """``scores [b, kv_heads, groups, n]`` of one decode query per row with ``attention_mask``
+    applied: None, bool (True = attend) or additive, broadcastable to ``[b, heads or 1, q, >= n]``
+    (its last row and last ``n`` columns are used; a layer that kept fewer entries than the widest
+    reads the widest one's last columns)."""
+    if attention_mask is None:
+        return scores
+    _, kv_heads, groups, n = scores.shape
+    mask = attention_mask[..., -1:, -n:]
+    mask = mask.reshape(mask.shape[0], kv_heads, groups, -1) if mask.shape[1] == kv_heads * groups else mask
+    return scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask.float()

@@ -34,7 +34,7 @@ from transformers.cache_utils import DynamicLayer
 
 from ..errors import InvalidCompressionError
 from ..model.quantization import int8_kernel_available
-from .own_attention import active_layer
+from .own_attention import active_layer, mask_decode_scores
 
 KV_BITS = (8, 4)
 KEY_GROUP = 64  # entries per key-quantization group (each channel has its own scale per group)
@@ -356,11 +356,7 @@ class QuantizedLayer(DynamicLayer):
         body = keys.length
         scores = scores.permute(0, 1, 3, 2, 4).reshape(b, kv_heads, group, body)
         recent = torch.matmul(query.reshape(b, kv_heads, group, dim), rest_keys.transpose(-1, -2)).float()  # [b, h, g, r]
-        scores = torch.cat([scores, recent], dim=-1) * (scaling if scaling is not None else dim**-0.5)
-        if attention_mask is not None:
-            mask = attention_mask[..., -1:, -scores.shape[-1] :]
-            mask = mask.reshape(mask.shape[0], kv_heads, group, -1) if mask.shape[1] == q_heads else mask
-            scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask.float()
+        scores = mask_decode_scores(torch.cat([scores, recent], dim=-1) * (scaling if scaling is not None else dim**-0.5), attention_mask)
         probs = torch.softmax(scores, dim=-1)
         weights, recent_weights = probs[..., :body], probs[..., body:]
         # values: sum_t p_t (code_t * scale_t + zero_t) = (p * scale) . code + p . zero

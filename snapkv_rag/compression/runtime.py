@@ -20,6 +20,7 @@ import torch
 
 from ..errors import InvalidCompressionError
 from .base import CompressionPolicy
+from .own_attention import mask_decode_scores
 from .quantized import active_quantized_layer
 from .ragged import RaggedHeadsLayer, active_ragged_layer
 from .span_attention import active_observer
@@ -66,13 +67,7 @@ def decode_attention(module, query, key, value, attention_mask, scaling=None, **
     scale = scaling if scaling is not None else d**-0.5
     q = query.reshape(b, kv_heads, groups, d)
     scores = torch.matmul(q, key.transpose(-1, -2)).float() * scale  # [b, kv_heads, groups, n]
-    if attention_mask is not None:
-        mask = attention_mask[..., -1:, :]  # the last query row: [b or 1, 1 or heads, 1, n]
-        mask = mask.reshape(mask.shape[0], kv_heads, groups, -1) if mask.shape[1] == heads else mask
-        if mask.dtype == torch.bool:
-            scores = scores.masked_fill(~mask, float("-inf"))
-        else:
-            scores = scores + mask.float()
+    scores = mask_decode_scores(scores, attention_mask)
     probs = torch.softmax(scores, dim=-1).to(value.dtype)
     out = torch.matmul(probs, value)  # [b, kv_heads, groups, d]
     return out.reshape(b, heads, 1, d).transpose(1, 2).contiguous(), None
