@@ -167,6 +167,17 @@ def speed(args, records: list[dict]) -> None:
             print(f"speed {size} bits {bits}: {statistics.median(times):.1f} ms/token", flush=True)
 
 
+def width(bits: int) -> str:
+    return "full width" if bits == 16 else str(bits)
+
+
+def by_setting_and_width(rows: list[dict]):
+    """``(setting, bits, rows)`` for every setting in record order, at full width, 8 and 4 bits."""
+    for name in dict.fromkeys(r["setting"] for r in rows):
+        for bits in (16, 8, 4):
+            yield name, bits, [r for r in rows if r["setting"] == name and r["bits"] == bits]
+
+
 def table(records: list[dict]) -> list[str]:
     lines: list[str] = []
     rows = [r for r in records if r["part"] == "answers"]
@@ -175,18 +186,17 @@ def table(records: list[dict]) -> list[str]:
             "| cache | bits | texts changed vs same cache at full width | answers lost (right there, wrong here) | right | median prompt K/V kept (MiB) | bytes vs full width |",
             "|---|---|---|---|---|---|---|",
         ]
-        for name in dict.fromkeys(r["setting"] for r in rows):
+        for name, bits, cell in by_setting_and_width(rows):
             base = {r["question"]: r for r in rows if r["setting"] == name and r["bits"] == 16}
-            for bits in (16, 8, 4):
-                group = {r["question"]: r for r in rows if r["setting"] == name and r["bits"] == bits}
-                changed = sum(group[q]["text"] != base[q]["text"] for q in group)
-                lost = sum(base[q]["correct"] and not group[q]["correct"] for q in group)
-                kept = statistics.median(r["prompt_kv_bytes_kept"] for r in group.values())
-                ratio = statistics.median(group[q]["prompt_kv_bytes_kept"] / base[q]["prompt_kv_bytes_kept"] for q in group)
-                lines.append(
-                    f"| {name} | {bits if bits != 16 else 'full width'} | {changed}/{len(group)} | {lost} | "
-                    f"{sum(r['correct'] for r in group.values())}/{len(group)} | {kept / 2**20:.2f} | {ratio:.3f} |"
-                )
+            group = {r["question"]: r for r in cell}
+            changed = sum(group[q]["text"] != base[q]["text"] for q in group)
+            lost = sum(base[q]["correct"] and not group[q]["correct"] for q in group)
+            kept = statistics.median(r["prompt_kv_bytes_kept"] for r in group.values())
+            ratio = statistics.median(group[q]["prompt_kv_bytes_kept"] / base[q]["prompt_kv_bytes_kept"] for q in group)
+            lines.append(
+                f"| {name} | {width(bits)} | {changed}/{len(group)} | {lost} | "
+                f"{sum(r['correct'] for r in group.values())}/{len(group)} | {kept / 2**20:.2f} | {ratio:.3f} |"
+            )
         lines.append("")
     rows = [r for r in records if r["part"] == "needle"]
     if rows:
@@ -203,13 +213,11 @@ def table(records: list[dict]) -> list[str]:
             "| cache | bits | next-token KL vs same cache at full width | KL vs full cache | top-1 agreement with full cache |",
             "|---|---|---|---|---|",
         ]
-        for name in dict.fromkeys(r["setting"] for r in rows):
-            for bits in (16, 8, 4):
-                group = [r for r in rows if r["setting"] == name and r["bits"] == bits]
-                lines.append(
-                    f"| {name} | {bits if bits != 16 else 'full width'} | {statistics.mean(r['kl_vs_same_width'] for r in group):.1e} | "
-                    f"{statistics.mean(r['kl_vs_full'] for r in group):.4f} | {statistics.mean(r['top1_vs_full'] for r in group):.3f} |"
-                )
+        for name, bits, group in by_setting_and_width(rows):
+            lines.append(
+                f"| {name} | {width(bits)} | {statistics.mean(r['kl_vs_same_width'] for r in group):.1e} | "
+                f"{statistics.mean(r['kl_vs_full'] for r in group):.4f} | {statistics.mean(r['top1_vs_full'] for r in group):.3f} |"
+            )
         lines.append("")
     rows = [r for r in records if r["part"] == "speed"]
     if rows:
@@ -217,7 +225,7 @@ def table(records: list[dict]) -> list[str]:
         for r in rows:
             base = next(b for b in rows if b["size"] == r["size"] and b["bits"] == 16 and b["dtype"] == r["dtype"])
             lines.append(
-                f"| {r['dtype']} | {r['size']} | {r['bits'] if r['bits'] != 16 else 'full width'} | {r['decode_ms_per_token']:.1f} | "
+                f"| {r['dtype']} | {r['size']} | {width(r['bits'])} | {r['decode_ms_per_token']:.1f} | "
                 f"{r['decode_ms_per_token'] / base['decode_ms_per_token']:.2f}x | {r['prompt_kv_bytes_kept'] / 2**20:.1f} |"
             )
     return lines
