@@ -1,7 +1,8 @@
 """``snapkv-rag``: local long-context LLM apps with a compressed KV cache.
 
 Commands: ingest and ask (document QA over Chroma), generate, chat, info, serve (OpenAI-compatible
-API), app (Streamlit document QA), eval (citations, needle, fidelity, speed) and less (LESS kernels).
+API), app (Streamlit document QA), eval (citations, needle, fidelity, speed), less (LESS kernels) and
+tune (LoRA fine-tuning of the model on generated document-QA and tool-decision data).
 """
 
 from __future__ import annotations
@@ -116,10 +117,14 @@ def kv_bits_supported() -> str:
 
 
 def cmd_info(args) -> int:
+    from .cli_common import chosen_adapter
     from .model.loading import cpu_bf16_support
+    from .tune.shipped import adapter_note
 
     info = load_engine(args).info()
     details = {**info.to_dict(), "cpu_native_bf16": cpu_bf16_support() or "no", "kv_bits": kv_bits_supported()}
+    if info.adapter is None and not args.json:
+        details["adapter"] = adapter_note(args.model, chosen_adapter(args))
     if args.json:
         print(json.dumps(details, indent=2))
     else:
@@ -154,6 +159,7 @@ def build_parser() -> argparse.ArgumentParser:
     from .less.cli import add_less_parser
     from .rag.cli import add_rag_parsers
     from .server.cli import add_serve_parser
+    from .tune.cli import add_tune_parser
 
     add_rag_parsers(sub, add_model_args, _add_generation_args)
 
@@ -161,6 +167,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_less_parser(sub)
     add_app_parser(sub)
     add_serve_parser(sub)
+    add_tune_parser(sub)
     return parser
 
 

@@ -13,11 +13,23 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
     p.add_argument("--dtype", default=None, help="float32, bfloat16, float16 (default: bf16 on GPU and on CPUs with native bf16, else fp32)")
     p.add_argument("--weights", default=None, help="native (default) or int8: weight-only int8 linear layers on the CPU, faster decode, slightly less exact")
+    p.add_argument(
+        "--adapter",
+        default="auto",
+        help="a LoRA adapter directory to merge (snapkv-rag tune); default 'auto': the embedded model's shipped adapter where it passed its gates",
+    )
+    p.add_argument("--base-model", action="store_true", help="load the bare model, without any adapter")
     p.add_argument("--json", action="store_true", help="print machine-readable JSON")
 
 
+def chosen_adapter(args: argparse.Namespace) -> str | None:
+    return None if getattr(args, "base_model", False) else getattr(args, "adapter", "auto")
+
+
 def load_engine(args: argparse.Namespace, **options):
-    """The engine named by ``--model/--device/--dtype/--weights``, quietly (no progress bars or warnings)."""
+    """The engine named by ``--model/--device/--dtype/--weights/--adapter``, quietly (no progress bars or warnings)."""
     from .engine.shared import load_engine_quietly
 
-    return load_engine_quietly(args.model, device=args.device, dtype=args.dtype, weights=getattr(args, "weights", None), **options)
+    return load_engine_quietly(
+        args.model, device=args.device, dtype=args.dtype, weights=getattr(args, "weights", None), adapter=chosen_adapter(args), **options
+    )

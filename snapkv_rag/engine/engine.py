@@ -123,8 +123,14 @@ class Engine:
         prefill_chunk_tokens: int | None = None,
         weights: str | None = None,
         pack_weights: bool | None = None,
+        adapter: str | None = "auto",
     ) -> Engine:
         """A hub id, a local model directory, a ``.gguf`` file, or ``"default"``.
+
+        ``adapter``: a LoRA adapter directory merged at load (``snapkv-rag tune``); ``"auto"``
+        (the default) merges the adapter shipped for the embedded model where it passed its
+        gates (eval/RESULTS.md, "A tuned embedded model") and nothing for other models; None
+        loads the bare model.
 
         ``weights``: ``"native"`` (None) or ``"int8"``: weight-only int8 linear layers, CPU only;
         faster decode, slightly less exact (eval/RESULTS.md, "Weight-only int8"). ``pack_weights``:
@@ -142,6 +148,7 @@ class Engine:
             trust_remote_code=trust_remote_code,
             weights=weights,
             pack_weights=pack_weights,
+            adapter=adapter,
         )
         return cls(
             model, tokenizer, name=name_or_path, prefix_cache_bytes=prefix_cache_bytes, max_batch_size=max_batch_size, prefill_chunk_tokens=prefill_chunk_tokens

@@ -26,6 +26,7 @@ class ModelInfo:
     parameters: int
     weights: str = "native"
     weight_layout: str = "plain"
+    adapter: str | None = None  # the LoRA adapter merged at load (its directory), None for the bare model
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -57,6 +58,7 @@ def model_info(model, name: str, parameters: int) -> ModelInfo:
         parameters=parameters,
         weights=weight_format(model),
         weight_layout=weight_layout(model),
+        adapter=getattr(model, "snapkv_adapter", None),
     )
 
 

@@ -59,7 +59,11 @@ def load_served_engine(args: argparse.Namespace):
         import torch
 
         torch.set_num_threads(args.threads)
-    engine = load_engine_quietly(args.model, device=args.device, dtype=args.dtype, weights=args.weights, prefix_cache_bytes=args.prefix_cache_bytes)
+    from ..cli_common import chosen_adapter
+
+    engine = load_engine_quietly(
+        args.model, device=args.device, dtype=args.dtype, weights=args.weights, adapter=chosen_adapter(args), prefix_cache_bytes=args.prefix_cache_bytes
+    )
     if args.max_batch_size is not None:
         engine.max_batch_size = args.max_batch_size
     if args.prefill_chunk_tokens is not None:

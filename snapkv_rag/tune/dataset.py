@@ -1,0 +1,85 @@
+"""The tuning data: a deterministic mix of document-QA and tool-decision examples, tokenized
+exactly as the engine renders prompts.
+
+``build_examples(seed, n, split)`` gives the same examples for the same arguments; the
+``"heldout"`` split draws only held-out domains, tools and templates, which ``"train"`` never
+draws (tests check the two are disjoint).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ..engine.prompts import render_prompt, segment_spans
+from ..tools import build_output_spec
+from .examples import Example
+from .qa_data import QAGenerator
+from .tool_data import ToolGenerator
+
+SPLITS = ("train", "heldout")
+QA_SHARE = 0.6
+
+
+def build_examples(seed: int, n: int, split: str = "train", *, count_tokens: Callable[[str], int] | None = None, qa_share: float = QA_SHARE) -> list[Example]:
+    if split not in SPLITS:
+        raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
+    if n < 0:
+        raise ValueError(f"n must be >= 0, got {n}")
+    # one stream per split, so the held-out examples do not depend on how many train ones were drawn
+    rng = random.Random(f"{seed}:{split}")
+    heldout = split == "heldout"
+    qa, tools = QAGenerator(rng, heldout=heldout, count_tokens=count_tokens), ToolGenerator(rng, heldout=heldout)
+    return [(qa if rng.random() < qa_share else tools).example() for _ in range(n)]
+
+
+def write_jsonl(path: Path, examples: Iterable[Example]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w") as fh:
+        for e in examples:
+            fh.write(json.dumps(e.to_dict()) + "\n")
+
+
+def read_jsonl(path: Path) -> list[Example]:
+    return [Example.from_dict(json.loads(line)) for line in path.read_text().splitlines() if line.strip()]
+
+
+@dataclass(frozen=True)
+class Encoded:
+    input_ids: torch.Tensor  # [1, n]
+    labels: torch.Tensor  # [1, n]: -100 on the prompt
+    spans: list[tuple[int, int]]  # stuffed chunks read apart; empty: plain causal
+    prompt_tokens: int
+
+    @property
+    def tokens(self) -> int:
+        return self.input_ids.shape[1]
+
+
+def encode(example: Example, tokenizer) -> Encoded:
+    """The prompt as the engine renders it (:func:`render_prompt`, tools included), then the
+    target and the end-of-turn token; loss on the target only."""
+    tools = build_output_spec(example.tools).tools if example.tools else ()
+    prompt = render_prompt(tokenizer, example.messages, tools=tools)
+    end = tokenizer.eos_token or ""
+    answer = tokenizer(example.target + end, add_special_tokens=False)["input_ids"]
+    spans = segment_spans(tokenizer, example.messages, example.segments, len(prompt), tools=tools) if example.segments else []
+    ids = torch.tensor([prompt + answer])
+    labels = torch.tensor([[-100] * len(prompt) + answer])
+    return Encoded(ids, labels, spans, len(prompt))
+
+
+def token_counter(tokenizer) -> Callable[[str], int]:
+    return lambda text: len(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def summarize(examples: Sequence[Example]) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for e in examples:
+        counts[e.kind] = counts.get(e.kind, 0) + 1
+    return dict(sorted(counts.items()))

@@ -1,0 +1,33 @@
+"""One training example: the messages (and tools) exactly as inference renders them, the
+assistant text to learn, and the stuffed segments to read apart under block attention."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Example:
+    kind: str  # "qa_one", "qa_two", "qa_none", "tool_call", "tool_calls", "tool_none", "tool_answer"
+    messages: list[dict[str, Any]]
+    target: str  # what the assistant writes next
+    tools: list[dict[str, Any]] = field(default_factory=list)  # OpenAI-style function tools offered
+    segments: list[str] = field(default_factory=list)  # stuffed chunks read apart (block attention); empty: causal
+    domain: str = ""  # QA: the gold entity's domain; tools: the needed tool (or "none")
+    template: str = ""  # which question or request template wrote the user turn
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "kind": self.kind,
+            "messages": self.messages,
+            "target": self.target,
+            "tools": self.tools,
+            "segments": self.segments,
+            "domain": self.domain,
+            "template": self.template,
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Example:
+        return cls(**data)

@@ -1,0 +1,60 @@
+"""The adapter shipped for the embedded model, and when the engine uses it.
+
+``snapkv_rag/tune/shipped/<name>/`` holds an adapter trained by ``snapkv-rag tune train`` and
+its manifest. The embedded model loads with it (merged) only when the manifest records gate
+results (eval/tune_gates.py) and every gate passed; otherwise, and with ``adapter=None``
+(``--base-model``), the bare model loads.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from .lora import read_manifest
+
+SHIPPED_DIR = Path(__file__).parent / "shipped"
+EMBEDDED_ADAPTER = "smollm2-135m-instruct"
+AUTO = "auto"
+
+
+def shipped_adapter_dir(name: str = EMBEDDED_ADAPTER) -> Path:
+    return SHIPPED_DIR / name
+
+
+def gates_passed(manifest: dict) -> bool:
+    gates = manifest.get("gates") or {}
+    return bool(gates) and all(g.get("passed") is True for g in gates.values())
+
+
+def resolve_adapter(model_name: str, adapter: str | Path | None) -> Path | None:
+    """The adapter directory to merge into ``model_name``: ``"auto"`` picks the shipped one for
+    the embedded model when it passed its gates (None for other models), None means none, and
+    anything else is a directory given by the caller."""
+    from ..model.loading import DEFAULT_MODEL
+
+    if adapter is None:
+        return None
+    if str(adapter) != AUTO:
+        return Path(adapter).expanduser()
+    if model_name != DEFAULT_MODEL:
+        return None
+    directory = shipped_adapter_dir()
+    return directory if gates_passed(read_manifest(directory)) else None
+
+
+def adapter_note(model_name: str, adapter: str | Path | None) -> str:
+    """Why a model loaded without an adapter, in words (``snapkv-rag info``)."""
+    from ..model.loading import DEFAULT_MODEL
+
+    if adapter is None:
+        return "none (--base-model)"
+    if model_name != DEFAULT_MODEL:
+        return "none"
+    manifest = read_manifest(shipped_adapter_dir())
+    if not manifest:
+        return "none (no adapter is shipped for the embedded model)"
+    gates = manifest.get("gates") or {}
+    failed = sorted(name for name, gate in gates.items() if gate.get("passed") is not True)
+    if not gates:
+        return f"none (the shipped adapter's gates are not measured yet; --adapter {shipped_adapter_dir()} loads it anyway)"
+    return f"none (the shipped adapter missed its gates: {', '.join(failed)}; --adapter {shipped_adapter_dir()} loads it anyway)"

@@ -1,0 +1,325 @@
+"""Tool-decision examples in the engine's tool format (the chat template's, or the documented
+fallback :data:`snapkv_rag.engine.prompts.FALLBACK_TOOL_PROMPT`, exactly as inference renders it).
+
+Each example offers 2-5 generated tools and a user turn that needs one of them, two of them,
+or none (small talk, facts, writing help), or a tool that is not offered (then no call), or
+continues after a tool result that the answer must use. Calls are written by
+:func:`snapkv_rag.tools.calls.format_call`, exactly as constrained decoding writes them.
+
+Held out by tool (:data:`HELD_OUT_TOOLS`) and by template (the last request template of each
+tool, the last no-tool template): the training split uses neither. The eval's tool sets
+(eval/tool_decisions.py) share no tool name with these (a test checks).
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from ..tools.calls import format_call
+from .examples import Example
+from .world import person, town
+
+
+def _fn(name: str, description: str, properties: dict[str, Any], required: list[str]) -> dict[str, Any]:
+    return {
+        "type": "function",
+        "function": {"name": name, "description": description, "parameters": {"type": "object", "properties": properties, "required": required}},
+    }
+
+
+def _s(*names: str) -> dict[str, Any]:
+    return {n: {"type": "string"} for n in names}
+
+
+Draw = Callable[[random.Random], dict[str, Any]]
+
+
+@dataclass(frozen=True)
+class ToolFamily:
+    schema: dict[str, Any]
+    draw: Draw  # the arguments of one request
+    requests: tuple[str, ...]  # user turns, formatted with the arguments; the last is held out
+    result: Callable[[random.Random, dict[str, Any]], dict[str, Any]]  # a tool result for those arguments
+    reply: str  # the answer from a result, formatted with arguments and result
+
+    @property
+    def name(self) -> str:
+        return self.schema["function"]["name"]
+
+
+_LANGS = ("French", "German", "Spanish", "Italian", "Portuguese", "Dutch", "Polish", "Swedish")
+_PHRASES = ("good evening", "where is the station", "thank you very much", "the bill, please", "I am lost", "see you tomorrow")
+_CITIES = ("Lisbon", "Nairobi", "Montreal", "Osaka", "Krakow", "Valparaiso", "Hanoi", "Tallinn", "Perth", "Quito")
+_UNITS = (("miles", "kilometres"), ("pounds", "kilograms"), ("feet", "metres"), ("gallons", "litres"), ("inches", "centimetres"))
+_DISHES = ("mushroom risotto", "lentil soup", "banana bread", "fish tacos", "vegetable curry", "apple crumble")
+_TOPICS = ("solar power", "local elections", "the chess olympiad", "coral reefs", "space launches", "electric buses")
+_SONGS = ("rainy day jazz", "upbeat running music", "classical piano", "80s pop", "lo-fi beats")
+_CARRIERS = ("NordPost", "QuickShip", "ParcelGo")
+
+
+def _flight(rng: random.Random) -> dict[str, Any]:
+    return {"flight_number": f"{rng.choice(('KL', 'TP', 'QF', 'AC', 'LO'))}{rng.randint(100, 1999)}"}
+
+
+FAMILIES: tuple[ToolFamily, ...] = (
+    ToolFamily(
+        _fn("translate_text", "Translate a piece of text into another language.", _s("text", "target_language"), ["text", "target_language"]),
+        lambda r: {"text": r.choice(_PHRASES), "target_language": r.choice(_LANGS)},
+        (
+            "Translate '{text}' into {target_language}.",
+            "How do you say '{text}' in {target_language}?",
+            "{target_language} for '{text}', please.",
+            "I need '{text}' in {target_language}.",
+        ),
+        lambda r, a: {"translation": f"<{a['target_language']} text>"},
+        "In {target_language}, '{text}' is {translation}.",
+    ),
+    ToolFamily(
+        _fn("get_flight_status", "Look up the live status of a flight by its flight number.", _s("flight_number"), ["flight_number"]),
+        _flight,
+        (
+            "Is flight {flight_number} on time?",
+            "What's the status of {flight_number}?",
+            "Has {flight_number} landed yet?",
+            "Check flight {flight_number} for me.",
+        ),
+        lambda r, a: {"status": r.choice(("on time", "delayed by 40 minutes", "landed", "boarding"))},
+        "Flight {flight_number} is {status}.",
+    ),
+    ToolFamily(
+        _fn(
+            "convert_units",
+            "Convert a quantity from one unit of measurement to another.",
+            {"value": {"type": "number"}, **_s("from_unit", "to_unit")},
+            ["value", "from_unit", "to_unit"],
+        ),
+        lambda r: dict(zip(("from_unit", "to_unit"), r.choice(_UNITS)), value=r.randint(2, 500)),
+        (
+            "Convert {value} {from_unit} to {to_unit}.",
+            "How many {to_unit} is {value} {from_unit}?",
+            "{value} {from_unit} in {to_unit}?",
+            "What is {value} {from_unit} expressed in {to_unit}?",
+        ),
+        lambda r, a: {"result": round(a["value"] * r.uniform(0.3, 3), 2)},
+        "{value} {from_unit} is {result} {to_unit}.",
+    ),
+    ToolFamily(
+        _fn("find_recipe", "Find a recipe for a dish.", _s("dish"), ["dish"]),
+        lambda r: {"dish": r.choice(_DISHES)},
+        ("Find me a recipe for {dish}.", "How do I make {dish}? Look up a recipe.", "I want to cook {dish} tonight, get me a recipe.", "Recipe for {dish}?"),
+        lambda r, a: {"title": f"Easy {a['dish']}", "minutes": r.choice((25, 40, 55, 90))},
+        "I found 'Easy {dish}', which takes {minutes} minutes.",
+    ),
+    ToolFamily(
+        _fn("get_news", "Get the latest news headlines on a topic.", _s("topic"), ["topic"]),
+        lambda r: {"topic": r.choice(_TOPICS)},
+        ("What's the latest news on {topic}?", "Any headlines about {topic} today?", "Give me today's news about {topic}.", "Catch me up on {topic} news."),
+        lambda r, a: {"headline": f"New report on {a['topic']} published"},
+        "The latest headline on {topic}: {headline}.",
+    ),
+    ToolFamily(
+        _fn("track_package", "Track a parcel by carrier and tracking number.", _s("carrier", "tracking_number"), ["tracking_number"]),
+        lambda r: {"carrier": r.choice(_CARRIERS), "tracking_number": f"{r.randint(10**9, 10**10 - 1)}"},
+        (
+            "Where is my {carrier} parcel {tracking_number}?",
+            "Track package {tracking_number} with {carrier}.",
+            "Has {carrier} delivered {tracking_number} yet?",
+            "Status of {carrier} shipment {tracking_number}?",
+        ),
+        lambda r, a: {"location": town(r), "eta": r.choice(("tomorrow", "Friday", "12 March"))},
+        "Parcel {tracking_number} is in {location} and should arrive {eta}.",
+    ),
+    ToolFamily(
+        _fn("play_music", "Play music on the user's speaker.", _s("query"), ["query"]),
+        lambda r: {"query": r.choice(_SONGS)},
+        ("Play some {query}.", "Put on {query}, please.", "I'd like to listen to {query}.", "Music: {query}."),
+        lambda r, a: {"playing": f"{a['query']} mix"},
+        "Now playing: {playing}.",
+    ),
+    ToolFamily(
+        _fn("get_definition", "Look up the dictionary definition of a word.", _s("word"), ["word"]),
+        lambda r: {"word": r.choice(("petrichor", "sonder", "apricity", "vellichor", "hiraeth", "limerence"))},
+        (
+            "Look up the definition of '{word}'.",
+            "What does the word {word} mean? Check the dictionary.",
+            "Dictionary entry for {word}, please.",
+            "Define {word} using the dictionary.",
+        ),
+        lambda r, a: {"definition": f"the dictionary sense of {a['word']}"},
+        "The dictionary defines '{word}' as {definition}.",
+    ),
+    ToolFamily(
+        _fn("check_train_times", "List departures between two stations.", _s("from_station", "to_station"), ["from_station", "to_station"]),
+        lambda r: dict(zip(("from_station", "to_station"), r.sample(_CITIES, 2))),
+        (
+            "When are the trains from {from_station} to {to_station}?",
+            "Next train {from_station} to {to_station}?",
+            "Show departures from {from_station} to {to_station}.",
+            "I need a train from {from_station} to {to_station}.",
+        ),
+        lambda r, a: {"next_departure": f"{r.randint(6, 22)}:{r.choice(('05', '20', '45'))}"},
+        "The next train from {from_station} to {to_station} leaves at {next_departure}.",
+    ),
+    ToolFamily(
+        _fn("set_reminder", "Set a reminder with a message at a given time.", _s("message", "time"), ["message", "time"]),
+        lambda r: {
+            "message": r.choice(("call the dentist", "water the plants", "pay rent", "pick up the dry cleaning")),
+            "time": r.choice(("9am", "6:30pm", "noon")),
+        },
+        (
+            "Remind me to {message} at {time}.",
+            "Set a reminder at {time}: {message}.",
+            "At {time}, remind me I have to {message}.",
+            "Can you make sure I remember to {message} at {time}?",
+        ),
+        lambda r, a: {"ok": True},
+        "Done: I'll remind you to {message} at {time}.",
+    ),
+    ToolFamily(
+        _fn("lookup_contact", "Find a person's phone number and e-mail in the address book.", _s("name"), ["name"]),
+        lambda r: {"name": person(r)},
+        ("What's {name}'s phone number?", "Find {name} in my contacts.", "Look up the e-mail address of {name}.", "How do I reach {name}?"),
+        lambda r, a: {"phone": f"+44 {r.randint(1000, 9999)} {r.randint(100000, 999999)}"},
+        "{name}'s number is {phone}.",
+    ),
+    ToolFamily(
+        _fn("get_air_quality", "Get the air-quality index of a city.", _s("city"), ["city"]),
+        lambda r: {"city": r.choice(_CITIES)},
+        ("How is the air quality in {city}?", "What's the AQI in {city} right now?", "Is the air clean in {city} today?", "Air pollution level in {city}?"),
+        lambda r, a: {"aqi": r.randint(10, 180)},
+        "The air-quality index in {city} is {aqi}.",
+    ),
+    ToolFamily(
+        _fn("roll_dice", "Roll dice and return the results.", {"count": {"type": "integer"}, "sides": {"type": "integer"}}, ["count", "sides"]),
+        lambda r: {"count": r.randint(1, 4), "sides": r.choice((6, 8, 10, 20))},
+        ("Roll {count} d{sides}.", "Throw {count} dice with {sides} sides.", "Give me a roll of {count} {sides}-sided dice.", "Dice: {count}d{sides}."),
+        lambda r, a: {"rolls": [r.randint(1, a["sides"]) for _ in range(a["count"])]},
+        "You rolled {rolls}.",
+    ),
+    ToolFamily(
+        _fn("get_exchange_hours", "Get the opening hours of a shop or office.", _s("place"), ["place"]),
+        lambda r: {"place": r.choice(("the town library", "the post office", "the swimming pool", "the pharmacy"))},
+        ("When does {place} open?", "What are the opening hours of {place}?", "Is {place} open now?", "Hours for {place}?"),
+        lambda r, a: {"hours": r.choice(("9:00-17:00", "8:30-20:00", "10:00-16:00"))},
+        "{place} is open {hours}.",
+    ),
+    ToolFamily(
+        _fn("create_note", "Save a note in the user's notebook.", _s("title", "text"), ["text"]),
+        lambda r: {
+            "title": r.choice(("groceries", "ideas", "meeting")),
+            "text": r.choice(("buy oat milk and lemons", "try the night market", "ask about the budget")),
+        },
+        (
+            "Make a note titled {title}: {text}.",
+            "Save this in my notes under {title}: {text}.",
+            "Note to self ({title}): {text}.",
+            "Write down '{text}' in my {title} note.",
+        ),
+        lambda r, a: {"saved": True},
+        "Saved your {title} note.",
+    ),
+    ToolFamily(
+        _fn("search_web", "Search the web for pages matching a query.", _s("query"), ["query"]),
+        lambda r: {"query": r.choice(("cheap flights to Lisbon", "best hiking boots 2026", "how to repot an orchid", "local farmers market hours"))},
+        ("Search the web for {query}.", "Google {query} for me.", "Find pages about {query} online.", "Look up {query} on the internet."),
+        lambda r, a: {"top_result": f"A guide to {a['query']}"},
+        "The top result for '{query}' is '{top_result}'.",
+    ),
+)
+HELD_OUT_TOOLS = ("get_air_quality", "check_train_times", "create_note", "roll_dice")
+FAMILY_BY_NAME = {f.name: f for f in FAMILIES}
+
+# Requests that need no tool, and their answers; the last is held out.
+NO_TOOL: tuple[tuple[str, str], ...] = (
+    ("Hi there! How are you?", "I'm doing well, thank you! How can I help you today?"),
+    ("Thanks, that's all I needed.", "You're welcome! Let me know if you need anything else."),
+    ("What is the capital of Canada?", "The capital of Canada is Ottawa."),
+    ("How many legs does a spider have?", "A spider has eight legs."),
+    ("What is 15 plus 27?", "15 plus 27 is 42."),
+    ("Can you suggest a name for a grey kitten?", "How about Smokey, Ash or Pebble?"),
+    ("Write a one-line thank-you message for a colleague.", "Thank you for all your help this week, it made a real difference!"),
+    ("What does a thermometer measure?", "A thermometer measures temperature."),
+    ("Which planet is closest to the sun?", "Mercury is the planet closest to the sun."),
+    ("Give me a tip for sleeping better.", "Try going to bed at the same time every night and keep screens out of the bedroom."),
+    ("What colour do you get by mixing blue and yellow?", "Mixing blue and yellow gives green."),
+    ("How many minutes are in two hours?", "Two hours have 120 minutes."),
+    ("Who wrote the novel Frankenstein?", "Mary Shelley wrote Frankenstein."),
+    ("What's a good way to remember a new password?", "Turn it into a short phrase you can picture, and store it in a password manager."),
+    ("What gas do plants take in from the air?", "Plants take in carbon dioxide from the air."),
+    ("Tell me a fun fact about honeybees.", "Honeybees tell each other where flowers are by dancing."),
+)
+
+
+UNAVAILABLE = "I can't do that: none of the tools I have here can."
+
+
+def _fill(template: str, values: dict[str, Any]) -> str:
+    return template.format(**{k: (", ".join(map(str, v)) if isinstance(v, list) else v) for k, v in values.items()})
+
+
+class ToolGenerator:
+    KINDS = ("tool_call", "tool_none", "tool_calls", "tool_answer", "tool_unavailable")
+    WEIGHTS = (4, 3, 1, 2, 2)
+
+    def __init__(self, rng: random.Random, *, heldout: bool = False):
+        self.rng = rng
+        self.heldout = heldout
+        self.families = [f for f in FAMILIES if (f.name in HELD_OUT_TOOLS) == heldout]
+        self.no_tool = NO_TOOL[-1:] if heldout else NO_TOOL[:-1]
+
+    def _request(self, family: ToolFamily) -> tuple[str, dict[str, Any], str]:
+        index = len(family.requests) - 1 if self.heldout else self.rng.randrange(len(family.requests) - 1)
+        args = family.draw(self.rng)
+        return _fill(family.requests[index], args), args, f"tool:{family.name}:{index}"
+
+    def _offer(self, needed: list[ToolFamily], absent: ToolFamily | None = None) -> list[dict[str, Any]]:
+        # other offered tools may come from either split: offering a tool is not asking for it
+        others = [f for f in FAMILIES if f not in needed and f is not absent]
+        offered = needed + self.rng.sample(others, k=self.rng.randint(max(0, 2 - len(needed)), 4))
+        self.rng.shuffle(offered)
+        return [f.schema for f in offered]
+
+    def example(self) -> Example:
+        rng = self.rng
+        kind = rng.choices(self.KINDS, self.WEIGHTS)[0]
+        system = [{"role": "system", "content": "You are a helpful assistant."}] if rng.random() < 0.5 else []
+        if kind == "tool_none":
+            index = rng.randrange(len(self.no_tool))
+            text, reply = self.no_tool[index]
+            number = len(NO_TOOL) - 1 if self.heldout else index
+            return Example(kind, [*system, {"role": "user", "content": text}], reply, tools=self._offer([]), domain="none", template=f"none:{number}")
+        if kind == "tool_calls":
+            first, second = rng.sample(self.families, 2)
+            (t1, a1, id1), (t2, a2, id2) = self._request(first), self._request(second)
+            user = f"{t1} Also, {t2[0].lower()}{t2[1:]}"
+            target = format_call(first.name, a1) + "\n" + format_call(second.name, a2)
+            return Example(
+                kind,
+                [*system, {"role": "user", "content": user}],
+                target,
+                tools=self._offer([first, second]),
+                domain=f"{first.name}+{second.name}",
+                template=f"{id1}+{id2}",
+            )
+        family = rng.choice(self.families)
+        text, args, tid = self._request(family)
+        messages: list[dict[str, Any]] = [*system, {"role": "user", "content": text}]
+        if kind == "tool_unavailable":  # a request for a tool that is not offered: no call
+            return Example(kind, messages, UNAVAILABLE, tools=self._offer([], absent=family), domain="none", template=tid)
+        if kind == "tool_call":
+            return Example(kind, messages, format_call(family.name, args), tools=self._offer([family]), domain=family.name, template=tid)
+        result = family.result(rng, args)
+        from ..tools.calls import dump_json
+
+        messages += [
+            {
+                "role": "assistant",
+                "content": "",
+                "tool_calls": [{"id": "call_1", "type": "function", "function": {"name": family.name, "arguments": dump_json(args)}}],
+            },
+            {"role": "tool", "tool_call_id": "call_1", "name": family.name, "content": dump_json(result)},
+        ]
+        return Example(kind, messages, _fill(family.reply, {**args, **result}), tools=self._offer([family]), domain=family.name, template=tid)

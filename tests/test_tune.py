@@ -1,0 +1,350 @@
+"""snapkv-rag tune: the generated data (deterministic, held-out split disjoint, nothing of the
+eval's text), block-attention masks, LoRA training that lowers the loss and resumes exactly, and
+the adapter merged at load."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import load_smollm_tokenizer, tiny_model
+
+from snapkv_rag.tune import AdapterError, merge_adapter, resolve_adapter
+from snapkv_rag.tune.block_attention import block_attention_mask
+from snapkv_rag.tune.dataset import build_examples, encode
+from snapkv_rag.tune.qa_data import QUESTIONS
+from snapkv_rag.tune.tool_data import FAMILIES, HELD_OUT_TOOLS, NO_TOOL
+from snapkv_rag.tune.world import HELD_OUT_DOMAINS
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def smollm_tok():
+    return load_smollm_tokenizer()
+
+
+# --------------------------------------------------------------------------- data
+def test_generator_is_deterministic_per_seed_and_split():
+    a = [e.to_dict() for e in build_examples(3, 30)]
+    assert a == [e.to_dict() for e in build_examples(3, 30)]
+    assert a != [e.to_dict() for e in build_examples(4, 30)]
+    # the held-out split does not depend on how many training examples were drawn
+    assert [e.to_dict() for e in build_examples(3, 5, "heldout")] == [e.to_dict() for e in build_examples(3, 5, "heldout")]
+    assert {e.kind for e in build_examples(0, 200)} == {
+        "qa_one",
+        "qa_two",
+        "qa_none",
+        "tool_call",
+        "tool_calls",
+        "tool_none",
+        "tool_answer",
+        "tool_unavailable",
+    }
+
+
+def _user_texts(examples):
+    return {m["content"] for e in examples for m in e.messages if m["role"] == "user"}
+
+
+def test_heldout_split_is_disjoint_from_training_by_domain_tool_and_template():
+    train, held = build_examples(0, 600), build_examples(0, 300, "heldout")
+    train_templates = {t for e in train for t in e.template.split("+")}
+    held_templates = {t for e in held for t in e.template.split("+")}
+    assert train_templates and held_templates and not train_templates & held_templates
+    held_domains = {e.domain for e in held if e.kind.startswith("qa")}
+    assert held_domains == set(HELD_OUT_DOMAINS)
+    assert not {e.domain for e in train if e.kind.startswith("qa")} & held_domains
+    # no held-out tool is ever the answer in training, and every held-out call is one
+    called = lambda e: set(re.findall(r'"name": "([a-z_]+)"', e.target))  # noqa: E731
+    assert not set().union(*(called(e) for e in train)) & set(HELD_OUT_TOOLS)
+    assert set().union(*(called(e) for e in held if e.kind.startswith("tool"))) <= set(HELD_OUT_TOOLS)
+    assert not _user_texts(train) & _user_texts(held)
+    # the held-out domains' nouns never appear in a training document
+    held_suffixes = {"Observatory", "Astronomical Station", "Vineyard", "Wine Cellars", "Ferries", "Ferry Company", "Sea Link"}
+    train_docs = "\n".join(s for e in train for s in e.segments or [e.messages[-1]["content"]] if e.kind.startswith("qa"))
+    assert not any(s in train_docs for s in held_suffixes)
+
+
+def _shingles(text: str, n: int = 6) -> set[tuple[str, ...]]:
+    words = re.findall(r"[a-z0-9']+", text.lower())
+    return {tuple(words[i : i + n]) for i in range(len(words) - n + 1)}
+
+
+def test_generated_data_shares_nothing_with_the_eval_text(monkeypatch):
+    """The sample corpus, its questions and the eval's tool sets are what the gates measure on."""
+    generated = set()
+    for e in build_examples(0, 300) + build_examples(0, 100, "heldout"):
+        generated |= _shingles(" ".join(m["content"] for m in e.messages[1:]) + " " + e.target)
+    corpus = set()
+    for path in (ROOT / "examples/sample_corpus").iterdir():
+        corpus |= _shingles(path.read_text(errors="ignore"))
+    for line in (ROOT / "examples/sample_questions.jsonl").read_text().splitlines():
+        corpus |= _shingles(json.loads(line)["question"], 4)
+    assert corpus and not generated & corpus
+    monkeypatch.syspath_prepend(str(ROOT / "eval"))
+    spec = importlib.util.spec_from_file_location("tool_decisions_eval", ROOT / "eval/tool_decisions.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    eval_tools = {t["function"]["name"] for tools in module.TOOLSETS.values() for t in tools}
+    assert eval_tools and not eval_tools & {f.name for f in FAMILIES}
+    prompts = {
+        json.loads(line)["prompt"]
+        for name in ("tool_decisions.jsonl", "tool_decisions_b.jsonl")
+        for line in (ROOT / "eval/data" / name).read_text().splitlines()
+        if line.strip()
+    }
+    assert not prompts & ({q for q, _ in NO_TOOL} | _user_texts(build_examples(0, 300)))
+
+
+def test_qa_answers_cite_the_document_that_states_the_fact():
+    for e in build_examples(1, 120, qa_share=1.0):
+        documents = e.messages[-1]["content"]
+        if e.kind == "qa_none":
+            assert e.target.startswith("The documents do not say")
+            continue
+        cited = [int(n) for n in re.findall(r"\[(\d+)\]", e.target)]
+        assert len(cited) == (2 if e.kind == "qa_two" else 1)
+        blocks = re.split(r"\n\n(?=\[\d+\] )", documents.split("Documents:\n\n", 1)[1].rsplit("\n\nQuestion:", 1)[0])
+        for sentence, number in zip(re.split(r"(?<=\.) ", e.target), cited):
+            name = blocks[number - 1].split("\n", 1)[0].split("] ", 1)[1]
+            assert name in sentence  # the cited document is the asked entity's, not a look-alike's
+
+
+def test_encode_renders_as_the_engine_and_learns_only_the_answer(smollm_tok):
+    from snapkv_rag.engine.prompts import render_prompt
+    from snapkv_rag.tools import build_output_spec
+
+    for e in build_examples(2, 12):
+        enc = encode(e, smollm_tok)
+        tools = build_output_spec(e.tools).tools if e.tools else ()
+        assert enc.input_ids[0, : enc.prompt_tokens].tolist() == render_prompt(smollm_tok, e.messages, tools=tools)
+        assert (enc.labels[0, : enc.prompt_tokens] == -100).all()
+        assert smollm_tok.decode(enc.input_ids[0, enc.prompt_tokens :]) == e.target + smollm_tok.eos_token
+        assert len(enc.spans) == len(e.segments)
+        for (start, end), segment in zip(enc.spans, e.segments):
+            assert smollm_tok.decode(enc.input_ids[0, start:end]).strip() in segment
+
+
+# --------------------------------------------------------------------------- block attention
+def _reference_mask(length, spans):
+    block = [-1] * length
+    for i, (s, e) in enumerate(spans):
+        for t in range(s, e):
+            block[t] = i
+    mask = torch.zeros(length, length, dtype=torch.bool)
+    for q in range(length):
+        for k in range(q + 1):
+            mask[q, k] = block[q] < 0 or k == 0 or block[k] == block[q]
+    return mask
+
+
+@pytest.mark.parametrize("spans", [[], [(1, 4)], [(2, 5), (5, 9)], [(3, 6), (8, 12), (14, 15)]])
+def test_block_mask_equals_a_reference(spans):
+    assert torch.equal(block_attention_mask(16, spans)[0, 0], _reference_mask(16, spans))
+
+
+@pytest.mark.parametrize("spans", [[(0, 3)], [(2, 5), (4, 6)], [(3, 20)], [(4, 4)]])
+def test_block_mask_refuses_spans_it_cannot_mean(spans):
+    with pytest.raises(ValueError):
+        block_attention_mask(16, spans)
+
+
+def test_a_block_read_apart_equals_that_chunk_computed_after_the_anchor_alone():
+    """What chunk reuse stores: a segment computed after the first token, at its own positions."""
+    model = tiny_model("llama", 300)
+    ids = torch.randint(3, 300, (1, 20))
+    spans = [(3, 9), (9, 15)]
+    with torch.no_grad():
+        causal = model(ids, attention_mask=block_attention_mask(20, [])).logits
+        assert torch.allclose(causal, model(ids).logits, atol=1e-5)  # a 4D mask is used as given
+        blocked = model(ids, attention_mask=block_attention_mask(20, spans)).logits
+        start, end = spans[1]
+        alone = model(torch.cat([ids[:, :1], ids[:, start:end]], 1), position_ids=torch.tensor([[0, *range(start, end)]])).logits
+    assert torch.allclose(blocked[0, start:end], alone[0, 1:], atol=1e-5)
+    assert not torch.allclose(blocked[0, start:end], causal[0, start:end], atol=1e-3)
+    assert torch.allclose(blocked[0, 15:], causal[0, 15:], atol=1e-5) is False  # later tokens see the blocks' other K/V
+
+
+# --------------------------------------------------------------------------- training
+def _config(**kw):
+    from snapkv_rag.tune.train import TuneConfig
+
+    settings = dict(model="", examples=8, accumulate=2, learning_rate=1e-2, warmup_steps=0, qa_share=0.0, eval_examples=0, rank=8, alpha=16, save_every=1)
+    return TuneConfig(**{**settings, **kw})
+
+
+def _mean_loss(model, encoded):
+    from snapkv_rag.tune.train import example_loss
+
+    with torch.no_grad():
+        return sum(float(example_loss(model, e)[0]) for e in encoded) / len(encoded)
+
+
+def test_a_few_steps_on_a_tiny_model_lower_the_loss(smollm_tok, tmp_path):
+    from snapkv_rag.tune.train import tune
+
+    torch.manual_seed(0)
+    model = tiny_model("llama", len(smollm_tok))
+    config = _config(examples=16, accumulate=1, learning_rate=0.1)
+    seen = [encode(e, smollm_tok) for e in build_examples(config.seed, config.examples, qa_share=0.0)]
+    before = _mean_loss(model, seen)
+    state = tune(config, tmp_path, model=model, tokenizer=smollm_tok, progress=False)
+    assert state["stopped"] is None and state["examples_done"] == 16
+    # a random 64-wide model moves slowly under rank-8 LoRA (10.81 -> 10.66 when written); untrained, it stays at 10.81
+    assert _mean_loss(model, seen) < before - 0.1
+    rows = [json.loads(line) for line in (tmp_path / "loss.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, 17)) and all(r["tokens_per_s"] > 0 for r in rows)
+    assert (tmp_path / "loss.png").is_file()
+    manifest = json.loads((tmp_path / "adapter/manifest.json").read_text())
+    assert manifest["data"]["seed"] == 0 and manifest["training"]["examples_done"] == 16 and manifest["gates"] is None
+
+
+def _adapter_tensors(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(str(path / "adapter_model.safetensors"))
+
+
+def test_a_stopped_run_resumes_to_the_same_adapter(smollm_tok, tmp_path):
+    from snapkv_rag.tune.train import tune
+
+    whole, split = tmp_path / "whole", tmp_path / "split"
+    tune(_config(), whole, model=tiny_model("llama", len(smollm_tok)), tokenizer=smollm_tok, progress=False)
+    first = tune(_config(minutes=1e-9), split, model=tiny_model("llama", len(smollm_tok)), tokenizer=smollm_tok, progress=False)
+    assert first["stopped"].startswith("time limit") and first["examples_done"] == 2 and not (split / "adapter").exists()
+    resumed = tune(_config(), split, model=tiny_model("llama", len(smollm_tok)), tokenizer=smollm_tok, progress=False)
+    assert resumed["stopped"] is None and resumed["examples_done"] == 8
+    a, b = _adapter_tensors(whole / "adapter"), _adapter_tensors(split / "adapter")
+    assert a.keys() == b.keys() and all(torch.allclose(a[k], b[k], atol=1e-6) for k in a)
+    assert len((split / "loss.jsonl").read_text().splitlines()) == 4
+
+
+def test_a_checkpoint_of_other_settings_is_refused(smollm_tok, tmp_path):
+    from snapkv_rag.tune.train import TuneError, tune
+
+    tune(_config(minutes=1e-9), tmp_path, model=tiny_model("llama", len(smollm_tok)), tokenizer=smollm_tok, progress=False)
+    with pytest.raises(TuneError, match="rank"):
+        tune(_config(rank=4), tmp_path, model=tiny_model("llama", len(smollm_tok)), tokenizer=smollm_tok, progress=False)
+
+
+@pytest.mark.parametrize("bad", [dict(examples=0), dict(learning_rate=2.0), dict(qa_share=1.5), dict(minutes=-1)])
+def test_impossible_settings_get_one_clear_error(bad):
+    from snapkv_rag.tune.train import TuneError
+
+    with pytest.raises(TuneError):
+        _config(**bad).check()
+
+
+# --------------------------------------------------------------------------- the adapter at load
+@pytest.fixture(scope="module")
+def trained_adapter(smollm_tok, tmp_path_factory):
+    """A tiny model saved to disk and an adapter trained on it (with non-zero B: a few steps)."""
+    from snapkv_rag.tune.train import tune
+
+    root = tmp_path_factory.mktemp("tuned")
+    model = tiny_model("llama", len(smollm_tok))
+    model.save_pretrained(root / "base")
+    smollm_tok.save_pretrained(root / "base")
+    tune(_config(examples=4), root / "run", model=tiny_model("llama", len(smollm_tok)), tokenizer=smollm_tok, progress=False)
+    return root / "base", root / "run/adapter"
+
+
+def test_merged_adapter_logits_equal_the_unmerged_ones(trained_adapter):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    base_dir, adapter_dir = trained_adapter
+    ids = torch.randint(3, 1000, (1, 24))
+    with torch.no_grad():
+        unmerged = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_dir), adapter_dir).eval()(ids).logits
+        bare = AutoModelForCausalLM.from_pretrained(base_dir).eval()
+        before = bare(ids).logits
+        assert merge_adapter(bare, adapter_dir) == 14  # q, k, v, o, gate, up, down in 2 layers
+        merged = bare(ids).logits
+    assert torch.allclose(merged, unmerged, atol=1e-4)
+    assert not torch.allclose(merged, before, atol=1e-3)
+
+
+def test_the_engine_loads_an_adapter_and_says_so(trained_adapter):
+    from snapkv_rag import Engine
+
+    base_dir, adapter_dir = trained_adapter
+    tuned = Engine.from_pretrained(str(base_dir), dtype="float32", adapter=str(adapter_dir))
+    bare = Engine.from_pretrained(str(base_dir), dtype="float32")
+    assert tuned.info().adapter == str(adapter_dir) and bare.info().adapter is None
+    prompt = "The answer is"
+    assert tuned.generate(prompt, max_new_tokens=4, chat=False).text != bare.generate(prompt, max_new_tokens=4, chat=False).text or not torch.equal(
+        tuned.model.model.layers[0].self_attn.q_proj.weight, bare.model.model.layers[0].self_attn.q_proj.weight
+    )
+
+
+def test_a_damaged_or_mismatched_adapter_is_refused(trained_adapter, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    base_dir, adapter_dir = trained_adapter
+    model = AutoModelForCausalLM.from_pretrained(base_dir)
+    with pytest.raises(AdapterError, match="needs adapter_config.json"):
+        merge_adapter(model, tmp_path)
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "adapter_config.json").write_text((adapter_dir / "adapter_config.json").read_text())
+    (broken / "adapter_model.safetensors").write_bytes((adapter_dir / "adapter_model.safetensors").read_bytes()[:100])
+    with pytest.raises(AdapterError, match="could not read"):
+        merge_adapter(model, broken)
+    wider = tiny_model("llama", 500)
+    wider.model.layers[0].self_attn.q_proj = torch.nn.Linear(64, 32, bias=False)
+    with pytest.raises(AdapterError):
+        merge_adapter(wider, adapter_dir)
+
+
+def test_auto_uses_the_shipped_adapter_only_where_every_gate_passed(tmp_path, monkeypatch):
+    from snapkv_rag.tune import shipped
+
+    monkeypatch.setattr(shipped, "SHIPPED_DIR", tmp_path)
+    directory = tmp_path / shipped.EMBEDDED_ADAPTER
+    directory.mkdir()
+    assert resolve_adapter("default", "auto") is None  # no manifest
+    (directory / "manifest.json").write_text(json.dumps({"gates": {"a": {"passed": True}, "b": {"passed": False}}}))
+    assert resolve_adapter("default", "auto") is None
+    assert "missed its gates: b" in shipped.adapter_note("default", "auto")
+    (directory / "manifest.json").write_text(json.dumps({"gates": {"a": {"passed": True}, "b": {"passed": True}}}))
+    assert resolve_adapter("default", "auto") == directory
+    assert resolve_adapter("some/model", "auto") is None and resolve_adapter("default", None) is None
+    assert resolve_adapter("default", str(tmp_path)) == tmp_path
+
+
+# --------------------------------------------------------------------------- command line
+def test_tune_data_writes_the_examples(capsys, tmp_path):
+    from snapkv_rag.cli import main
+
+    assert main(["tune", "data", "--examples", "3", "--seed", "5"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [json.loads(line) for line in lines] == [e.to_dict() for e in build_examples(5, 3)]
+    assert main(["tune", "data", "--examples", "2", "--split", "heldout", "--out", str(tmp_path / "h.jsonl")]) == 0
+    assert len((tmp_path / "h.jsonl").read_text().splitlines()) == 2
+
+
+def test_tune_train_reports_bad_settings_as_one_error(capsys, tmp_path):
+    from snapkv_rag.cli import main
+
+    assert main(["tune", "train", "--examples", "0", "--out", str(tmp_path)]) == 2
+    assert "examples must be >= 1" in capsys.readouterr().err
+
+
+def test_every_attribute_keeps_training_templates_beside_its_held_out_one():
+    assert all(len(templates) >= 3 for templates in QUESTIONS.values())
+
+
+def test_a_request_for_a_tool_not_offered_calls_nothing():
+    from snapkv_rag.tune.tool_data import FAMILY_BY_NAME, UNAVAILABLE
+
+    unavailable = [e for e in build_examples(0, 400, qa_share=0.0) if e.kind == "tool_unavailable"]
+    assert unavailable
+    for e in unavailable:
+        family = next(name for name in FAMILY_BY_NAME if e.template.startswith(f"tool:{name}:"))
+        assert e.target == UNAVAILABLE and family not in {t["function"]["name"] for t in e.tools}
