@@ -17,7 +17,9 @@ from snapkv_rag.tune import AdapterError, merge_adapter, resolve_adapter
 from snapkv_rag.tune.block_attention import block_attention_mask
 from snapkv_rag.tune.dataset import build_examples, encode
 from snapkv_rag.tune.qa_data import QUESTIONS
-from snapkv_rag.tune.tool_data import FAMILIES, HELD_OUT_TOOLS, NO_TOOL
+from snapkv_rag.tune.tool_data import ALIASES, FAMILIES, HELD_OUT_TOOLS, NO_TOOL
+
+CANONICAL = {alias: name for name, aliases in ALIASES.items() for alias in (name, *aliases)}
 from snapkv_rag.tune.world import HELD_OUT_DOMAINS
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -60,7 +62,7 @@ def test_heldout_split_is_disjoint_from_training_by_domain_tool_and_template():
     assert held_domains == set(HELD_OUT_DOMAINS)
     assert not {e.domain for e in train if e.kind.startswith("qa")} & held_domains
     # no held-out tool is ever the answer in training, and every held-out call is one
-    called = lambda e: set(re.findall(r'"name": "([a-z_]+)"', e.target))  # noqa: E731
+    called = lambda e: {CANONICAL[n] for n in re.findall(r'"name": "([a-z_]+)"', e.target)}  # noqa: E731
     assert not set().union(*(called(e) for e in train)) & set(HELD_OUT_TOOLS)
     assert set().union(*(called(e) for e in held if e.kind.startswith("tool"))) <= set(HELD_OUT_TOOLS)
     assert not _user_texts(train) & _user_texts(held)
@@ -82,7 +84,7 @@ def test_generated_data_shares_nothing_with_the_eval_text(monkeypatch):
         generated |= _shingles(" ".join(m["content"] for m in e.messages[1:]) + " " + e.target)
     corpus = set()
     for path in (ROOT / "examples/sample_corpus").iterdir():
-        corpus |= _shingles(path.read_text(errors="ignore"))
+        corpus |= _shingles(path.read_text(errors="ignore"), 8)  # a shorter run of words is a common phrase ("at 7:30 a.m. on")
     for line in (ROOT / "examples/sample_questions.jsonl").read_text().splitlines():
         corpus |= _shingles(json.loads(line)["question"], 4)
     assert corpus and not generated & corpus
@@ -91,7 +93,7 @@ def test_generated_data_shares_nothing_with_the_eval_text(monkeypatch):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     eval_tools = {t["function"]["name"] for tools in module.TOOLSETS.values() for t in tools}
-    assert eval_tools and not eval_tools & {f.name for f in FAMILIES}
+    assert eval_tools and not eval_tools & set(CANONICAL) and set(CANONICAL) >= {f.name for f in FAMILIES}
     prompts = {
         json.loads(line)["prompt"]
         for name in ("tool_decisions.jsonl", "tool_decisions_b.jsonl")
@@ -110,7 +112,7 @@ def test_qa_answers_cite_the_document_that_states_the_fact():
         cited = [int(n) for n in re.findall(r"\[(\d+)\]", e.target)]
         assert len(cited) == (2 if e.kind == "qa_two" else 1)
         blocks = re.split(r"\n\n(?=\[\d+\] )", documents.split("Documents:\n\n", 1)[1].rsplit("\n\nQuestion:", 1)[0])
-        for sentence, number in zip(re.split(r"(?<=\.) ", e.target), cited):
+        for sentence, number in zip(re.split(r"(?<=\]\.) ", e.target), cited):
             name = blocks[number - 1].split("\n", 1)[0].split("] ", 1)[1]
             assert name in sentence  # the cited document is the asked entity's, not a look-alike's
 
@@ -340,6 +342,17 @@ def test_every_attribute_keeps_training_templates_beside_its_held_out_one():
     assert all(len(templates) >= 3 for templates in QUESTIONS.values())
 
 
+def test_calls_name_the_tool_as_the_listing_offers_it():
+    examples = [e for e in build_examples(0, 300, qa_share=0.0) if e.kind in ("tool_call", "tool_calls")]
+    renamed = 0
+    for e in examples:
+        offered = {t["function"]["name"] for t in e.tools}
+        for name in re.findall(r'"name": "([a-z_]+)"', e.target):
+            assert name in offered
+            renamed += name not in ALIASES
+    assert renamed  # some calls use another name than the tool's own
+
+
 def test_a_request_for_a_tool_not_offered_calls_nothing():
     from snapkv_rag.tune.tool_data import FAMILY_BY_NAME, UNAVAILABLE
 
@@ -347,4 +360,4 @@ def test_a_request_for_a_tool_not_offered_calls_nothing():
     assert unavailable
     for e in unavailable:
         family = next(name for name in FAMILY_BY_NAME if e.template.startswith(f"tool:{name}:"))
-        assert e.target == UNAVAILABLE and family not in {t["function"]["name"] for t in e.tools}
+        assert e.target == UNAVAILABLE and family not in {CANONICAL[t["function"]["name"]] for t in e.tools}

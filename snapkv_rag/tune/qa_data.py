@@ -28,6 +28,7 @@ QUESTIONS: dict[str, tuple[str, ...]] = {
     "leader": ("Who is the {role} of {name}?", "Who runs {name}?", "Who has been in charge of {name} as {role}?", "Name the current {role} of {name}."),
     "measure": ("{measure_question}", "According to the documents, {measure_question_lower}", "Quick question: {measure_question_lower}"),
     "feature": ("What is {name} best known for?", "What is {name} famous for?", "What makes {name} well known?"),
+    "time": ("What time does {name} open on weekdays?", "When do the doors of {name} open on a weekday?", "At what hour does {name} open on weekdays?"),
 }
 BUDGETS = (500, 1000, 1500, 2000, 3000, 4000)
 BUDGET_WEIGHTS = (3, 4, 3, 3, 1, 1)
@@ -64,6 +65,8 @@ def answer(entity: Entity, attribute: str, number: int) -> str:
         return f"The {entity.domain.role} of {name} is {f['leader']}{cite}"
     if attribute == "measure":
         return entity.domain.measure.format(name=name, value=f["measure"]).rstrip(".") + cite
+    if attribute == "time":
+        return f"{name} opens at {f['time']} on weekdays{cite}"
     return f"{name} is best known for {f['feature']}{cite}"
 
 

@@ -200,7 +200,7 @@ FAMILIES: tuple[ToolFamily, ...] = (
         "You rolled {rolls}.",
     ),
     ToolFamily(
-        _fn("get_exchange_hours", "Get the opening hours of a shop or office.", _s("place"), ["place"]),
+        _fn("get_opening_hours", "Get the opening hours of a shop or office.", _s("place"), ["place"]),
         lambda r: {"place": r.choice(("the town library", "the post office", "the swimming pool", "the pharmacy"))},
         ("When does {place} open?", "What are the opening hours of {place}?", "Is {place} open now?", "Hours for {place}?"),
         lambda r, a: {"hours": r.choice(("9:00-17:00", "8:30-20:00", "10:00-16:00"))},
@@ -229,6 +229,26 @@ FAMILIES: tuple[ToolFamily, ...] = (
         "The top result for '{query}' is '{top_result}'.",
     ),
 )
+# Names each tool is offered under (the first is its own): the model learns to call the tool the
+# listing names, not a name it memorized.
+ALIASES: dict[str, tuple[str, ...]] = {
+    "translate_text": ("translate", "text_translator"),
+    "get_flight_status": ("flight_status", "check_flight"),
+    "convert_units": ("unit_converter", "convert_measurement"),
+    "find_recipe": ("recipe_search", "get_recipe"),
+    "get_news": ("news_headlines", "latest_news"),
+    "track_package": ("parcel_tracker", "package_status"),
+    "play_music": ("music_player", "play_song"),
+    "get_definition": ("dictionary_lookup", "define_word"),
+    "check_train_times": ("train_departures", "rail_timetable"),
+    "set_reminder": ("create_reminder", "remind_me"),
+    "lookup_contact": ("find_contact", "address_book"),
+    "get_air_quality": ("air_quality_index", "aqi_lookup"),
+    "roll_dice": ("dice_roller", "random_dice"),
+    "get_opening_hours": ("opening_hours", "business_hours"),
+    "create_note": ("save_note", "notebook_add"),
+    "search_web": ("web_search", "internet_search"),
+}
 HELD_OUT_TOOLS = ("get_air_quality", "check_train_times", "create_note", "roll_dice")
 FAMILY_BY_NAME = {f.name: f for f in FAMILIES}
 
@@ -280,10 +300,11 @@ class ToolGenerator:
         others = [f for f in FAMILIES if f not in needed and f is not absent]
         offered = needed + self.rng.sample(others, k=self.rng.randint(max(0, 2 - len(needed)), 4))
         self.rng.shuffle(offered)
-        return [f.schema for f in offered]
+        return [{**f.schema, "function": {**f.schema["function"], "name": self.names[f.name]}} for f in offered]
 
     def example(self) -> Example:
         rng = self.rng
+        self.names = {f.name: rng.choice((f.name, f.name, *ALIASES[f.name])) for f in FAMILIES}
         kind = rng.choices(self.KINDS, self.WEIGHTS)[0]
         system = [{"role": "system", "content": "You are a helpful assistant."}] if rng.random() < 0.5 else []
         if kind == "tool_none":
@@ -295,7 +316,7 @@ class ToolGenerator:
             first, second = rng.sample(self.families, 2)
             (t1, a1, id1), (t2, a2, id2) = self._request(first), self._request(second)
             user = f"{t1} Also, {t2[0].lower()}{t2[1:]}"
-            target = format_call(first.name, a1) + "\n" + format_call(second.name, a2)
+            target = format_call(self.names[first.name], a1) + "\n" + format_call(self.names[second.name], a2)
             return Example(
                 kind,
                 [*system, {"role": "user", "content": user}],
@@ -310,7 +331,7 @@ class ToolGenerator:
         if kind == "tool_unavailable":  # a request for a tool that is not offered: no call
             return Example(kind, messages, UNAVAILABLE, tools=self._offer([], absent=family), domain="none", template=tid)
         if kind == "tool_call":
-            return Example(kind, messages, format_call(family.name, args), tools=self._offer([family]), domain=family.name, template=tid)
+            return Example(kind, messages, format_call(self.names[family.name], args), tools=self._offer([family]), domain=family.name, template=tid)
         result = family.result(rng, args)
         from ..tools.calls import dump_json
 
@@ -318,8 +339,8 @@ class ToolGenerator:
             {
                 "role": "assistant",
                 "content": "",
-                "tool_calls": [{"id": "call_1", "type": "function", "function": {"name": family.name, "arguments": dump_json(args)}}],
+                "tool_calls": [{"id": "call_1", "type": "function", "function": {"name": self.names[family.name], "arguments": dump_json(args)}}],
             },
-            {"role": "tool", "tool_call_id": "call_1", "name": family.name, "content": dump_json(result)},
+            {"role": "tool", "tool_call_id": "call_1", "name": self.names[family.name], "content": dump_json(result)},
         ]
         return Example(kind, messages, _fill(family.reply, {**args, **result}), tools=self._offer([family]), domain=family.name, template=tid)

@@ -285,7 +285,7 @@ class Entity:
     filler_picks: list[str] = field(default_factory=list)
 
 
-ATTRIBUTES = ("year", "place", "leader", "measure", "feature")
+ATTRIBUTES = ("year", "place", "leader", "measure", "feature", "time")
 
 
 def make_entity(rng: random.Random, domain: Domain, stem: str | None = None, avoid: Entity | None = None) -> Entity:
@@ -305,8 +305,9 @@ def make_entity(rng: random.Random, domain: Domain, stem: str | None = None, avo
             "leader": person(rng),
             "measure": f"{rng.randint(low, high):,}",
             "feature": rng.choice(domain.features),
+            "time": f"{rng.randint(5, 11)}:{rng.choice(('00', '15', '20', '30', '40', '45'))} a.m.",
         }
-        if avoid is None or all(facts[k] != avoid.facts[k] for k in ("year", "place", "leader", "measure")):
+        if avoid is None or all(facts[k] != avoid.facts[k] for k in ("year", "place", "leader", "measure", "time")):
             break
     since = rng.randint(max(int(facts["year"]), 1960), 2024)
     return Entity(domain, name, stem, facts, since)
@@ -329,6 +330,7 @@ _LEADER_SENTENCES = (
     "Since {since} the {role} of {name} has been {leader}.",
     "{name} is run by {leader}, its {role} since {since}.",
 )
+_TIME_SENTENCES = ("On weekdays {name} opens at {time}.", "The doors of {name} open at {time} on weekdays.", "{name} starts its weekday at {time}.")
 _FEATURE_SENTENCES = ("{name} is best known for {feature}.", "Most people know {name} for {feature}.", "{name} is famous for {feature}.")
 
 
@@ -341,6 +343,7 @@ def document_text(rng: random.Random, entity: Entity) -> str:
         rng.choice(_LEADER_SENTENCES).format(name=name, leader=f["leader"], role=d.role, since=entity.leader_since),
         d.measure.format(name=name, value=f["measure"]),
         rng.choice(_FEATURE_SENTENCES).format(name=name, feature=f["feature"]),
+        rng.choice(_TIME_SENTENCES).format(name=name, time=f["time"]),
     ]
     rng.shuffle(sentences)
     fillers = rng.sample(d.filler, k=rng.randint(1, len(d.filler)))
