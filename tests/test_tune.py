@@ -19,8 +19,9 @@ from snapkv_rag.tune.dataset import build_examples, encode
 from snapkv_rag.tune.qa_data import QUESTIONS
 from snapkv_rag.tune.tool_data import ALIASES, FAMILIES, HELD_OUT_TOOLS, NO_TOOL
 
-CANONICAL = {alias: name for name, aliases in ALIASES.items() for alias in (name, *aliases)}
 from snapkv_rag.tune.world import HELD_OUT_DOMAINS
+
+CANONICAL = {alias: name for name, aliases in ALIASES.items() for alias in (name, *aliases)}
 
 ROOT = Path(__file__).resolve().parents[1]
 
