@@ -18,7 +18,6 @@ from snapkv_rag.tune.block_attention import block_attention_mask
 from snapkv_rag.tune.dataset import build_examples, encode
 from snapkv_rag.tune.qa_data import QUESTIONS
 from snapkv_rag.tune.tool_data import ALIASES, FAMILIES, HELD_OUT_TOOLS, NO_TOOL
-
 from snapkv_rag.tune.world import HELD_OUT_DOMAINS
 
 CANONICAL = {alias: name for name, aliases in ALIASES.items() for alias in (name, *aliases)}
