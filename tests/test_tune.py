@@ -361,3 +361,35 @@ def test_a_request_for_a_tool_not_offered_calls_nothing():
     for e in unavailable:
         family = next(name for name in FAMILY_BY_NAME if e.template.startswith(f"tool:{name}:"))
         assert e.target == UNAVAILABLE and family not in {CANONICAL[t["function"]["name"]] for t in e.tools}
+
+
+def test_the_manifest_command_trains_the_same_run():
+    import shlex
+
+    from snapkv_rag.cli import build_parser
+    from snapkv_rag.tune.cli import config_from_args
+    from snapkv_rag.tune.train import TuneConfig, train_command
+
+    config = TuneConfig(examples=100, rank=8, learning_rate=3e-4, qa_share=0.5, dtype="float32")
+    args = build_parser().parse_args(shlex.split(train_command(config))[1:])
+    assert config_from_args(args).identity() == config.identity()
+
+
+def test_a_shipped_adapter_is_half_the_bytes_and_merges_to_the_same_logits(trained_adapter, tmp_path, monkeypatch):
+    from transformers import AutoModelForCausalLM
+
+    from snapkv_rag.tune import shipped
+
+    monkeypatch.setattr(shipped, "SHIPPED_DIR", tmp_path)
+    base_dir, adapter_dir = trained_adapter
+    target = shipped.ship_adapter(adapter_dir)
+    assert (target / "manifest.json").read_text() == (adapter_dir / "manifest.json").read_text()
+    assert (target / "adapter_model.safetensors").stat().st_size < 0.6 * (adapter_dir / "adapter_model.safetensors").stat().st_size
+    ids = torch.randint(3, 1000, (1, 16))
+    logits = []
+    for directory in (adapter_dir, target):
+        model = AutoModelForCausalLM.from_pretrained(base_dir).eval()
+        merge_adapter(model, directory)
+        with torch.no_grad():
+            logits.append(model(ids).logits)
+    assert torch.allclose(logits[0], logits[1], atol=1e-3)

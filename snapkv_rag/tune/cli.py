@@ -39,6 +39,18 @@ def add_tune_parser(sub) -> None:
     train.add_argument("--no-progress", action="store_true", help="no progress bar")
     train.set_defaults(func=cmd_train)
 
+    ship = tasks.add_parser("ship", help="copy a trained adapter into the package as the embedded model's shipped adapter (float16)")
+    ship.add_argument("adapter", help="the adapter directory (a run's adapter/)")
+    ship.set_defaults(func=cmd_ship)
+
+
+def cmd_ship(args: argparse.Namespace) -> int:
+    from .shipped import ship_adapter
+
+    target = ship_adapter(args.adapter)
+    print(f"shipped {args.adapter} as {target}; the engine loads it by default only once eval/tune_gates.py records that every gate passed")
+    return 0
+
 
 def cmd_data(args: argparse.Namespace) -> int:
     from .dataset import QA_SHARE, build_examples

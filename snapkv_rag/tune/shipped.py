@@ -58,3 +58,24 @@ def adapter_note(model_name: str, adapter: str | Path | None) -> str:
     if not gates:
         return f"none (the shipped adapter's gates are not measured yet; --adapter {shipped_adapter_dir()} loads it anyway)"
     return f"none (the shipped adapter missed its gates: {', '.join(failed)}; --adapter {shipped_adapter_dir()} loads it anyway)"
+
+
+def ship_adapter(source: str | Path, name: str = EMBEDDED_ADAPTER) -> Path:
+    """Copy the adapter in ``source`` into the package as ``name``'s shipped adapter, its
+    weights in float16 (half the bytes; the merge computes in float32) and its manifest kept."""
+    import json
+    import shutil
+
+    import torch
+    from safetensors.torch import save_file
+
+    from .lora import CONFIG_FILE, MANIFEST_FILE, WEIGHTS_FILE, read_adapter
+
+    config, weights = read_adapter(source)
+    target = shipped_adapter_dir(name)
+    target.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.to(torch.float16).contiguous() for k, v in weights.items()}, str(target / WEIGHTS_FILE))
+    (target / CONFIG_FILE).write_text(json.dumps(config, indent=1))
+    if (Path(source) / MANIFEST_FILE).is_file():
+        shutil.copyfile(Path(source) / MANIFEST_FILE, target / MANIFEST_FILE)
+    return target

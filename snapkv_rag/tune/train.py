@@ -351,6 +351,16 @@ def tune(
     return state
 
 
+# the settings `snapkv-rag tune train` takes as flags (the rest keep their defaults there)
+CLI_FLAGS = ("model", "device", "dtype", "seed", "examples", "rank", "alpha", "learning_rate", "accumulate", "qa_share")
+
+
+def train_command(config: TuneConfig) -> str:
+    """The command line that trains ``config``'s run."""
+    flags = (f"--{k.replace('_', '-')} {getattr(config, k)}" for k in CLI_FLAGS if getattr(config, k) is not None)
+    return "snapkv-rag tune train " + " ".join(flags)
+
+
 def _write_adapter(peft_model, state: dict[str, Any], config: TuneConfig, out: Path) -> Path:
     target = out / "adapter"
     staging = out / "adapter.tmp"
@@ -361,7 +371,8 @@ def _write_adapter(peft_model, state: dict[str, Any], config: TuneConfig, out: P
     manifest = {
         "base_model": config.model,
         "base_model_sha256": base_model_hash(config.model) if config.model else None,
-        "command": "snapkv-rag tune train " + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in config.identity().items() if v is not None),
+        "command": train_command(config),
+        "settings": config.identity(),
         "data": {
             "recipe": "snapkv_rag.tune.dataset.build_examples",
             "seed": config.seed,
