@@ -23,7 +23,14 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
 
 
 def chosen_adapter(args: argparse.Namespace) -> str | None:
-    return None if getattr(args, "base_model", False) else getattr(args, "adapter", "auto")
+    """None (``--base-model``), ``"auto"``, or the ``--adapter`` directory as an absolute path
+    (it may travel to another process: Ray replicas)."""
+    import os
+
+    if getattr(args, "base_model", False):
+        return None
+    adapter = getattr(args, "adapter", "auto")
+    return adapter if adapter in (None, "auto") else os.path.abspath(os.path.expanduser(adapter))
 
 
 def load_engine(args: argparse.Namespace, **options):

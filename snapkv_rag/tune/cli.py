@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 DEFAULT_OUT = "tune-runs/default"
+STOPPED_EXIT = 75  # EX_TEMPFAIL: stopped early with a checkpoint; the same command resumes
 
 
 def add_tune_parser(sub) -> None:
@@ -15,6 +16,7 @@ def add_tune_parser(sub) -> None:
     tasks = parser.add_subparsers(dest="tune_command", required=True)
 
     data = tasks.add_parser("data", help="write generated examples as JSON lines (what training sees, or the held-out split)")
+    data.add_argument("--model", default="default", help="whose tokenizer measures the stuffed budgets, as in training (default: the embedded model's)")
     data.add_argument("--seed", type=int, default=0)
     data.add_argument("--examples", type=int, default=20)
     data.add_argument("--split", choices=("train", "heldout"), default="train")
@@ -22,7 +24,7 @@ def add_tune_parser(sub) -> None:
     data.add_argument("--out", default="-", help="a .jsonl file, or - for standard output")
     data.set_defaults(func=cmd_data)
 
-    train = tasks.add_parser("train", help="train a LoRA adapter; run the same command again to resume a stopped run")
+    train = tasks.add_parser("train", help="train a LoRA adapter; run the same command again to resume a stopped run (a stopped run exits with status 75)")
     train.add_argument("--model", default="default", help="'default' (embedded SmolLM2), a model dir, a .gguf file or a hub id")
     train.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
     train.add_argument("--dtype", default=None, help="float32, bfloat16, float16 (default: as the engine chooses)")
@@ -53,11 +55,18 @@ def cmd_ship(args: argparse.Namespace) -> int:
 
 
 def cmd_data(args: argparse.Namespace) -> int:
-    from .dataset import QA_SHARE, build_examples
+    from transformers import AutoTokenizer
+
+    from ..model.loading import resolve_model_source
+    from .dataset import QA_SHARE, build_examples, token_counter
+    from .train import TuneError
 
     if args.examples < 0:
-        raise SystemExit("snapkv-rag: error: --examples must be >= 0")
-    examples = build_examples(args.seed, args.examples, args.split, qa_share=QA_SHARE if args.qa_share is None else args.qa_share)
+        raise TuneError(f"--examples must be >= 0, got {args.examples}")
+    source, is_local = resolve_model_source(args.model)
+    tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=is_local)
+    qa_share = QA_SHARE if args.qa_share is None else args.qa_share
+    examples = build_examples(args.seed, args.examples, args.split, count_tokens=token_counter(tokenizer), qa_share=qa_share)
     lines = (json.dumps(e.to_dict()) + "\n" for e in examples)
     if args.out == "-":
         sys.stdout.writelines(lines)
@@ -96,8 +105,12 @@ def cmd_train(args: argparse.Namespace) -> int:
     summary["minutes"] = round(state["seconds"] / 60, 1)
     summary["heldout_loss_tuned"] = state.get("heldout_loss_tuned")
     print(json.dumps(summary, indent=1))
+    adapter = Path(args.out) / "adapter"
     if state.get("stopped"):
         print(f"stopped ({state['stopped']}) at example {state['examples_done']}/{config.examples}; run the same command to resume", file=sys.stderr)
+        return STOPPED_EXIT
+    if state.get("already_finished"):
+        print(f"this run had finished already; its adapter is {adapter} (another --out trains a new one)", file=sys.stderr)
     else:
-        print(f"adapter written to {Path(args.out) / 'adapter'}; load it with --adapter {Path(args.out) / 'adapter'}", file=sys.stderr)
+        print(f"adapter written to {adapter}; load it with --adapter {adapter}", file=sys.stderr)
     return 0

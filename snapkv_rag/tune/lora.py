@@ -47,8 +47,8 @@ def read_adapter(directory: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:
     for key in ("r", "lora_alpha"):
         if not isinstance(config.get(key), int | float) or config[key] <= 0:
             raise AdapterError(f"{config_path} has no valid {key!r}")
-    if config.get("use_dora") or config.get("use_rslora"):
-        raise AdapterError(f"{config_path}: DoRA and rsLoRA adapters are not supported")
+    if config.get("use_dora") or config.get("use_rslora") or config.get("rank_pattern") or config.get("alpha_pattern"):
+        raise AdapterError(f"{config_path}: DoRA, rsLoRA and per-layer rank or alpha patterns are not supported (one r and lora_alpha for every layer)")
     return config, weights
 
 
@@ -60,6 +60,8 @@ def merge_adapter(model: nn.Module, directory: str | Path) -> int:
     pairs: dict[str, dict[str, torch.Tensor]] = {}
     for key, tensor in weights.items():
         stem = key.removeprefix(_PEFT_PREFIX)
+        if not stem.endswith(".weight"):
+            raise AdapterError(f"unexpected tensor {key!r} in the adapter (only LoRA A/B weights are merged)")
         for part in ("lora_A", "lora_B"):
             marker = f".{part}."
             if marker in stem:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .lora import read_manifest
+from .lora import AdapterError, read_manifest
 
 SHIPPED_DIR = Path(__file__).parent / "shipped"
 EMBEDDED_ADAPTER = "smollm2-135m-instruct"
@@ -62,7 +62,9 @@ def adapter_note(model_name: str, adapter: str | Path | None) -> str:
 
 def ship_adapter(source: str | Path, name: str = EMBEDDED_ADAPTER) -> Path:
     """Copy the adapter in ``source`` into the package as ``name``'s shipped adapter, its
-    weights in float16 (half the bytes; the merge computes in float32) and its manifest kept."""
+    weights in float16 (half the bytes; the merge computes in float32). Its manifest comes
+    along with ``gates`` reset: the copy is measured again (eval/tune_gates.py) before the
+    engine loads it by default. Written beside the target and swapped in whole."""
     import json
     import shutil
 
@@ -73,9 +75,16 @@ def ship_adapter(source: str | Path, name: str = EMBEDDED_ADAPTER) -> Path:
 
     config, weights = read_adapter(source)
     target = shipped_adapter_dir(name)
-    target.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.to(torch.float16).contiguous() for k, v in weights.items()}, str(target / WEIGHTS_FILE))
-    (target / CONFIG_FILE).write_text(json.dumps(config, indent=1))
-    if (Path(source) / MANIFEST_FILE).is_file():
-        shutil.copyfile(Path(source) / MANIFEST_FILE, target / MANIFEST_FILE)
+    staging = target.with_name(target.name + ".tmp")
+    try:
+        shutil.rmtree(staging, ignore_errors=True)
+        staging.mkdir(parents=True)
+        save_file({k: v.to(torch.float16).contiguous() for k, v in weights.items()}, str(staging / WEIGHTS_FILE))
+        (staging / CONFIG_FILE).write_text(json.dumps(config, indent=1))
+        manifest = read_manifest(source)
+        (staging / MANIFEST_FILE).write_text(json.dumps({**manifest, "gates": None, "shipped_from": str(Path(source).resolve())}, indent=1))
+        shutil.rmtree(target, ignore_errors=True)
+        staging.rename(target)
+    except PermissionError as exc:
+        raise AdapterError(f"cannot write the shipped adapter under {target.parent}: {exc.strerror} (ship from a source checkout)") from None
     return target

@@ -134,21 +134,26 @@ def base_model_hash(source: str) -> str:
 
 
 class _Stop:
-    """Turns SIGTERM into a request to checkpoint and stop after the current step."""
+    """Turns SIGTERM and Ctrl-C into a request to finish the current step, checkpoint and stop
+    (a step cut in half would save half-applied optimizer moments)."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
     def __init__(self) -> None:
-        self.requested = False
+        self.requested: str | None = None
+        self._previous: dict[int, Any] = {}
 
     def __enter__(self):
-        self._previous = signal.signal(signal.SIGTERM, self._handle) if _main_thread() else None
+        if _main_thread():
+            self._previous = {sig: signal.signal(sig, self._handle) for sig in self.SIGNALS}
         return self
 
-    def _handle(self, *_: Any) -> None:
-        self.requested = True
+    def _handle(self, signum: int, _frame: Any) -> None:
+        self.requested = signal.Signals(signum).name
 
     def __exit__(self, *exc: Any) -> None:
-        if self._previous is not None:
-            signal.signal(signal.SIGTERM, self._previous)
+        for sig, previous in self._previous.items():
+            signal.signal(sig, previous)
 
 
 def _main_thread() -> bool:
@@ -168,13 +173,20 @@ def _save_checkpoint(peft_model, optimizer, state: dict[str, Any], out: Path) ->
     save_file(weights, str(staging / WEIGHTS_FILE))
     torch.save(optimizer.state_dict(), staging / OPTIMIZER_FILE)
     (staging / STATE_FILE).write_text(json.dumps(state, indent=1))
+    _sync(staging)
     final = out / "checkpoint"
     old = out / "checkpoint.old"
     shutil.rmtree(old, ignore_errors=True)
     if final.exists():
-        final.rename(old)
+        final.rename(old)  # a crash from here until the next rename leaves only checkpoint.old, which loading falls back to
     staging.rename(final)
     shutil.rmtree(old, ignore_errors=True)
+
+
+def _sync(directory: Path) -> None:
+    for path in directory.iterdir():
+        with path.open("rb") as fh:
+            os.fsync(fh.fileno())
 
 
 def _load_checkpoint(peft_model, optimizer, out: Path, config: TuneConfig) -> dict[str, Any] | None:
@@ -182,6 +194,8 @@ def _load_checkpoint(peft_model, optimizer, out: Path, config: TuneConfig) -> di
     from safetensors.torch import load_file
 
     final = out / "checkpoint"
+    if not (final / STATE_FILE).is_file():
+        final = out / "checkpoint.old"  # a save interrupted between its two renames
     if not (final / STATE_FILE).is_file():
         return None
     state = json.loads((final / STATE_FILE).read_text())
@@ -191,6 +205,17 @@ def _load_checkpoint(peft_model, optimizer, out: Path, config: TuneConfig) -> di
     set_peft_model_state_dict(peft_model, load_file(str(final / WEIGHTS_FILE)))
     optimizer.load_state_dict(torch.load(final / OPTIMIZER_FILE, weights_only=True))
     return state
+
+
+def finished_state(out: Path, config: TuneConfig) -> dict[str, Any] | None:
+    """The state of a run in ``out`` that finished with these settings (its adapter written), else None."""
+    path = out / "checkpoint" / STATE_FILE
+    if not (out / "adapter" / MANIFEST_FILE).is_file() or not path.is_file():
+        return None
+    state = json.loads(path.read_text())
+    if state.get("config") != config.identity() or state.get("examples_done", 0) < config.examples:
+        return None
+    return {**state, "stopped": None, "already_finished": True}
 
 
 @torch.no_grad()
@@ -232,7 +257,13 @@ def _loss_log(out: Path, step: int) -> Any:
     """The loss log opened for appending, with lines past ``step`` (a run stopped between saves) dropped."""
     path = out / "loss.jsonl"
     if path.is_file():
-        kept = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= step]
+        kept = []
+        for line in path.read_text().splitlines():
+            try:
+                if json.loads(line)["step"] <= step:
+                    kept.append(line)
+            except (ValueError, KeyError, TypeError):  # a line torn by a kill
+                continue
         path.write_text("".join(line + "\n" for line in kept))
     return path.open("a")
 
@@ -251,6 +282,9 @@ def tune(
     config.check()
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
+    finished = finished_state(out, config)
+    if finished is not None:  # done already: training again would overwrite the adapter and its measured gates
+        return finished
     if model is None:
         from ..model.loading import load_model_and_tokenizer
 
@@ -260,8 +294,11 @@ def tune(
     probe = [encode(e, tokenizer) for e in build_examples(config.seed, config.eval_examples, "heldout", count_tokens=count, qa_share=config.qa_share)]
     probe = [p for p in probe if p.tokens <= config.max_tokens]
 
+    targets = linear_module_names(model)
+    if not targets:
+        raise TuneError("this model's decoder has no torch.nn.Linear layers for LoRA to adapt (e.g. GPT-2's Conv1D); it cannot be tuned here")
     model.train()
-    lora = LoraConfig(r=config.rank, lora_alpha=config.alpha, lora_dropout=0.0, target_modules=linear_module_names(model), task_type="CAUSAL_LM")
+    lora = LoraConfig(r=config.rank, lora_alpha=config.alpha, lora_dropout=0.0, target_modules=targets, task_type="CAUSAL_LM")
     peft_model = get_peft_model(model, lora)
     trainable = [p for p in peft_model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=config.learning_rate, weight_decay=0.0)
@@ -299,22 +336,25 @@ def tune(
                     group["lr"] = lr
                 batch = examples[state["examples_done"] : state["examples_done"] + config.accumulate]
                 encoded = [encode(e, tokenizer) for e in batch]
-                losses, tokens = [], 0
+                losses, tokens, targets, skipped = [], 0, 0, 0
                 for item in encoded:
                     if item.tokens > config.max_tokens:
-                        state["skipped"] += 1
+                        skipped += 1
                         continue
-                    loss, _ = example_loss(peft_model, item)
+                    loss, n_targets = example_loss(peft_model, item)
                     (loss / len(encoded)).backward()
                     losses.append(float(loss.detach()))
                     tokens += item.tokens
-                    state["target_tokens"] += int((item.labels != -100).sum())
+                    targets += n_targets
                 torch.nn.utils.clip_grad_norm_(trainable, 1.0)
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
+                # the state moves only once the step is applied, so a checkpoint never holds half a step
                 state["step"] += 1
                 state["examples_done"] += len(batch)
                 state["tokens"] += tokens
+                state["target_tokens"] += targets
+                state["skipped"] += skipped
                 state["seconds"] = seconds_before + time.monotonic() - started
                 rate = tokens / max(1e-9, time.monotonic() - step_started)
                 row = {
@@ -335,11 +375,8 @@ def tune(
                 if stop.requested or out_of_time or state["step"] % config.save_every == 0 or state["examples_done"] >= config.examples:
                     _save_checkpoint(peft_model, optimizer, state, out)
                 if stop.requested or out_of_time:
-                    stopped = "SIGTERM" if stop.requested else f"time limit ({config.minutes} min)"
+                    stopped = stop.requested or f"time limit ({config.minutes} min)"
                     break
-    except KeyboardInterrupt:
-        _save_checkpoint(peft_model, optimizer, state, out)
-        stopped = "interrupted"
     finally:
         bar.close()
         log.close()
