@@ -325,7 +325,6 @@ def test_auto_uses_the_shipped_adapter_only_where_every_gate_passed(tmp_path, mo
 # --------------------------------------------------------------------------- command line
 def test_tune_data_writes_the_examples(capsys, tmp_path):
     from snapkv_rag.cli import main
-
     from snapkv_rag.tune.dataset import token_counter
 
     assert main(["tune", "data", "--examples", "3", "--seed", "5"]) == 0
@@ -447,8 +446,8 @@ def _answer_rows(variant, right, size="1K", setting="full", n=10, gold=(1,), cit
 def test_the_gates_compare_like_with_like_and_fail_on_a_miss(monkeypatch):
     gates = _gates_module(monkeypatch)
     tools = lambda variant, right, false_calls: [  # noqa: E731
-        {"part": "tools", "variant": variant, "prompt": f"p{i}", "tool": "t" if i < 5 else None, "right": i < right, "called": ["t"] if (i < 5 or i - 5 < false_calls) else [],
-         "adapter_sha256": variant}
+        {"part": "tools", "variant": variant, "prompt": f"p{i}", "tool": "t" if i < 5 else None, "right": i < right,
+         "called": ["t"] if (i < 5 or i - 5 < false_calls) else [], "adapter_sha256": variant}
         for i in range(10)
     ]  # fmt: skip
     records = []

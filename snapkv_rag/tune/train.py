@@ -294,11 +294,11 @@ def tune(
     probe = [encode(e, tokenizer) for e in build_examples(config.seed, config.eval_examples, "heldout", count_tokens=count, qa_share=config.qa_share)]
     probe = [p for p in probe if p.tokens <= config.max_tokens]
 
-    targets = linear_module_names(model)
-    if not targets:
+    lora_targets = linear_module_names(model)
+    if not lora_targets:
         raise TuneError("this model's decoder has no torch.nn.Linear layers for LoRA to adapt (e.g. GPT-2's Conv1D); it cannot be tuned here")
     model.train()
-    lora = LoraConfig(r=config.rank, lora_alpha=config.alpha, lora_dropout=0.0, target_modules=targets, task_type="CAUSAL_LM")
+    lora = LoraConfig(r=config.rank, lora_alpha=config.alpha, lora_dropout=0.0, target_modules=lora_targets, task_type="CAUSAL_LM")
     peft_model = get_peft_model(model, lora)
     trainable = [p for p in peft_model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=config.learning_rate, weight_decay=0.0)
