@@ -14,7 +14,7 @@ import torch
 from conftest import load_smollm_tokenizer, tiny_model
 
 from snapkv_rag.tune import AdapterError, merge_adapter, resolve_adapter
-from snapkv_rag.tune.block_attention import block_attention_mask
+from snapkv_rag.tune.block_attention import block_attention_mask, with_anchor_copies
 from snapkv_rag.tune.dataset import build_examples, encode
 from snapkv_rag.tune.qa_data import QUESTIONS
 from snapkv_rag.tune.tool_data import ALIASES, FAMILIES, HELD_OUT_TOOLS, NO_TOOL
@@ -124,19 +124,25 @@ def test_encode_renders_as_the_engine_and_learns_only_the_answer(smollm_tok):
     from snapkv_rag.engine.prompts import render_prompt
     from snapkv_rag.tools import build_output_spec
 
-    for e in build_examples(2, 12):
+    examples = build_examples(2, 12)
+    assert any(e.segments for e in examples) and any(not e.segments for e in examples)
+    for e in examples:
         enc = encode(e, smollm_tok)
         tools = build_output_spec(e.tools).tools if e.tools else ()
-        assert enc.input_ids[0, : enc.prompt_tokens].tolist() == render_prompt(smollm_tok, e.messages, tools=tools)
+        prompt = [t for i, t in enumerate(enc.input_ids[0, : enc.prompt_tokens].tolist()) if i not in enc.anchors]  # the anchor copies taken out
+        assert prompt == render_prompt(smollm_tok, e.messages, tools=tools)
         assert (enc.labels[0, : enc.prompt_tokens] == -100).all()
         assert smollm_tok.decode(enc.input_ids[0, enc.prompt_tokens :]) == e.target + smollm_tok.eos_token
-        assert len(enc.spans) == len(e.segments)
+        assert len(enc.spans) == len(enc.anchors) == len(e.segments)
+        if e.segments:
+            kept = [p for i, p in enumerate(enc.position_ids[0].tolist()) if i not in enc.anchors]
+            assert kept == list(range(enc.tokens - len(enc.anchors)))
         for (start, end), segment in zip(enc.spans, e.segments):
             assert smollm_tok.decode(enc.input_ids[0, start:end]).strip() in segment
 
 
 # --------------------------------------------------------------------------- block attention
-def _reference_mask(length, spans):
+def _reference_mask(length, spans, anchors):
     block = [-1] * length
     for i, (s, e) in enumerate(spans):
         for t in range(s, e):
@@ -144,35 +150,53 @@ def _reference_mask(length, spans):
     mask = torch.zeros(length, length, dtype=torch.bool)
     for q in range(length):
         for k in range(q + 1):
-            mask[q, k] = block[q] < 0 or k == 0 or block[k] == block[q]
+            if q in anchors:
+                mask[q, k] = k == q
+            elif block[q] >= 0:
+                mask[q, k] = block[k] == block[q] or k == anchors[block[q]]
+            else:
+                mask[q, k] = k not in anchors
     return mask
 
 
 @pytest.mark.parametrize("spans", [[], [(1, 4)], [(2, 5), (5, 9)], [(3, 6), (8, 12), (14, 15)]])
 def test_block_mask_equals_a_reference(spans):
-    assert torch.equal(block_attention_mask(16, spans)[0, 0], _reference_mask(16, spans))
+    ids, positions, moved, anchors = with_anchor_copies(list(range(100, 116)), spans)
+    assert len(ids) == len(positions) == 16 + len(spans)
+    assert [ids[a] for a in anchors] == [100] * len(spans) and [positions[a] for a in anchors] == [s - 1 for s, _ in spans]
+    assert [ids[s:e] for s, e in moved] == [list(range(100 + s, 100 + e)) for s, e in spans]
+    assert sorted(p for i, p in enumerate(positions) if i not in anchors) == list(range(16))
+    assert torch.equal(block_attention_mask(len(ids), moved, anchors)[0, 0], _reference_mask(len(ids), moved, anchors))
 
 
 @pytest.mark.parametrize("spans", [[(0, 3)], [(2, 5), (4, 6)], [(3, 20)], [(4, 4)]])
-def test_block_mask_refuses_spans_it_cannot_mean(spans):
+def test_anchor_copies_refuse_spans_they_cannot_mean(spans):
     with pytest.raises(ValueError):
-        block_attention_mask(16, spans)
+        with_anchor_copies(list(range(16)), spans)
 
 
 def test_a_block_read_apart_equals_that_chunk_computed_after_the_anchor_alone():
-    """What chunk reuse stores: a segment computed after the first token, at its own positions."""
+    """What chunk reuse stores (blending.compute_segment): a segment computed after the prompt's
+    first token at positions 0, 1..m, later rotated into place; attention sees only distances."""
     model = tiny_model("llama", 300)
-    ids = torch.randint(3, 300, (1, 20))
-    spans = [(3, 9), (9, 15)]
+    original = torch.randint(3, 300, (20,)).tolist()
+    ids, positions, spans, anchors = with_anchor_copies(original, [(3, 9), (9, 15)])
+    mask, position_ids = block_attention_mask(len(ids), spans, anchors), torch.tensor([positions])
     with torch.no_grad():
-        causal = model(ids, attention_mask=block_attention_mask(20, [])).logits
-        assert torch.allclose(causal, model(ids).logits, atol=1e-5)  # a 4D mask is used as given
-        blocked = model(ids, attention_mask=block_attention_mask(20, spans)).logits
-        start, end = spans[1]
-        alone = model(torch.cat([ids[:, :1], ids[:, start:end]], 1), position_ids=torch.tensor([[0, *range(start, end)]])).logits
-    assert torch.allclose(blocked[0, start:end], alone[0, 1:], atol=1e-5)
-    assert not torch.allclose(blocked[0, start:end], causal[0, start:end], atol=1e-3)
-    assert torch.allclose(blocked[0, 15:], causal[0, 15:], atol=1e-5) is False  # later tokens see the blocks' other K/V
+        blocked = model(torch.tensor([ids]), attention_mask=mask, position_ids=position_ids).logits[0]
+        for (start, end), (s0, e0) in zip(spans, [(3, 9), (9, 15)]):
+            alone = model(torch.tensor([[original[0], *original[s0:e0]]])).logits[0, 1:]
+            assert torch.allclose(blocked[start:end], alone, atol=1e-5)
+        causal = model(torch.tensor([original])).logits[0]
+        assert torch.allclose(blocked[:3], causal[:3], atol=1e-5)  # before the chunks: a normal prefill
+        assert torch.allclose(causal, model(torch.tensor([original]), attention_mask=torch.ones(1, 1, 20, 20).tril().bool()).logits[0], atol=1e-5)
+        # a chunk reads its own copy of the anchor (who else sees what is the reference mask's test)
+        other = list(ids)
+        other[anchors[1]] = 7
+        changed = model(torch.tensor([other]), attention_mask=mask, position_ids=position_ids).logits[0]
+    start, end = spans[1]
+    assert not torch.allclose(changed[start:end], blocked[start:end], atol=1e-4)
+    assert torch.allclose(changed[: anchors[1]], blocked[: anchors[1]], atol=1e-6)
 
 
 # --------------------------------------------------------------------------- training

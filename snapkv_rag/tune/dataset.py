@@ -11,13 +11,14 @@ from __future__ import annotations
 import json
 import random
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from ..engine.prompts import render_prompt, segment_spans
 from ..tools import build_output_spec
+from .block_attention import block_attention_mask, with_anchor_copies
 from .examples import Example
 from .qa_data import QAGenerator
 from .tool_data import ToolGenerator
@@ -55,6 +56,11 @@ class Encoded:
     labels: torch.Tensor  # [1, n]: -100 on the prompt
     spans: list[tuple[int, int]]  # stuffed chunks read apart; empty: plain causal
     prompt_tokens: int
+    anchors: list[int] = field(default_factory=list)  # each span's anchor copy (block_attention.with_anchor_copies)
+    position_ids: torch.Tensor | None = None  # [1, n] where anchor copies were inserted, else None (0..n-1)
+
+    def attention_mask(self) -> torch.Tensor | None:
+        return block_attention_mask(self.tokens, self.spans, self.anchors) if self.spans else None
 
     @property
     def tokens(self) -> int:
@@ -63,15 +69,20 @@ class Encoded:
 
 def encode(example: Example, tokenizer) -> Encoded:
     """The prompt as the engine renders it (:func:`render_prompt`, tools included), then the
-    target and the end-of-turn token; loss on the target only."""
+    target and the end-of-turn token; loss on the target only. An example with segments gets
+    an anchor copy before each stuffed chunk (:func:`with_anchor_copies`), which only that
+    chunk sees."""
     tools = build_output_spec(example.tools).tools if example.tools else ()
     prompt = render_prompt(tokenizer, example.messages, tools=tools)
     end = tokenizer.eos_token or ""
     answer = tokenizer(example.target + end, add_special_tokens=False)["input_ids"]
     spans = segment_spans(tokenizer, example.messages, example.segments, len(prompt), tools=tools) if example.segments else []
-    ids = torch.tensor([prompt + answer])
-    labels = torch.tensor([[-100] * len(prompt) + answer])
-    return Encoded(ids, labels, spans, len(prompt))
+    if not spans:
+        return Encoded(torch.tensor([prompt + answer]), torch.tensor([[-100] * len(prompt) + answer]), [], len(prompt))
+    prompt, positions, spans, anchors = with_anchor_copies(prompt, spans)
+    positions += range(positions[-1] + 1, positions[-1] + 1 + len(answer))
+    ids, labels = torch.tensor([prompt + answer]), torch.tensor([[-100] * len(prompt) + answer])
+    return Encoded(ids, labels, spans, len(prompt), anchors, torch.tensor([positions]))
 
 
 def token_counter(tokenizer) -> Callable[[str], int]:

@@ -32,7 +32,6 @@ from typing import Any
 import torch
 
 from ..errors import SnapKVRagError
-from .block_attention import block_attention_mask
 from .dataset import build_examples, encode, summarize, token_counter
 from .lora import CONFIG_FILE, MANIFEST_FILE, WEIGHTS_FILE, linear_module_names
 
@@ -47,6 +46,9 @@ class TuneError(SnapKVRagError, ValueError):
 @dataclass
 class TuneConfig:
     model: str = "default"
+    # the data and encoding version: 2 reads chunks apart after per-chunk anchor copies (1, the first
+    # run's, after the prompt's first token at its own distance); a checkpoint of another recipe is not resumed
+    recipe: int = 2
     seed: int = 0
     examples: int = 560
     rank: int = 16
@@ -97,9 +99,15 @@ def example_loss(model, encoded) -> tuple[torch.Tensor, int]:
     """Mean cross-entropy over the target tokens of one encoded example, and their count.
     Only the target's logits are computed (the target ends the sequence): the output layer over
     a 49K vocabulary is a fifth of a small model's work."""
-    mask = block_attention_mask(encoded.tokens, encoded.spans).to(model.device) if encoded.spans else None
+    mask = encoded.attention_mask()
+    positions = encoded.position_ids
     keep = encoded.tokens - encoded.prompt_tokens + 1
-    out = model(input_ids=encoded.input_ids.to(model.device), attention_mask=mask, logits_to_keep=keep)
+    out = model(
+        input_ids=encoded.input_ids.to(model.device),
+        attention_mask=None if mask is None else mask.to(model.device),
+        position_ids=None if positions is None else positions.to(model.device),
+        logits_to_keep=keep,
+    )
     targets = encoded.input_ids[0, encoded.prompt_tokens :].to(model.device)
     logits = out.logits[0, :-1].float()
     return torch.nn.functional.cross_entropy(logits, targets), targets.numel()
@@ -411,7 +419,7 @@ def _write_adapter(peft_model, state: dict[str, Any], config: TuneConfig, out: P
         "command": train_command(config),
         "settings": config.identity(),
         "data": {
-            "recipe": "snapkv_rag.tune.dataset.build_examples",
+            "generator": "snapkv_rag.tune.dataset.build_examples",
             "seed": config.seed,
             "examples": config.examples,
             "kinds": state["data"],
