@@ -388,7 +388,8 @@ def test_a_request_for_a_tool_not_offered_calls_nothing():
     assert unavailable
     for e in unavailable:
         family = next(name for name in FAMILY_BY_NAME if e.template.startswith(f"tool:{name}:"))
-        assert e.target == UNAVAILABLE and family not in {CANONICAL[t["function"]["name"]] for t in e.tools}
+        offered = {CANONICAL[t["function"]["name"]] for t in e.tools}
+        assert e.target == UNAVAILABLE and family not in offered and "search_web" not in offered  # web search could still serve it
 
 
 def test_the_manifest_command_trains_the_same_run():
@@ -489,3 +490,23 @@ def test_the_gates_compare_like_with_like_and_fail_on_a_miss(monkeypatch):
     assert not gates.gates(worse)[0]["answers_1K"]["passed"]  # 6 is base + 4
     fewer = [r for r in records if not (r["variant"] == "tuned" and r.get("question") == "q9" and r.get("size") == "4K")]
     assert "different questions" in gates.check_complete(fewer)[0]
+
+
+def test_calls_write_arguments_in_the_schema_order_constrained_decoding_uses():
+    calls = 0
+    for e in build_examples(0, 400, qa_share=0.0):
+        schemas = {t["function"]["name"]: list(t["function"]["parameters"]["properties"]) for t in e.tools}
+        for block in re.findall(r"<tool_call>\n(.*?)\n</tool_call>", e.target, re.S):
+            call = json.loads(block)
+            assert list(call["arguments"]) == [k for k in schemas[call["name"]] if k in call["arguments"]]
+            calls += 1
+    assert calls > 50
+
+
+def test_no_generated_person_name_comes_from_the_eval_text():
+    from snapkv_rag.tune import world
+
+    corpus = (
+        " ".join(p.read_text(errors="ignore") for p in (ROOT / "examples/sample_corpus").iterdir()) + (ROOT / "examples/sample_questions.jsonl").read_text()
+    )
+    assert not [n for n in world._GIVEN + world._FAMILY if re.search(rf"\b{re.escape(n)}\b", corpus)]

@@ -249,27 +249,28 @@ ALIASES: dict[str, tuple[str, ...]] = {
     "create_note": ("save_note", "notebook_add"),
     "search_web": ("web_search", "internet_search"),
 }
+GENERAL_TOOLS = ("search_web",)
 HELD_OUT_TOOLS = ("get_air_quality", "check_train_times", "create_note", "roll_dice")
 FAMILY_BY_NAME = {f.name: f for f in FAMILIES}
 
 # Requests that need no tool, and their answers; the last is held out.
 NO_TOOL: tuple[tuple[str, str], ...] = (
-    ("Hi there! How are you?", "I'm doing well, thank you! How can I help you today?"),
-    ("Thanks, that's all I needed.", "You're welcome! Let me know if you need anything else."),
-    ("What is the capital of Canada?", "The capital of Canada is Ottawa."),
+    ("Nice to meet you!", "Nice to meet you too! What can I do for you?"),
+    ("I appreciate the quick help.", "Glad I could help! Anything else?"),
+    ("Which river flows through Vienna?", "The Danube flows through Vienna."),
     ("How many legs does a spider have?", "A spider has eight legs."),
-    ("What is 15 plus 27?", "15 plus 27 is 42."),
-    ("Can you suggest a name for a grey kitten?", "How about Smokey, Ash or Pebble?"),
+    ("Subtract 19 from 50.", "50 minus 19 is 31."),
+    ("Can you think of a title for a short story about a lost key?", "How about 'The Key Under the Stairs'?"),
     ("Write a one-line thank-you message for a colleague.", "Thank you for all your help this week, it made a real difference!"),
     ("What does a thermometer measure?", "A thermometer measures temperature."),
-    ("Which planet is closest to the sun?", "Mercury is the planet closest to the sun."),
-    ("Give me a tip for sleeping better.", "Try going to bed at the same time every night and keep screens out of the bedroom."),
+    ("What do bees make?", "Bees make honey and wax."),
+    ("How can I keep basil fresh longer?", "Keep the stems in a glass of water at room temperature, like cut flowers."),
     ("What colour do you get by mixing blue and yellow?", "Mixing blue and yellow gives green."),
     ("How many minutes are in two hours?", "Two hours have 120 minutes."),
-    ("Who wrote the novel Frankenstein?", "Mary Shelley wrote Frankenstein."),
+    ("Which instrument has 88 keys?", "A standard piano has 88 keys."),
     ("What's a good way to remember a new password?", "Turn it into a short phrase you can picture, and store it in a password manager."),
-    ("What gas do plants take in from the air?", "Plants take in carbon dioxide from the air."),
-    ("Tell me a fun fact about honeybees.", "Honeybees tell each other where flowers are by dancing."),
+    ("How many sides does a hexagon have?", "A hexagon has six sides."),
+    ("Spell the word 'necessary' backwards.", "Backwards, 'necessary' is 'yrassecen'."),
 )
 
 
@@ -292,12 +293,15 @@ class ToolGenerator:
 
     def _request(self, family: ToolFamily) -> tuple[str, dict[str, Any], str]:
         index = len(family.requests) - 1 if self.heldout else self.rng.randrange(len(family.requests) - 1)
-        args = family.draw(self.rng)
+        drawn = family.draw(self.rng)
+        # in the schema's order: constrained decoding writes an object's properties in that order
+        args = {k: drawn[k] for k in family.schema["function"]["parameters"]["properties"] if k in drawn}
         return _fill(family.requests[index], args), args, f"tool:{family.name}:{index}"
 
     def _offer(self, needed: list[ToolFamily], absent: ToolFamily | None = None) -> list[dict[str, Any]]:
-        # other offered tools may come from either split: offering a tool is not asking for it
-        others = [f for f in FAMILIES if f not in needed and f is not absent]
+        # other offered tools may come from either split: offering a tool is not asking for it; with a
+        # tool absent, no general tool that could still serve the request (web search) is offered
+        others = [f for f in FAMILIES if f not in needed and f is not absent and not (absent and f.name in GENERAL_TOOLS)]
         offered = needed + self.rng.sample(others, k=self.rng.randint(max(0, 2 - len(needed)), 4))
         self.rng.shuffle(offered)
         return [{**f.schema, "function": {**f.schema["function"], "name": self.names[f.name]}} for f in offered]

@@ -236,12 +236,12 @@ _GIVEN = (
     "Bartholomew",
     "Ximena",
     "Gunnar",
-    "Philippa",
+    "Leontyne",
     "Tadeo",
 )
 _FAMILY = (
     "Ferrand",
-    "Okonjo",
+    "Adeyemi",
     "Halvorsen",
     "Petrakis",
     "Loughlin",
@@ -259,7 +259,7 @@ _FAMILY = (
     "Nakamura",
     "Delacroix",
     "Oyelaran",
-    "Brannock",
+    "Quarrington",
 )
 
 
