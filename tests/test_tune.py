@@ -510,3 +510,15 @@ def test_no_generated_person_name_comes_from_the_eval_text():
         " ".join(p.read_text(errors="ignore") for p in (ROOT / "examples/sample_corpus").iterdir()) + (ROOT / "examples/sample_questions.jsonl").read_text()
     )
     assert not [n for n in world._GIVEN + world._FAMILY if re.search(rf"\b{re.escape(n)}\b", corpus)]
+
+
+def test_less_kernels_and_chunk_stores_tell_a_tuned_model_from_its_base():
+    """A merged adapter changes attention but not the embeddings LESS's digest reads."""
+    from snapkv_rag.compression.less.kernels import model_signature, signature_mismatch
+    from snapkv_rag.reuse.segment_store import model_signature as store_signature
+
+    model = tiny_model("llama", 300)
+    bare, bare_key = model_signature(model), store_signature(model)
+    model.snapkv_adapter = "/somewhere/smollm2-135m-instruct"
+    assert "adapter" in signature_mismatch(bare, model_signature(model))
+    assert store_signature(model) != bare_key

@@ -63,6 +63,9 @@ def model_signature(model, name: str = "") -> str:
     digest.update(str(model.dtype).encode())
     digest.update(weight_format(model).encode())
     digest.update(weight_layout(model).encode())
+    adapter = getattr(model, "snapkv_adapter", None)
+    if adapter:  # merged LoRA weights (only the models that have one: other stores keep their keys)
+        digest.update(str(adapter).encode())
     params = list(model.parameters())
     for tensor in (params[0], params[len(params) // 2], params[-1]):
         sample = tensor.detach().flatten()[:4096].float().cpu()

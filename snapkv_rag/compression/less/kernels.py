@@ -42,7 +42,7 @@ from ...errors import InvalidCompressionError
 
 SHIPPED_DIR = Path(__file__).with_name("shipped")
 FORMAT = "snapkv-rag-less/1"
-_SIGNATURE_KEYS = ("model_type", "num_layers", "num_query_heads", "num_kv_heads", "head_dim", "vocab_size")
+_SIGNATURE_KEYS = ("model_type", "num_layers", "num_query_heads", "num_kv_heads", "head_dim", "vocab_size", "adapter")
 _DIGEST_RTOL = 1e-3
 
 
@@ -60,6 +60,8 @@ def model_signature(model) -> dict[str, Any]:
         "head_dim": head_dim,
         "vocab_size": config.vocab_size,
         "embedding_digest": float(weight.detach().float().abs().mean()),
+        # a LoRA adapter merged at load changes attention but not the embeddings: kernels are per adapter
+        "adapter": Path(adapter).name if (adapter := getattr(model, "snapkv_adapter", None)) else None,
     }
 
 
