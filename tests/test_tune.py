@@ -522,3 +522,15 @@ def test_less_kernels_and_chunk_stores_tell_a_tuned_model_from_its_base():
     model.snapkv_adapter = "/somewhere/smollm2-135m-instruct"
     assert "adapter" in signature_mismatch(bare, model_signature(model))
     assert store_signature(model) != bare_key
+
+
+def test_info_says_which_adapter_is_merged(trained_adapter, capsys):
+    from snapkv_rag.cli import main
+
+    base_dir, adapter_dir = trained_adapter
+    assert main(["info", "--model", str(base_dir), "--dtype", "float32", "--adapter", str(adapter_dir), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["adapter"] == str(adapter_dir.resolve())
+    assert main(["info", "--model", str(base_dir), "--dtype", "float32", "--base-model"]) == 0
+    assert "adapter: none (--base-model)" in capsys.readouterr().out
+    assert main(["info", "--model", str(base_dir), "--adapter", str(base_dir)]) == 2  # a model directory is no adapter
+    assert "is not a LoRA adapter" in capsys.readouterr().err
