@@ -14,6 +14,7 @@ from conftest import tiny_engine
 from snapkv_rag.compression import H2O, RandomKeep, SnapKV, StreamingLLM
 from snapkv_rag.engine.generation import DecodeRun
 from snapkv_rag.engine.preparation import resolve_policy
+from snapkv_rag.engine.prompts import render_prompt
 from snapkv_rag.engine.sampling import GenerationParams
 from snapkv_rag.reuse.prefix_cache import PrefixCache, reusable_tokens
 
@@ -291,3 +292,32 @@ def test_the_least_share_reused_depends_on_the_precision(monkeypatch):
     assert prefix_cache.reusable_tokens(300, 1000, None, torch.bfloat16) == 0
     assert prefix_cache.reusable_tokens(600, 1000, None, torch.bfloat16) == 600
     assert prefix_cache.reusable_tokens(50, 1000, None, torch.float32) == 0
+
+
+def test_chat_turns_reuse_the_whole_earlier_prompt_or_all_before_a_rewritten_tail(tokenizer):
+    """Issue 48: an appended turn reuses every token of the earlier prompt; a turn whose last
+    message was rewritten reuses everything before it; output equals a fresh prefill (fp32)."""
+    engine = tiny_engine("llama", tokenizer, context=4096)
+    history = [{"role": "system", "content": "You keep a ship's log."}]
+    for k in range(6):
+        history += [{"role": "user", "content": f"Entry {k}: " + DOC}, {"role": "assistant", "content": f"Logged entry {k}."}]
+
+    def prompt_ids(messages):
+        return render_prompt(engine.tokenizer, messages)
+
+    def common(a, b):
+        return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+    engine.generate(history, max_new_tokens=2)
+    appended = history + [{"role": "user", "content": "And the weather?"}]
+    turn = engine.generate(appended, max_new_tokens=2)
+    earlier = prompt_ids(history)
+    assert common(earlier, prompt_ids(appended)) >= len(earlier) - 2  # the template's generation prompt differs
+    assert turn.stats.reused_prompt_tokens == common(earlier, prompt_ids(appended))
+    rewritten = appended[:-2] + [{"role": "assistant", "content": "Logged entry five, rewritten."}, appended[-1]]
+    again = engine.generate(rewritten, max_new_tokens=2)
+    shared = common(prompt_ids(appended), prompt_ids(rewritten))
+    assert shared > 0.8 * len(prompt_ids(rewritten)) and again.stats.reused_prompt_tokens == shared
+    engine.prefix_cache.clear()
+    fresh = engine.generate(rewritten, max_new_tokens=2)
+    assert fresh.stats.reused_prompt_tokens == 0 and fresh.token_ids == again.token_ids

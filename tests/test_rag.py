@@ -29,6 +29,7 @@ from snapkv_rag.rag import (
     load_file,
 )
 from snapkv_rag.rag.loaders import Skipped
+from snapkv_rag.rag.ordering import StuffedOrders, orders_for, reuse_order
 from snapkv_rag.rag.stuffing import format_document
 
 TOPICS = ["ferry", "library", "museum", "tram", "garden", "bakery", "observatory", "harbour", "bridge", "school"]
@@ -364,6 +365,48 @@ def test_order_top_k_min_score_and_filters(filled_store, long_engine):
     assert filtered.chunks and {c.file for c in filtered.chunks} == {target}
     with pytest.raises(ContextBudgetError):
         StuffingRetriever(filled_store, long_engine, order="random")
+
+
+def test_reuse_order_leads_with_a_remembered_head_and_keeps_the_chosen_chunks():
+    orders = StuffedOrders(remembered=2)
+    cost = {"a": 10, "b": 10, "c": 50, "d": 5, "e": 5}.__getitem__
+    assert reuse_order(["c", "a", "b"], orders, "sys", cost) == (["c", "a", "b"], 0)  # nothing remembered: score order
+    orders.record(["a", "b", "x"], "sys")
+    orders.record(["c", "y"], "sys")
+    # both heads are in the selection; c's (50 tokens) beats a, b (20 tokens) though a, b is longer
+    assert reuse_order(["a", "b", "c", "d"], orders, "sys", cost) == (["c", "a", "b", "d"], 1)
+    assert reuse_order(["b", "a", "d"], orders, "sys", cost) == (["a", "b", "d"], 2)
+    assert reuse_order(["b", "a", "d"], orders, "other system prompt", cost) == (["b", "a", "d"], 0)
+    orders.record(["e"], "sys")  # remembers two: the oldest, a, b, x, is forgotten
+    assert reuse_order(["b", "a"], orders, "sys", cost) == (["b", "a"], 0)
+    with pytest.raises(ValueError, match="remembered"):
+        StuffedOrders(remembered=0)
+
+
+def test_cache_order_stuffs_the_score_selection_so_the_next_prompt_reuses_its_head(filled_store, long_engine):
+    questions = ["bakery code BAK opened", "When did the bakery open?", "bakery fact 3", "the code of the bakery", "Marrowick bakery 1907"]
+    by_score = {q: StuffingRetriever(filled_store, long_engine, context_tokens=600).retrieve(q) for q in questions}
+    ids = {q: [c.id for c in ctx.chunks] for q, ctx in by_score.items()}
+    # a pair where the first prompt's top chunk is stuffed for the second question too, but not first
+    first_q, second_q = next((a, b) for a in questions for b in questions if a != b and ids[a][0] in ids[b][1:])
+    retriever = StuffingRetriever(filled_store, long_engine, context_tokens=600, order="cache")
+    assert retriever.orders is orders_for(long_engine)  # one per engine: retrievers made per call share it
+    retriever.orders.clear()
+    first = retriever.retrieve(first_q)
+    assert [c.id for c in first.chunks] == [c.id for c in by_score[first_q].chunks] and first.settings["reused_head"] == 0
+    second = retriever.retrieve(second_q)
+    assert {c.id for c in second.chunks} == {c.id for c in by_score[second_q].chunks}  # the same chunks, other places
+    head = second.settings["reused_head"]
+    assert head >= 1 and [c.id for c in second.chunks][:head] == [c.id for c in first.chunks][:head]
+    rest = second.chunks[head:]
+    assert [c.score for c in rest] == sorted((c.score for c in rest), reverse=True)
+    # the engine's prefix cache reuses the shared head's K/V, which score order would prefill again
+    long_engine.prefix_cache.clear()
+    long_engine.generate(first.messages, max_new_tokens=1)
+    reused = {}
+    for name, context in (("score", by_score[second_q]), ("cache", second)):
+        reused[name] = long_engine.generate(context.messages, max_new_tokens=1).stats.reused_prompt_tokens
+    assert reused["cache"] > reused["score"] + 50
 
 
 def test_whole_collection_is_stable_and_refuses_to_truncate(filled_store, long_engine):

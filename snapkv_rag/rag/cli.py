@@ -64,7 +64,12 @@ def add_rag_parsers(sub, add_model_args, add_generation_args) -> None:
     )
     ask.add_argument("--top-k", type=int, default=None, help="at most this many chunks")
     ask.add_argument("--min-score", type=float, default=None, help="drop chunks with lower cosine similarity")
-    ask.add_argument("--order", choices=("score", "source"), default="score", help="document order in the prompt")
+    ask.add_argument(
+        "--order",
+        choices=("score", "source", "cache"),
+        default="score",
+        help="document order in the prompt (cache: the score-ranked chunks that opened a recent prompt first, for prefix reuse)",
+    )
     ask.add_argument("--whole-collection", action="store_true", help="stuff every chunk in source order (same prefix for every question)")
     ask.add_argument(
         "--kv-reuse",

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import SnapKVRagError
+from .ordering import StuffedOrders, orders_for, reuse_order
 from .packing import MIN_ROOM, pack_greedy
 from .store import DocumentStore, StoredChunk
 
@@ -20,7 +21,7 @@ SYSTEM_PROMPT = (
     "documents that support it by number in brackets, like [2]. If the documents do not "
     "contain the answer, say so."
 )
-ORDERS = ("score", "source")
+ORDERS = ("score", "source", "cache")
 
 
 class EmptyCollectionError(SnapKVRagError, LookupError):
@@ -117,7 +118,10 @@ class StuffingRetriever:
     (template, instructions, question). ``whole_collection`` always fills the context.
     ``top_k``: at most this many chunks; ``min_score``: drop chunks less similar (cosine);
     ``where``: a Chroma metadata filter (e.g. ``{"file": "/path/a.md"}``); ``order``:
-    ``"score"`` (best first) or ``"source"`` (file, then position); ``whole_collection``:
+    ``"score"`` (best first), ``"source"`` (file, then position) or ``"cache"`` (the same chunks
+    as score order, but those that opened a recent prompt first, in that prompt's order, so the
+    engine's prefix cache reuses their K/V: :mod:`.ordering`); ``orders``: the recent prompts'
+    orders that ``"cache"`` follows (default: one per engine, shared by its retrievers); ``whole_collection``:
     every chunk, in source order, or :class:`ContextBudgetError` when they do not fit.
     ``past_window``: an explicit ``context_tokens`` may exceed the model's window (the caller's
     policy reads the prompt with a rolling prefill, ``rolling=``).
@@ -137,6 +141,7 @@ class StuffingRetriever:
         whole_collection: bool = False,
         system_prompt: str = SYSTEM_PROMPT,
         past_window: bool = False,
+        orders: StuffedOrders | None = None,
     ):
         if order not in ORDERS:
             raise ContextBudgetError(f"order must be one of {ORDERS}, got {order!r}")
@@ -156,6 +161,7 @@ class StuffingRetriever:
         self.min_score = min_score
         self.where = where
         self.order = order
+        self.orders = orders if orders is not None else (orders_for(engine) if order == "cache" else None)
         self.whole_collection = whole_collection
         self.system_prompt = system_prompt
         # an explicit context_tokens may exceed the model's window: the prompt is read by a rolling prefill
@@ -259,8 +265,13 @@ class StuffingRetriever:
             )
         packed = [candidates[i] for i in packing.kept]
         costs = {candidates[i].id: c for i, c in packing.costs.items()}
+        reused_head = 0
         if self.order == "source" and not self.whole_collection:
             packed.sort(key=lambda c: (c.file, c.source, c.position))
+        elif self.order == "cache" and not self.whole_collection:
+            by_id = {c.id: c for c in packed}
+            ids, reused_head = reuse_order([c.id for c in packed], self.orders, self.system_prompt, lambda i: costs.get(i, 0))
+            packed = [by_id[i] for i in ids]
         messages, question_text = build_messages(question, packed, self.system_prompt)
         total = self.engine.count_tokens(messages)
         overhead = self.engine.count_tokens(build_messages(question, [], self.system_prompt)[0])
@@ -277,6 +288,9 @@ class StuffingRetriever:
                 f"a budget of {budget} document tokens holds none of the {len(candidates)} retrieved chunks "
                 f"(the smallest takes {smallest}); raise context_tokens to at least {smallest}"
             )
+        reused_head = min(reused_head, len(packed))
+        if self.orders is not None:
+            self.orders.record([c.id for c in packed], self.system_prompt)
         kept_ids = {c.id for c in packed}
         left = [c for c in candidates if c.id not in kept_ids]
         return StuffedContext(
@@ -291,6 +305,6 @@ class StuffingRetriever:
             left_out=len(left),
             left_out_tokens=sum(costs.get(c.id) or self._count("\n\n" + format_document(1, c)) for c in left),
             mode="whole_collection" if self.whole_collection else "retrieval",
-            settings={"order": self.order, "top_k": self.top_k, "min_score": self.min_score, "where": self.where},
+            settings={"order": self.order, "reused_head": reused_head, "top_k": self.top_k, "min_score": self.min_score, "where": self.where},
             duplicates=duplicates,
         )

@@ -1,0 +1,117 @@
+"""Score order against the reuse order ("cache") for questions asked one after another (issue 48).
+
+The questions of a corpus go, in their file order, through one DocumentQA whose engine keeps
+its prefix cache between questions (``kv_reuse="prefix"``, the embedded model's default). Each
+order starts from an empty prefix cache. Per question: prompt tokens, tokens whose K/V came
+from the prefix cache, prefill seconds, whether the answer holds the gold string, and whether
+the two orders wrote the same answer. Orders alternate question by question in two engines
+(one per order, same weights) so that a slow moment of the machine hits both alike.
+
+    .venv/bin/python eval/stuffing_order.py [--corpus sample|generated] [--dtype float32] [--tokens 1000]
+        [--compression default|none] [--out eval/results/stuffing_order/...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "eval"))
+
+from corpora import CORPORA, load_corpus  # noqa: E402
+from results_io import write_records, write_table  # noqa: E402
+
+from snapkv_rag import Engine  # noqa: E402
+from snapkv_rag.evaluation.rag_citation import answer_correct  # noqa: E402
+from snapkv_rag.rag import DocumentQA, DocumentStore  # noqa: E402
+
+ORDERS = ("score", "cache")
+
+
+def tokens_before_documents(engine: Engine, messages: list[dict]) -> int:
+    """Prompt tokens before the first stuffed document's text (instructions, "Documents:", its label)."""
+    text = engine.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    body = messages[-1]["content"]
+    first = body.split("\n\n", 2)[1].split("\n", 1)[0]  # "[1] title"
+    cut = text.index(first) + len(first)
+    return len(engine.tokenizer(text[:cut], add_special_tokens=False)["input_ids"])
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--corpus", choices=CORPORA, default="sample")
+    ap.add_argument("--questions", type=int, default=None)
+    ap.add_argument("--dtype", default=None, help="the engine's dtype (default: the host's)")
+    ap.add_argument("--tokens", type=int, default=1000, help="stuffed document tokens")
+    ap.add_argument("--compression", choices=("default", "none"), default="default", help="DocumentQA's default policy or the full cache")
+    ap.add_argument("--max-new-tokens", type=int, default=32)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    out = Path(args.out or ROOT / f"eval/results/stuffing_order/{args.corpus}_{args.dtype or 'default'}_{args.tokens}_{args.compression}")
+    records = []
+    with tempfile.TemporaryDirectory(prefix="snapkv-order-") as tmp:
+        folder, questions = load_corpus(args.corpus, Path(tmp), args.questions)
+        store = DocumentStore("stuffing-order", path=str(Path(tmp) / "store"))
+        store.ingest([folder])
+        extra = {} if args.compression == "default" else {"compression": None}
+        readers = {}
+        for order in ORDERS:
+            engine = Engine.default(dtype=args.dtype)
+            readers[order] = DocumentQA(engine, store, context_tokens=args.tokens, max_new_tokens=args.max_new_tokens, kv_reuse="prefix", order=order, **extra)
+        dtype = str(next(iter(readers.values())).engine.dtype)
+        for q in questions:
+            answers = {}
+            for order, qa in readers.items():
+                answer = qa.ask(q.question)
+                answers[order] = answer.text
+                stats, usage = answer.result.stats, answer.result.usage
+                records.append(
+                    {
+                        "corpus": args.corpus,
+                        "dtype": dtype,
+                        "tokens": args.tokens,
+                        "compression": args.compression,
+                        "order": order,
+                        "question": q.question,
+                        "prompt_tokens": usage.prompt_tokens,
+                        "reused_tokens": stats.reused_prompt_tokens,
+                        "tokens_before_documents": tokens_before_documents(qa.engine, answer.context.messages)
+                        if answer.context.chunks
+                        else usage.prompt_tokens,
+                        "reused_head_chunks": answer.context.settings["reused_head"],
+                        "chunks": len(answer.context.chunks),
+                        "chunk_ids": [c.id for c in answer.context.chunks],
+                        "prefill_seconds": stats.prefill_seconds,
+                        "answer": answer.text,
+                        "correct": answer_correct(answer.text, q.answer),
+                    }
+                )
+                print(json.dumps(records[-1]), flush=True)
+            for r in records[-len(readers) :]:
+                r["same_answer"] = len(set(answers.values())) == 1
+    write_records(out, records)
+    lines = [
+        "| order | questions | right | mean prompt tokens | mean reused tokens | questions reusing stuffed documents | median prefill s | total prefill s | same answer as score order |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for order in ORDERS:
+        rows = [r for r in records if r["order"] == order]
+        lines.append(
+            f"| {order} | {len(rows)} | {sum(r['correct'] for r in rows)} | {statistics.mean(r['prompt_tokens'] for r in rows):.0f} "
+            f"| {statistics.mean(r['reused_tokens'] for r in rows):.0f} | {sum(r['reused_tokens'] > r['tokens_before_documents'] + 1 for r in rows)} "
+            f"| {statistics.median(r['prefill_seconds'] for r in rows):.2f} | {sum(r['prefill_seconds'] for r in rows):.1f} "
+            f"| {sum(r['same_answer'] for r in rows)} |"
+        )
+    write_table(out, lines, f"{args.corpus} corpus, {args.tokens} stuffed tokens, {dtype}, compression {args.compression}")
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
