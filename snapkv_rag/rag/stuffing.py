@@ -268,7 +268,7 @@ class StuffingRetriever:
         reused_head = 0
         if self.order == "source" and not self.whole_collection:
             packed.sort(key=lambda c: (c.file, c.source, c.position))
-        elif self.order == "cache" and not self.whole_collection:
+        elif self.order == "cache" and self.orders is not None and not self.whole_collection:
             by_id = {c.id: c for c in packed}
             ids, reused_head = reuse_order([c.id for c in packed], self.orders, self.system_prompt, lambda i: costs.get(i, 0))
             packed = [by_id[i] for i in ids]

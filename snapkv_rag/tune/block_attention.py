@@ -22,7 +22,10 @@ def with_anchor_copies(ids: Sequence[int], spans: Sequence[tuple[int, int]]) -> 
     """``ids`` with a copy of ``ids[0]`` before each span: (new ids, their position ids, the
     spans' new token ranges, each span's anchor index). Original tokens keep their positions;
     a copy takes the position just before its span."""
-    out, positions, moved, anchors = [], [], [], []
+    out: list[int] = []
+    positions: list[int] = []
+    moved: list[tuple[int, int]] = []
+    anchors: list[int] = []
     previous_end = 0
     for start, end in sorted(spans):
         if start < 1 or end > len(ids) or start >= end or start < previous_end:
