@@ -82,7 +82,7 @@ def ship_adapter(source: str | Path, name: str = EMBEDDED_ADAPTER) -> Path:
         save_file({k: v.to(torch.float16).contiguous() for k, v in weights.items()}, str(staging / WEIGHTS_FILE))
         (staging / CONFIG_FILE).write_text(json.dumps(config, indent=1))
         manifest = read_manifest(source)
-        (staging / MANIFEST_FILE).write_text(json.dumps({**manifest, "gates": None, "shipped_from": str(Path(source).resolve())}, indent=1))
+        (staging / MANIFEST_FILE).write_text(json.dumps({**manifest, "gates": None, "shipped_from": str(source)}, indent=1))
         shutil.rmtree(target, ignore_errors=True)
         staging.rename(target)
     except PermissionError as exc:
