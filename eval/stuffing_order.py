@@ -8,7 +8,7 @@ the two orders wrote the same answer. Orders alternate question by question in t
 (one per order, same weights) so that a slow moment of the machine hits both alike.
 
     .venv/bin/python eval/stuffing_order.py [--corpus sample|generated] [--dtype float32] [--tokens 1000]
-        [--compression default|none] [--out eval/results/stuffing_order/...]
+        [--compression default|none] [--out eval/results/stuffing_order/...] [--table-only]
 """
 
 from __future__ import annotations
@@ -43,6 +43,25 @@ def tokens_before_documents(engine: Engine, messages: list[dict]) -> int:
     return len(engine.tokenizer(text[:cut], add_special_tokens=False)["input_ids"])
 
 
+def table(out: Path, records: list[dict]) -> None:
+    first = records[0]
+    lines = [
+        f"{first['corpus']} corpus, {first['tokens']} stuffed tokens, {first['dtype']}, compression {first['compression']}",
+        "",
+        "| order | questions | right | mean prompt tokens | mean reused tokens | questions reusing stuffed documents | median prefill s | total prefill s | same answer in both orders |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for order in ORDERS:
+        rows = [r for r in records if r["order"] == order]
+        lines.append(
+            f"| {order} | {len(rows)} | {sum(r['correct'] for r in rows)} | {statistics.mean(r['prompt_tokens'] for r in rows):.0f} "
+            f"| {statistics.mean(r['reused_tokens'] for r in rows):.0f} | {sum(r['reused_tokens'] > r['tokens_before_documents'] + 1 for r in rows)} "
+            f"| {statistics.median(r['prefill_seconds'] for r in rows):.2f} | {sum(r['prefill_seconds'] for r in rows):.1f} "
+            f"| {sum(r['same_answer'] for r in rows)} |"
+        )
+    write_table(out, lines)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--corpus", choices=CORPORA, default="sample")
@@ -52,8 +71,12 @@ def main() -> int:
     ap.add_argument("--compression", choices=("default", "none"), default="default", help="DocumentQA's default policy or the full cache")
     ap.add_argument("--max-new-tokens", type=int, default=32)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--table-only", action="store_true", help="rebuild the table from --out's records")
     args = ap.parse_args()
     out = Path(args.out or ROOT / f"eval/results/stuffing_order/{args.corpus}_{args.dtype or 'default'}_{args.tokens}_{args.compression}")
+    if args.table_only:
+        table(out, [json.loads(line) for line in (out / "records.jsonl").read_text().splitlines() if line.strip()])
+        return 0
     records = []
     with tempfile.TemporaryDirectory(prefix="snapkv-order-") as tmp:
         folder, questions = load_corpus(args.corpus, Path(tmp), args.questions)
@@ -64,7 +87,7 @@ def main() -> int:
         for order in ORDERS:
             engine = Engine.default(dtype=args.dtype)
             readers[order] = DocumentQA(engine, store, context_tokens=args.tokens, max_new_tokens=args.max_new_tokens, kv_reuse="prefix", order=order, **extra)
-        dtype = str(next(iter(readers.values())).engine.dtype)
+        dtype = next(iter(readers.values())).engine.info().dtype
         for q in questions:
             answers = {}
             for order, qa in readers.items():
@@ -96,20 +119,7 @@ def main() -> int:
             for r in records[-len(readers) :]:
                 r["same_answer"] = len(set(answers.values())) == 1
     write_records(out, records)
-    lines = [
-        "| order | questions | right | mean prompt tokens | mean reused tokens | questions reusing stuffed documents | median prefill s | total prefill s | same answer as score order |",
-        "|---|---|---|---|---|---|---|---|---|",
-    ]
-    for order in ORDERS:
-        rows = [r for r in records if r["order"] == order]
-        lines.append(
-            f"| {order} | {len(rows)} | {sum(r['correct'] for r in rows)} | {statistics.mean(r['prompt_tokens'] for r in rows):.0f} "
-            f"| {statistics.mean(r['reused_tokens'] for r in rows):.0f} | {sum(r['reused_tokens'] > r['tokens_before_documents'] + 1 for r in rows)} "
-            f"| {statistics.median(r['prefill_seconds'] for r in rows):.2f} | {sum(r['prefill_seconds'] for r in rows):.1f} "
-            f"| {sum(r['same_answer'] for r in rows)} |"
-        )
-    write_table(out, lines, f"{args.corpus} corpus, {args.tokens} stuffed tokens, {dtype}, compression {args.compression}")
-    print("\n".join(lines))
+    table(out, records)
     return 0
 
 

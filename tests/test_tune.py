@@ -18,7 +18,7 @@ from snapkv_rag.tune.block_attention import block_attention_mask, with_anchor_co
 from snapkv_rag.tune.dataset import build_examples, encode
 from snapkv_rag.tune.qa_data import QUESTIONS
 from snapkv_rag.tune.tool_data import ALIASES, FAMILIES, HELD_OUT_TOOLS, NO_TOOL
-from snapkv_rag.tune.world import HELD_OUT_DOMAINS
+from snapkv_rag.tune.world import DOMAIN_BY_KEY, HELD_OUT_DOMAINS
 
 CANONICAL = {alias: name for name, aliases in ALIASES.items() for alias in (name, *aliases)}
 
@@ -118,6 +118,26 @@ def test_qa_answers_cite_the_document_that_states_the_fact():
         for sentence, number in zip(re.split(r"(?<=\]\.) ", e.target), cited):
             name = blocks[number - 1].split("\n", 1)[0].split("] ", 1)[1]
             assert name in sentence  # the cited document is the asked entity's, not a look-alike's
+
+
+def test_described_questions_are_answered_inside_a_document_no_title_names():
+    """Recipe 3: a third of single questions describe the entity ("the brewery in Quarrow"); the
+    cited document is the one in that place, and an unanswerable one has no such document."""
+    described = [e for e in build_examples(2, 200, qa_share=1.0) if e.template.endswith(":described")]
+    assert {e.kind for e in described} == {"qa_one", "qa_none"}
+    for e in described:
+        asked = e.messages[-1]["content"].rsplit("Question: ", 1)[1]
+        noun = DOMAIN_BY_KEY[e.domain].noun
+        place = re.search(rf"the {noun} in ((?:[A-Z][a-z]+ ?)+)", asked).group(1).strip()
+        blocks = re.split(r"\n\n(?=\[\d+\] )", e.messages[-1]["content"].split("Documents:\n\n", 1)[1].rsplit("\n\nQuestion:", 1)[0])
+        titles = [b.split("\n", 1)[0].split("] ", 1)[1] for b in blocks]
+        assert not any(t in asked for t in titles)  # no title is named in the question
+        suffixes = DOMAIN_BY_KEY[e.domain].suffixes
+        there = [i + 1 for i, b in enumerate(blocks) if place in b and titles[i].endswith(suffixes)]
+        if e.kind == "qa_none":
+            assert not there and e.target.endswith(f"in {place}.")
+        else:
+            assert there == [int(re.search(r"\[(\d+)\]", e.target).group(1))]
 
 
 def test_encode_renders_as_the_engine_and_learns_only_the_answer(smollm_tok):
