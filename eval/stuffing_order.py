@@ -28,7 +28,7 @@ from corpora import CORPORA, load_corpus  # noqa: E402
 from results_io import write_records, write_table  # noqa: E402
 
 from snapkv_rag import Engine  # noqa: E402
-from snapkv_rag.evaluation.rag_citation import answer_correct  # noqa: E402
+from snapkv_rag.evaluation.rag_citation import answer_correct, is_gold_file  # noqa: E402
 from snapkv_rag.rag import DocumentQA, DocumentStore  # noqa: E402
 
 ORDERS = ("score", "cache")
@@ -43,18 +43,24 @@ def tokens_before_documents(engine: Engine, messages: list[dict]) -> int:
     return len(engine.tokenizer(text[:cut], add_special_tokens=False)["input_ids"])
 
 
+def first_gold(rows: list[dict]) -> str:
+    if any("gold_positions" not in r for r in rows):
+        return "-"
+    return f"{sum(r['gold_positions'][:1] == [1] for r in rows)} (stuffed: {sum(bool(r['gold_positions']) for r in rows)})"
+
+
 def table(out: Path, records: list[dict]) -> None:
     first = records[0]
     lines = [
         f"{first['corpus']} corpus, {first['tokens']} stuffed tokens, {first['dtype']}, compression {first['compression']}",
         "",
-        "| order | questions | right | mean prompt tokens | mean reused tokens | questions reusing stuffed documents | median prefill s | total prefill s | same answer in both orders |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| order | questions | right | gold document first | mean prompt tokens | mean reused tokens | questions reusing stuffed documents | median prefill s | total prefill s | same answer in both orders |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for order in ORDERS:
         rows = [r for r in records if r["order"] == order]
         lines.append(
-            f"| {order} | {len(rows)} | {sum(r['correct'] for r in rows)} | {statistics.mean(r['prompt_tokens'] for r in rows):.0f} "
+            f"| {order} | {len(rows)} | {sum(r['correct'] for r in rows)} | {first_gold(rows)} | {statistics.mean(r['prompt_tokens'] for r in rows):.0f} "
             f"| {statistics.mean(r['reused_tokens'] for r in rows):.0f} | {sum(r['reused_tokens'] > r['tokens_before_documents'] + 1 for r in rows)} "
             f"| {statistics.median(r['prefill_seconds'] for r in rows):.2f} | {sum(r['prefill_seconds'] for r in rows):.1f} "
             f"| {sum(r['same_answer'] for r in rows)} |"
@@ -110,6 +116,7 @@ def main() -> int:
                         "reused_head_chunks": answer.context.settings["reused_head"],
                         "chunks": len(answer.context.chunks),
                         "chunk_ids": [c.id for c in answer.context.chunks],
+                        "gold_positions": [i for i, c in enumerate(answer.context.chunks, start=1) if is_gold_file(c.file, q.gold)],
                         "prefill_seconds": stats.prefill_seconds,
                         "answer": answer.text,
                         "correct": answer_correct(answer.text, q.answer),
