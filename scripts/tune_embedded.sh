@@ -5,7 +5,8 @@
 # stopped early), and a finished run is not trained again.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-RUN=${RUN:-tune-runs/smollm2}
+# a run directory per data recipe: a checkpoint of another recipe is refused, not resumed
+RUN=${RUN:-tune-runs/smollm2-recipe3}
 SHIPPED=snapkv_rag/tune/shipped/smollm2-135m-instruct
 .venv/bin/snapkv-rag tune train --out "$RUN"
 .venv/bin/snapkv-rag tune ship "$RUN/adapter"
