@@ -118,13 +118,13 @@ def kv_bits_supported() -> str:
 
 def cmd_info(args) -> int:
     from .cli_common import chosen_adapter
-    from .model.loading import cpu_bf16_support
-    from .tune.shipped import adapter_note
+    from .model.loading import DEFAULT_MODEL, cpu_bf16_support
+    from .model.shipped_adapters import adapter_note
 
     info = load_engine(args).info()
     details = {**info.to_dict(), "cpu_native_bf16": cpu_bf16_support() or "no", "kv_bits": kv_bits_supported()}
     if info.adapter is None and not args.json:
-        details["adapter"] = adapter_note(args.model, chosen_adapter(args))
+        details["adapter"] = adapter_note(chosen_adapter(args), embedded=args.model == DEFAULT_MODEL)
     if args.json:
         print(json.dumps(details, indent=2))
     else:

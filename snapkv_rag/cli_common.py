@@ -25,12 +25,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
 def chosen_adapter(args: argparse.Namespace) -> str | None:
     """None (``--base-model``), ``"auto"``, or the ``--adapter`` directory as an absolute path
     (it may travel to another process: Ray replicas)."""
-    import os
+    from .model.shipped_adapters import adapter_option
 
-    if getattr(args, "base_model", False):
-        return None
-    adapter = getattr(args, "adapter", "auto")
-    return adapter if adapter in (None, "auto") else os.path.abspath(os.path.expanduser(adapter))
+    return adapter_option(getattr(args, "adapter", "auto"), base_model=getattr(args, "base_model", False))
 
 
 def load_engine(args: argparse.Namespace, **options):

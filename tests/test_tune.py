@@ -351,19 +351,19 @@ def test_a_damaged_or_mismatched_adapter_is_refused(trained_adapter, tmp_path):
 
 
 def test_auto_uses_the_shipped_adapter_only_where_every_gate_passed(tmp_path, monkeypatch):
-    from snapkv_rag.tune import shipped
+    from snapkv_rag.model import shipped_adapters as shipped
 
     monkeypatch.setattr(shipped, "SHIPPED_DIR", tmp_path)
     directory = tmp_path / shipped.EMBEDDED_ADAPTER
     directory.mkdir()
-    assert resolve_adapter("default", "auto") is None  # no manifest
+    assert resolve_adapter("auto", embedded=True) is None  # no manifest
     (directory / "manifest.json").write_text(json.dumps({"gates": {"a": {"passed": True}, "b": {"passed": False}}}))
-    assert resolve_adapter("default", "auto") is None
-    assert "missed its gates: b" in shipped.adapter_note("default", "auto")
+    assert resolve_adapter("auto", embedded=True) is None
+    assert "missed its gates: b" in shipped.adapter_note("auto", embedded=True)
     (directory / "manifest.json").write_text(json.dumps({"gates": {"a": {"passed": True}, "b": {"passed": True}}}))
-    assert resolve_adapter("default", "auto") == directory
-    assert resolve_adapter("some/model", "auto") is None and resolve_adapter("default", None) is None
-    assert resolve_adapter("default", str(tmp_path)) == tmp_path
+    assert resolve_adapter("auto", embedded=True) == directory
+    assert resolve_adapter("auto", embedded=False) is None and resolve_adapter(None, embedded=True) is None
+    assert resolve_adapter(str(tmp_path), embedded=True) == tmp_path
 
 
 # --------------------------------------------------------------------------- command line
@@ -427,7 +427,7 @@ def test_the_manifest_command_trains_the_same_run():
 def test_a_shipped_adapter_is_half_the_bytes_and_merges_to_the_same_logits(trained_adapter, tmp_path, monkeypatch):
     from transformers import AutoModelForCausalLM
 
-    from snapkv_rag.tune import shipped
+    from snapkv_rag.model import shipped_adapters as shipped
 
     monkeypatch.setattr(shipped, "SHIPPED_DIR", tmp_path)
     base_dir, adapter_dir = trained_adapter

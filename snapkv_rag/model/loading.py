@@ -243,8 +243,8 @@ def load_model_and_tokenizer(
     """Load ``(model, tokenizer, DeviceChoice)``; the model is in eval mode on its device.
 
     ``adapter``: a LoRA adapter directory merged into the weights before anything else touches
-    them (:func:`snapkv_rag.tune.merge_adapter`); ``"auto"``: the adapter shipped for the
-    embedded model when it passed its gates (:func:`snapkv_rag.tune.resolve_adapter`); None: none.
+    them (:func:`snapkv_rag.model.adapters.merge_adapter`); ``"auto"``: the adapter shipped for the
+    embedded model when it passed its gates (:func:`snapkv_rag.model.shipped_adapters.resolve_adapter`); None: none.
     The merged adapter's directory is recorded as ``model.snapkv_adapter``.
 
     ``weights``: ``"native"`` (the dtype's own; also None) or ``"int8"`` (weight-only int8 linear
@@ -268,9 +268,10 @@ def load_model_and_tokenizer(
         raise ModelNotFoundError(f"could not load model {name_or_path!r}: {exc}") from exc
     model.to(choice.device)  # type: ignore[arg-type]  # transformers' stubs type .to() for dtypes only
     model.eval()
-    from ..tune import merge_adapter, resolve_adapter
+    from .adapters import merge_adapter
+    from .shipped_adapters import resolve_adapter
 
-    adapter_dir = resolve_adapter(name_or_path, adapter)
+    adapter_dir = resolve_adapter(adapter, embedded=name_or_path == DEFAULT_MODEL)
     if adapter_dir is not None:
         merge_adapter(model, adapter_dir)
     setattr(model, "snapkv_adapter", str(adapter_dir) if adapter_dir is not None else None)  # noqa: B010  # a plain attribute on an nn.Module

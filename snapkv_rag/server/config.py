@@ -59,10 +59,11 @@ def load_served_engine(args: argparse.Namespace):
         import torch
 
         torch.set_num_threads(args.threads)
-    from ..cli_common import chosen_adapter
+    from ..model.shipped_adapters import AUTO, adapter_option
 
+    adapter = adapter_option(getattr(args, "adapter", AUTO), base_model=getattr(args, "base_model", False))
     engine = load_engine_quietly(
-        args.model, device=args.device, dtype=args.dtype, weights=args.weights, adapter=chosen_adapter(args), prefix_cache_bytes=args.prefix_cache_bytes
+        args.model, device=args.device, dtype=args.dtype, weights=args.weights, adapter=adapter, prefix_cache_bytes=args.prefix_cache_bytes
     )
     if args.max_batch_size is not None:
         engine.max_batch_size = args.max_batch_size

@@ -47,7 +47,7 @@ def add_tune_parser(sub) -> None:
 
 
 def cmd_ship(args: argparse.Namespace) -> int:
-    from .shipped import ship_adapter
+    from ..model.shipped_adapters import ship_adapter
 
     target = ship_adapter(args.adapter)
     print(f"shipped {args.adapter} as {target}; the engine loads it by default only once eval/tune_gates.py records that every gate passed")

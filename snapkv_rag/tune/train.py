@@ -32,8 +32,8 @@ from typing import Any
 import torch
 
 from ..errors import SnapKVRagError
+from ..model.adapters import CONFIG_FILE, MANIFEST_FILE, WEIGHTS_FILE, linear_module_names
 from .dataset import build_examples, encode, summarize, token_counter
-from .lora import CONFIG_FILE, MANIFEST_FILE, WEIGHTS_FILE, linear_module_names
 
 STATE_FILE = "state.json"
 OPTIMIZER_FILE = "optimizer.pt"

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .lora import AdapterError, read_manifest
+from .adapters import AdapterError, read_manifest
 
-SHIPPED_DIR = Path(__file__).parent / "shipped"
+SHIPPED_DIR = Path(__file__).parents[1] / "tune" / "shipped"  # package data, beside the tune command
 EMBEDDED_ADAPTER = "smollm2-135m-instruct"
 AUTO = "auto"
 
@@ -21,34 +21,40 @@ def shipped_adapter_dir(name: str = EMBEDDED_ADAPTER) -> Path:
     return SHIPPED_DIR / name
 
 
+def adapter_option(adapter: str | None, *, base_model: bool = False) -> str | None:
+    """What ``--adapter``/``--base-model`` ask for: None, ``"auto"``, or the directory as an
+    absolute path (it may travel to another process: Ray replicas)."""
+    import os
+
+    if base_model:
+        return None
+    return adapter if adapter in (None, AUTO) else os.path.abspath(os.path.expanduser(adapter))
+
+
 def gates_passed(manifest: dict) -> bool:
     gates = manifest.get("gates") or {}
     return bool(gates) and all(g.get("passed") is True for g in gates.values())
 
 
-def resolve_adapter(model_name: str, adapter: str | Path | None) -> Path | None:
-    """The adapter directory to merge into ``model_name``: ``"auto"`` picks the shipped one for
-    the embedded model when it passed its gates (None for other models), None means none, and
-    anything else is a directory given by the caller."""
-    from ..model.loading import DEFAULT_MODEL
-
+def resolve_adapter(adapter: str | Path | None, *, embedded: bool) -> Path | None:
+    """The adapter directory to merge: ``"auto"`` picks the shipped one for the ``embedded``
+    model when it passed its gates (None for other models), None means none, and anything else
+    is a directory given by the caller."""
     if adapter is None:
         return None
     if str(adapter) != AUTO:
         return Path(adapter).expanduser()
-    if model_name != DEFAULT_MODEL:
+    if not embedded:
         return None
     directory = shipped_adapter_dir()
     return directory if gates_passed(read_manifest(directory)) else None
 
 
-def adapter_note(model_name: str, adapter: str | Path | None) -> str:
+def adapter_note(adapter: str | Path | None, *, embedded: bool) -> str:
     """Why a model loaded without an adapter, in words (``snapkv-rag info``)."""
-    from ..model.loading import DEFAULT_MODEL
-
     if adapter is None:
         return "none (--base-model)"
-    if model_name != DEFAULT_MODEL:
+    if not embedded:
         return "none"
     manifest = read_manifest(shipped_adapter_dir())
     if not manifest:
@@ -71,7 +77,7 @@ def ship_adapter(source: str | Path, name: str = EMBEDDED_ADAPTER) -> Path:
     import torch
     from safetensors.torch import save_file
 
-    from .lora import CONFIG_FILE, MANIFEST_FILE, WEIGHTS_FILE, read_adapter
+    from .adapters import CONFIG_FILE, MANIFEST_FILE, WEIGHTS_FILE, read_adapter
 
     config, weights = read_adapter(source)
     target = shipped_adapter_dir(name)
