@@ -13,6 +13,7 @@ Parts (``--part``):
   whole-prompt SnapKV and of rolled SnapKV against the full cache, and between the two.
 
     .venv/bin/python eval/rolling_prefill.py --part needle --lengths 4096,8192,16384,32768 --out eval/results/rolling_prefill/needle
+    .venv/bin/python eval/rolling_prefill.py --part needle --lengths 8192,16384,32768 --settings 512x1024,2048x1024,1024x512,1024x2048 --no-whole --resume --out eval/results/rolling_prefill/needle_grid
     .venv/bin/python eval/rolling_prefill.py --part memory --lengths 4096,8192,16384,32768 --out eval/results/rolling_prefill/memory
     .venv/bin/python eval/rolling_prefill.py --part tiny --out eval/results/rolling_prefill/tiny
 """
@@ -37,20 +38,31 @@ from snapkv_rag.evaluation.metrics import needle_exact_match, next_token_kl  # n
 from snapkv_rag.evaluation.needle import build_needle_case  # noqa: E402
 
 
+def needle_settings(args) -> list[tuple[int, int]]:
+    """(budget, chunk) pairs: ``--settings 512x1024,...`` as given, else every budget with every chunk."""
+    if args.settings:
+        return [(int(b), int(c)) for b, c in (s.split("x") for s in args.settings.split(","))]
+    return [(int(b), int(c)) for b in args.budgets.split(",") for c in args.chunks.split(",")]
+
+
 def needle_part(args) -> None:
     engine = Engine.default()
     lengths = [int(x) for x in args.lengths.split(",")]
     depths = [float(x) for x in args.depths.split(",")]
-    records = []
+    settings = needle_settings(args)
+    records = read_records(args.out) if args.resume else []
+    done = {(r["length"], r["spec"], r["depth"]) for r in records}
     for length in lengths:
         specs = []
-        for budget in (int(b) for b in args.budgets.split(",")):
-            base = f"snapkv:budget={budget},window=question"
-            if length + 32 <= engine.context_length:
+        for budget, chunk in settings:
+            base = f"snapkv:budget={budget},window=question" + (f",{args.options}" if args.options else "")
+            if args.whole and length + 32 <= engine.context_length and base not in specs:
                 specs.append(base)  # a whole prefill, where it fits
-            specs += [f"{base},rolling={chunk}" for chunk in (int(c) for c in args.chunks.split(","))]
+            specs.append(f"{base},rolling={chunk}")
         for spec in specs:
             for depth in depths:
+                if (length, spec, depth) in done:
+                    continue
                 case = build_needle_case(engine.tokenizer, length, depth, seed=int(depth * 100) + length)
                 start = time.perf_counter()
                 result = engine.generate(case.prompt, compression=spec, max_new_tokens=12)
@@ -78,12 +90,16 @@ def needle_part(args) -> None:
                     flush=True,
                 )
                 write_records(args.out, records)
+    write_table(args.out, needle_table(records) + [""] + needle_grid(records))
+
+
+def needle_table(records: list[dict]) -> list[str]:
     lines = [
         "| prompt tokens | compression | needle hits | prefill s (mean) | peak RSS GiB (max) | chunks | peak K/V entries per layer | highest position |",
         "|---|---|---|---|---|---|---|---|",
     ]
     groups: dict[tuple[int, str], list[dict]] = {}
-    for r in records:
+    for r in sorted(records, key=lambda r: r["length"]):
         groups.setdefault((r["length"], r["spec"]), []).append(r)
     for (_length, spec), rows in groups.items():
         hits = sum(r["hit"] for r in rows)
@@ -91,7 +107,38 @@ def needle_part(args) -> None:
             f"| {rows[0]['prompt_tokens']:,} | `{spec}` | {hits}/{len(rows)} | {sum(r['prefill_seconds'] for r in rows) / len(rows):.1f} | "
             f"{max(r['peak_rss_bytes'] for r in rows) / 2**30:.2f} | {rows[0]['rolled_chunks']} | {rows[0]['peak_entries']:,} | {rows[0]['max_position']:,} |"
         )
-    write_table(args.out, lines)
+    return lines
+
+
+def needle_grid(records: list[dict]) -> list[str]:
+    """Hits per prompt length (rows) and rolled setting (columns: the spec's options but the question
+    window, which every row has); a blank: not run."""
+    rolled = [r for r in records if "rolling=" in r["spec"]]
+    settings = sorted({spec_setting(r["spec"]) for r in rolled}, key=lambda s: (len(s), s))
+    lengths = sorted({r["length"] for r in rolled})
+    lines = [
+        "| prompt tokens | " + " | ".join(f"`{setting}`" for setting in settings) + " |",
+        "|---|" + "---|" * len(settings),
+    ]
+    for length in lengths:
+        cells = []
+        for setting in settings:
+            rows = [r for r in rolled if r["length"] == length and spec_setting(r["spec"]) == setting]
+            cells.append(f"{sum(r['hit'] for r in rows)}/{len(rows)}" if rows else "")
+        tokens = next(r["prompt_tokens"] for r in rolled if r["length"] == length)
+        lines.append(f"| {tokens:,} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def spec_setting(spec: str) -> str:
+    return ",".join(part for part in spec.split(":", 1)[1].split(",") if part != "window=question")
+
+
+def read_records(out: Path) -> list[dict]:
+    import json
+
+    path = out / "records.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
 
 
 def one_part(args) -> None:
@@ -223,6 +270,10 @@ def main() -> None:
     p.add_argument("--depths", default="0.1,0.3,0.5,0.7,0.9")
     p.add_argument("--budgets", default="1024")
     p.add_argument("--chunks", default="1024")
+    p.add_argument("--settings", default="", help="--part needle: budgetxchunk pairs (512x1024,1024x2048), instead of every budget with every chunk")
+    p.add_argument("--options", default="", help="--part needle: more policy options for every spec (chunk=8)")
+    p.add_argument("--whole", action=argparse.BooleanOptionalAction, default=True, help="--part needle: also a whole prefill where the prompt fits")
+    p.add_argument("--resume", action="store_true", help="--part needle: keep --out's records and run only what they lack")
     p.add_argument("--tiny-words", default="1000,3000")
     p.add_argument("--tiny-prompts", type=int, default=3)
     p.add_argument("--out", type=Path, required=True)

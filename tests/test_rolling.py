@@ -7,7 +7,7 @@ import threading
 
 import pytest
 import torch
-from conftest import tiny_engine, tiny_model
+from conftest import gemma3_engine, tiny_engine, tiny_model
 
 from snapkv_rag.compression import H2O, RandomKeep, SnapKV, StreamingLLM, parse_compression
 from snapkv_rag.engine.generation import DecodeRun
@@ -16,7 +16,7 @@ from snapkv_rag.engine.prompts import render_prompt
 from snapkv_rag.engine.rolling import pack_positions, rolling_plan
 from snapkv_rag.engine.sampling import GenerationParams
 from snapkv_rag.errors import InvalidCompressionError, PromptTooLongError
-from snapkv_rag.reuse.blending import RopeShift, layer_kv
+from snapkv_rag.reuse.blending import RopeShift, layer_kv, model_rope_shift
 
 WORDS = "alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike november oscar papa".split()
 
@@ -199,13 +199,75 @@ def test_the_spec_round_trips_with_rolling():
     assert "rolling" not in SnapKV().spec()
 
 
-def test_sliding_window_models_are_refused_with_rolling(tokenizer):
+@pytest.fixture(scope="module")
+def gemma3(tokenizer):
+    """A tiny Gemma 3 (a sliding-window layer with its own rotary frequencies, then a full one)
+    whose sliding window (48) spans more than one rolled chunk of 32."""
+    return gemma3_engine(tokenizer, sliding_window=48, context=512)
+
+
+@pytest.mark.parametrize("window", ["8", "question"])
+def test_a_sliding_window_model_rolls_to_the_whole_prefill_when_nothing_is_evicted(gemma3, window):
+    """The sliding layer drops each chunk's appended window, keeps the text's last W - 1 entries and
+    its count of tokens seen follows the packed positions, so with nothing cut the last logits are
+    the whole prefill's (fp32), with the sliding mask reaching back across chunks."""
+    prompt = long_text(60) + "\nWhich word comes first?"
+    full, _ = prefill_logits(gemma3, prompt, None)
+    rolled, run = prefill_logits(gemma3, prompt, parse_compression(f"snapkv:budget=400,window={window},rolling=32"))
+    assert run.rolling is not None and run.rolling.chunks > 3
+    torch.testing.assert_close(rolled, full, atol=1e-4, rtol=1e-4)
+    sliding = run.cache.layers[0]
+    assert sliding.keys.shape[2] == 47 and not sliding.record_past
+    assert sliding.cumulative_length == gemma3.count_tokens(prompt)
+
+
+def test_a_sliding_layers_moved_window_holds_the_keys_computed_at_the_packed_positions(gemma3):
+    """Cut and packed, the sliding layer's last W - 1 entries sit right before the next chunk:
+    its layer-0 keys equal those of the same tokens computed at the packed positions (with the
+    sliding layers' own rotary base, not the global one)."""
+    from snapkv_rag.engine.rolling import SlidingWindows
+
+    model = gemma3.model
+    ids = torch.randint(10, 300, (1, 80))
+    keys, values = layer_kv(model, ids, torch.arange(80)[None], layers=1)  # layer 0 slides: it keeps tokens 33..79
+
+    class Layer:
+        sliding_window = 48
+
+    layer = Layer()
+    layer.keys, layer.values = keys[0], values[0]
+    windows = SlidingWindows(type("Cache", (), {"layers": [layer]})(), [0])
+    windows.move(boundary=76, packed=60, window=4, shift=model_rope_shift(model, sliding=True))  # 76 text tokens, then 4 of a window
+    assert layer.cumulative_length == 60 and layer.keys.shape[2] == 43  # tokens 33..75, now at 17..59
+    expected, _ = layer_kv(model, ids[:, 33:76], torch.arange(17, 60)[None], layers=1)
+    torch.testing.assert_close(layer.keys, expected[0], atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("budget", [64, 24])  # 24: less than the sliding window, which then keeps only the budget
+def test_a_sliding_window_model_reads_past_its_window_within_the_bound(tokenizer, budget):
+    engine = gemma3_engine(tokenizer, sliding_window=48, context=256)
+    prompt = long_text(600, seed=3) + "\nWhat is the first word?"
+    n = engine.count_tokens(prompt)
+    assert n > 3 * engine.context_length
+    seen, handle = record_positions(engine.model)
+    try:
+        result = engine.generate(prompt, compression=f"snapkv:budget={budget},window=question,max_window=16,rolling=64", max_new_tokens=6, ignore_eos=True)
+    finally:
+        handle.remove()
+    stats = result.stats.policy_stats
+    assert stats["rolling_peak_entries"] <= budget + 64 + 16
+    assert max(seen) <= budget + 64 + 16 + 6
+    assert result.usage.prompt_tokens == n and result.usage.completion_tokens == 6
+
+
+def test_a_model_whose_every_layer_slides_is_refused_with_rolling(tokenizer):
     from snapkv_rag import Engine
 
     model = tiny_model("gemma", len(tokenizer))
-    model.config.layer_types = ["sliding_attention", "full_attention"]
-    engine = Engine(model, tokenizer, name="tiny-sliding")
-    with pytest.raises(InvalidCompressionError, match="sliding"):
+    model.config.layer_types = ["sliding_attention", "sliding_attention"]
+    model.config.sliding_window = 32
+    engine = Engine(model, tokenizer, name="tiny-all-sliding")
+    with pytest.raises(InvalidCompressionError, match="every layer"):
         engine.generate(long_text(300), compression="snapkv:budget=48,rolling=64", max_new_tokens=2)
 
 

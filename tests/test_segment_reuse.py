@@ -24,6 +24,7 @@ from snapkv_rag.reuse.blending import (
     SegmentReuseUnsupported,
     compute_segment,
     layer_kv,
+    model_rope_shift,
     segment_token_spans,
 )
 from snapkv_rag.reuse.segment_store import SegmentKV, SegmentKVStore
@@ -128,7 +129,8 @@ def test_models_that_cannot_move_keys_are_refused(tok):
         RopeShift(gpt2)
     engine = gemma3_engine(tok, sliding_window=16)
     with pytest.raises(SegmentReuseUnsupported, match="sliding"):
-        RopeShift(engine.model)
+        model_rope_shift(engine.model)
+    assert model_rope_shift(engine.model, sliding=True).layer_types == ["sliding_attention", "full_attention"]  # a rolling prefill moves them
     result = engine.generate(prompt_for([0, 1, 2]), max_new_tokens=2, reuse_segments=DOCS)
     assert result.stats.segment_reuse.startswith("refused: sliding") and result.stats.reused_prompt_tokens == 0
 

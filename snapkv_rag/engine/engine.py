@@ -218,9 +218,10 @@ class Engine:
             self._signature = model_signature(self.model, self.name)
         return self._signature
 
-    def rope_shift(self) -> RopeShift:
-        """The check-once rotation that moves stored keys; raises :class:`SegmentReuseUnsupported`."""
-        return model_rope_shift(self.model, self.run_on_model)
+    def rope_shift(self, *, sliding: bool = False) -> RopeShift:
+        """The check-once rotation that moves stored keys; raises :class:`SegmentReuseUnsupported`
+        (``sliding``: also on a model with sliding-window layers, for a rolling prefill)."""
+        return model_rope_shift(self.model, self.run_on_model, sliding=sliding)
 
     def _prefill_chunk(self, rows: list[list[int]]) -> int | None:
         """Chunk size for a prefill starting now: chunked while others decode (their next tokens then

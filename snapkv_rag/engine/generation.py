@@ -378,7 +378,7 @@ class DecodeRun:
         policy = self._row_policy(0)
         assert policy is not None
         start, seconds = time.perf_counter(), 0.0
-        steps = rolling_prefill(self, policy, plan, model_rope_shift(self.model))
+        steps = rolling_prefill(self, policy, plan, model_rope_shift(self.model, sliding=True))
         while True:
             try:
                 next(steps)

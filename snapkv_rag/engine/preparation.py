@@ -50,16 +50,16 @@ class EngineLike(Protocol):
     @property
     def signature(self) -> str: ...
 
-    def rope_shift(self) -> RopeShift: ...
+    def rope_shift(self, *, sliding: bool = False) -> RopeShift: ...
 
 
 def check_rolls(engine: EngineLike) -> None:
-    """What a rolling prefill needs of the model: no sliding-window layers, and a rotary
-    embedding that moves kept keys (:class:`~snapkv_rag.reuse.blending.RopeShift`)."""
-    if any(sliding_layers(engine.model.config)):
-        raise InvalidCompressionError("rolling= does not support models with sliding-window layers yet (Gemma 2/3, Mistral's sliding configs)")
+    """What a rolling prefill needs of the model: a layer the policy compresses (not every layer a
+    sliding window's), and a rotary embedding that moves kept keys (:class:`~snapkv_rag.reuse.blending.RopeShift`)."""
+    if all(sliding_layers(engine.model.config)):
+        raise InvalidCompressionError("rolling= needs full-attention layers to compress, and every layer of this model keeps a sliding window")
     try:
-        engine.rope_shift()
+        engine.rope_shift(sliding=True)
     except SegmentReuseUnsupported as exc:
         raise InvalidCompressionError(f"rolling= moves kept keys with the model's rotary embedding, and here it cannot: {exc}") from None
 

@@ -18,6 +18,14 @@ prompt past the model's window cannot run at all. A rolling one never holds more
    generation continues right after it. With a prompt that fits in one chunk nothing rolls:
    the prefill is today's whole one.
 
+Sliding-window layers (Gemma 2/3) are not cut by the policy; they keep the last ``W - 1``
+entries of the text as they always do, and move with the rest: after a chunk, the window's
+appended entries are dropped, the chunk's last ``min(W - 1, k)`` entries are rotated (with the
+layer's own rotary frequencies) to the positions ``k - m..k - 1`` right before the next chunk,
+and the layer's count of tokens seen becomes ``k``, so the model's sliding mask lines up with the
+packed positions. A sliding layer's next chunk thus sees the text just before it at the same
+distances as in a whole prefill; with ``budget < W - 1`` it sees only the last ``budget`` tokens.
+
 What a rolled prompt's first tokens see: each token attends to the entries kept from before its
 chunk (at most ``budget``, moved to the first positions) and to its chunk up to itself; a token
 of the first chunk sees the whole of what came before it, as in a whole prefill.
@@ -84,7 +92,7 @@ def pack_positions(cache, kept: dict[int, torch.Tensor], shift) -> int:
         target = torch.arange(k, device=indices.device)
         offsets = target - indices  # <= 0: every kept entry moves earlier or stays
         if bool((offsets != 0).any()):
-            layer.keys = shift.each(layer.keys, offsets)
+            layer.keys = shift.each(layer.keys, offsets, layer_idx)
         width = max(width, k)
     return width
 
@@ -101,6 +109,7 @@ def rolling_prefill(run, policy: CompressionPolicy, plan: RollingPlan, shift) ->
     w = window_ids.shape[1]
     scoring = policy.with_budget(plan.budget + w) if w else policy
     held = 0  # entries per layer in the cache before this chunk (packed at 0..held-1)
+    windows = SlidingWindows(run.cache, [i for i, slides in enumerate(run.sliding) if slides])
     for i, (a, b) in enumerate(plan.chunks):
         last = i == len(plan.chunks) - 1
         tokens = ids[:, a:b] if last else torch.cat([ids[:, a:b], window_ids], dim=1)
@@ -112,12 +121,15 @@ def rolling_prefill(run, policy: CompressionPolicy, plan: RollingPlan, shift) ->
         with compressing(session, record=False):  # kept indices here are chunk positions, not the prompt's
             run._forward(tokens, None, positions)
         if last:
+            windows.finish()
             run._last_position = positions[:, -1:]
             return run.last_logits
         kept = {layer: indices for layer, indices in session.kept_indices.items() if isinstance(indices, torch.Tensor)}
         if w:
             drop_window(run.cache, kept, held + (b - a))
-        held = pack_positions(run.cache, kept, shift)
+        packed = pack_positions(run.cache, kept, shift)
+        windows.move(held + (b - a), packed, w, shift)
+        held = packed
         yield
     raise AssertionError("a rolling plan has at least one chunk")
 
@@ -133,3 +145,33 @@ def drop_window(cache, kept: dict[int, torch.Tensor], boundary: int) -> None:
         layer = cache.layers[layer_idx]
         layer.keys, layer.values = layer.keys[:, :, :k], layer.values[:, :, :k]
         kept[layer_idx] = indices[..., :k]
+
+
+class SlidingWindows:
+    """The sliding-window layers of a rolled prefill's cache (see the module's docstring).
+
+    While rolling they keep every entry a chunk adds (transformers' ``record_past``), so the
+    window's appended entries can be dropped before the layer is cut back to its window."""
+
+    def __init__(self, cache, layers: list[int]):
+        self.layers = [cache.layers[i] for i in layers]
+        self.indices = layers
+        for layer in self.layers:
+            layer.record_past = True
+
+    def move(self, boundary: int, packed: int, window: int, shift) -> None:
+        """After a chunk whose text ends before position ``boundary`` (``window`` entries of the
+        appended window after it): keep the last ``min(W - 1, packed)`` entries of the text, moved
+        to end at ``packed``, where the next chunk starts."""
+        for layer_idx, layer in zip(self.indices, self.layers):
+            end = layer.keys.shape[2] - window
+            keep = min(layer.sliding_window - 1, packed, end)
+            layer.keys = shift(layer.keys[:, :, end - keep : end], packed - boundary, layer_idx)
+            layer.values = layer.values[:, :, end - keep : end]
+            layer.cumulative_length = packed
+
+    def finish(self) -> None:
+        """After the last chunk: back to a plain sliding window for decoding."""
+        for layer in self.layers:
+            layer.keys, layer.values = layer.keys[:, :, -layer.sliding_window + 1 :], layer.values[:, :, -layer.sliding_window + 1 :]
+            layer.record_past = False

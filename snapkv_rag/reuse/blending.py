@@ -14,8 +14,10 @@ segment's new start ``p``. The rotation comes from the model's own rotary module
 (its inverse frequencies, scaling and partial rotary dims), never from per-family code, and
 is checked once per model: layer-0 keys (which depend only on the token and its position)
 computed at an offset must equal the shifted ones. A model without RoPE, with
-position-dependent scaling (dynamic NTK, LongRoPE) or with sliding-window layers (their own
-rotary and a cache that keeps only a window) is refused; its prompts are prefilled whole.
+position-dependent scaling (dynamic NTK, LongRoPE) is refused, and so, for segments, is one with
+sliding-window layers (a cache that keeps only a window); their prompts are prefilled whole. A
+model whose layer types have their own rotary frequencies (Gemma 3's local and global layers)
+moves each layer's keys with its own.
 
 Which reused tokens are recomputed (:func:`recompute_positions`), as CacheBlend does: run the
 first layers over the whole prompt, measure on the probe layer how far each reused token's
@@ -87,40 +89,45 @@ def _decoder(model):
 class RopeShift:
     """Rotate stored keys by a position offset with the model's own rotary embedding."""
 
-    def __init__(self, model):
-        from ..compression.runtime import sliding_layers
-
-        if any(sliding_layers(model.config)):
-            raise SegmentReuseUnsupported("sliding-window layers keep only a window of the prompt")
+    def __init__(self, model) -> None:
         decoder = _decoder(model)
         rotary = getattr(decoder, "rotary_emb", None)
-        if rotary is None or not hasattr(rotary, "inv_freq"):
+        config = model.config.get_text_config(decoder=True)
+        # Gemma 3 has one rotary module with inverse frequencies per layer type (local and global)
+        self.layer_types: list[str] | None = list(config.layer_types) if rotary is not None and _takes_layer_type(rotary) else None
+        kinds = sorted(set(self.layer_types)) if self.layer_types else [None]
+        if rotary is None or not all(hasattr(rotary, f"{kind}_inv_freq" if kind else "inv_freq") for kind in kinds):
             raise SegmentReuseUnsupported("the model has no rotary position embedding to move stored keys with")
-        if getattr(rotary, "rope_type", "default") in _REFUSED_ROPE_TYPES:
-            raise SegmentReuseUnsupported(f"rope type {rotary.rope_type!r} depends on the sequence length")
+        rope_types = getattr(rotary, "rope_type", "default")
+        if any(t in _REFUSED_ROPE_TYPES for t in (rope_types.values() if isinstance(rope_types, dict) else [rope_types])):
+            raise SegmentReuseUnsupported(f"rope type {rope_types!r} depends on the sequence length")
         self.rotary = rotary
-        self.scaling = float(getattr(rotary, "attention_scaling", 1.0) or 1.0)
+        self.scaling = {kind: float(getattr(rotary, f"{kind}_attention_scaling" if kind else "attention_scaling", 1.0) or 1.0) for kind in kinds}
         self.dtype = model.dtype
         self.device = next(model.parameters()).device
         self._check(model)
 
-    def __call__(self, keys: torch.Tensor, offset: int) -> torch.Tensor:
-        """``keys [..., m, head_dim]`` moved ``offset`` positions later (earlier when negative)."""
+    def kind(self, layer_idx: int) -> str | None:
+        """Layer ``layer_idx``'s rotary kind (None: one rotary for every layer)."""
+        return self.layer_types[layer_idx] if self.layer_types else None
+
+    def __call__(self, keys: torch.Tensor, offset: int, layer_idx: int = 0) -> torch.Tensor:
+        """Layer ``layer_idx``'s ``keys [..., m, head_dim]`` moved ``offset`` positions later (earlier when negative)."""
         if offset == 0:
             return keys
-        cos, sin = self._angles(torch.tensor([offset], device=keys.device))
+        cos, sin = self._angles(torch.tensor([offset], device=keys.device), self.kind(layer_idx))
         return self._rotate(keys, cos[0], sin[0])
 
-    def each(self, keys: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-        """``keys [..., m, head_dim]``, each entry moved by its own offset (``offsets``: ``keys.shape[:-1]``)."""
-        cos, sin = self._angles(offsets.reshape(-1).to(keys.device))
+    def each(self, keys: torch.Tensor, offsets: torch.Tensor, layer_idx: int = 0) -> torch.Tensor:
+        """Layer ``layer_idx``'s ``keys [..., m, head_dim]``, each entry moved by its own offset (``offsets``: ``keys.shape[:-1]``)."""
+        cos, sin = self._angles(offsets.reshape(-1).to(keys.device), self.kind(layer_idx))
         return self._rotate(keys, cos.reshape(*offsets.shape, -1), sin.reshape(*offsets.shape, -1))
 
-    def _angles(self, offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin ``[len(offsets), rotary_dim]`` of the model's rotary embedding at ``offsets``."""
+    def _angles(self, offsets: torch.Tensor, kind: str | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin ``[len(offsets), rotary_dim]`` of the model's rotary embedding (of layer type ``kind``) at ``offsets``."""
         probe = torch.zeros(1, 1, 1, dtype=torch.float32, device=offsets.device)
-        cos, sin = self.rotary(probe, position_ids=offsets[None])
-        return cos[0] / self.scaling, sin[0] / self.scaling
+        cos, sin = self.rotary(probe, offsets[None], kind) if kind else self.rotary(probe, position_ids=offsets[None])
+        return cos[0] / self.scaling[kind], sin[0] / self.scaling[kind]
 
     @staticmethod
     def _rotate(keys: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -137,7 +144,7 @@ class RopeShift:
         ids = torch.arange(3, 3 + 8, device=self.device).remainder(vocab)[None]
         at_zero = layer_kv(model, ids, torch.arange(8, device=self.device)[None], layers=1)[0][0]
         at_offset = layer_kv(model, ids, torch.arange(_OFFSET_CHECK, _OFFSET_CHECK + 8, device=self.device)[None], layers=1)[0][0]
-        moved = self(at_zero, _OFFSET_CHECK).float()
+        moved = self(at_zero, _OFFSET_CHECK, layer_idx=0).float()
         tolerance = (1e-3 if self.dtype == torch.float32 else 3e-2) * float(at_offset.float().abs().max()) + 1e-5
         if float((moved - at_offset.float()).abs().max()) > tolerance:
             raise SegmentReuseUnsupported("shifted layer-0 keys differ from keys computed at the offset (not a rotate-half RoPE)")
@@ -147,10 +154,16 @@ _SHIFTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _SHIFTS_LOCK = threading.Lock()
 
 
-def model_rope_shift(model, run: Callable[[Callable[[], RopeShift]], RopeShift] | None = None) -> RopeShift:
+def model_rope_shift(model, run: Callable[[Callable[[], RopeShift]], RopeShift] | None = None, *, sliding: bool = False) -> RopeShift:
     """The model's :class:`RopeShift`, built (and checked) once; raises :class:`SegmentReuseUnsupported`.
 
-    ``run``: where the check's forward runs the first time (the engine's model worker); default here."""
+    ``run``: where the check's forward runs the first time (the engine's model worker); default here.
+    ``sliding``: also for a model with sliding-window layers (a rolling prefill moves their window
+    along; stored segments and prefixes cannot be placed in a cache that keeps only a window)."""
+    from ..compression.runtime import sliding_layers
+
+    if not sliding and any(sliding_layers(model.config)):
+        raise SegmentReuseUnsupported("sliding-window layers keep only a window of the prompt")
     with _SHIFTS_LOCK:
         shift = _SHIFTS.get(model)
     if shift is None:
@@ -163,6 +176,12 @@ def model_rope_shift(model, run: Callable[[Callable[[], RopeShift]], RopeShift] 
     if isinstance(shift, SegmentReuseUnsupported):
         raise shift
     return shift
+
+
+def _takes_layer_type(rotary) -> bool:
+    import inspect
+
+    return "layer_type" in inspect.signature(rotary.forward).parameters
 
 
 class _ProbeDone(Exception):
