@@ -8,6 +8,9 @@ greedy, the engine's default dtype. Accuracy = the gold answer string appears in
 runs there, read by a rolling prefill (issue 46); the full cache cannot take it.
 
     .venv/bin/python eval/stuffing_accuracy.py [--out eval/results/stuffing_accuracy] [--questions N] [--sizes 1K 2K 4K fill]
+    .venv/bin/python eval/stuffing_accuracy.py --sizes 16K --compression snapkv:budget=512,window=question --out eval/results/stuffing_accuracy_rolled_512
+
+``--compression`` replaces the default policy (the full cache still runs where it fits).
 """
 
 from __future__ import annotations
@@ -31,7 +34,6 @@ from snapkv_rag.rag.qa import DEFAULT_COMPRESSION  # noqa: E402
 
 SIZES = {"1K": 1000, "2K": 2000, "4K": 4000, "fill": None, "16K": 16000}
 PAST_WINDOW = {"16K"}  # sizes over the embedded model's 8K window: rolled, the default policy only
-METHODS = {"full": None, "snapkv 1024 (default)": DEFAULT_COMPRESSION}
 
 
 def main() -> int:
@@ -39,7 +41,10 @@ def main() -> int:
     ap.add_argument("--out", default=str(ROOT / "eval/results/stuffing_accuracy"))
     ap.add_argument("--questions", type=int, default=None)
     ap.add_argument("--sizes", nargs="*", choices=list(SIZES), default=[s for s in SIZES if s not in PAST_WINDOW])
+    ap.add_argument("--compression", default=DEFAULT_COMPRESSION, help="the compressed policy (default: DocumentQA's)")
     args = ap.parse_args()
+    compressed = "snapkv 1024 (default)" if args.compression == DEFAULT_COMPRESSION else args.compression
+    methods_all = {"full": None, compressed: args.compression}
     sizes = {k: v for k, v in SIZES.items() if k in args.sizes}
     out = Path(args.out)
     questions = load_questions(ROOT / "examples/sample_questions.jsonl", args.questions)
@@ -50,8 +55,8 @@ def main() -> int:
         store.ingest([ROOT / "examples/sample_corpus"])
         for size, tokens in sizes.items():
             rolled = size in PAST_WINDOW
-            qa = DocumentQA(engine, store, compression=DEFAULT_COMPRESSION if rolled else None, context_tokens=tokens, max_new_tokens=32, kv_reuse="prefix")
-            methods = {k: v for k, v in METHODS.items() if v is not None} if rolled else METHODS
+            qa = DocumentQA(engine, store, compression=args.compression if rolled else None, context_tokens=tokens, max_new_tokens=32, kv_reuse="prefix")
+            methods = {k: v for k, v in methods_all.items() if v is not None} if rolled else methods_all
             for q in questions:
                 context = qa.retrieve(q.question)
                 gold_in = any(is_gold_file(c.file, q.gold) for c in context.chunks)
@@ -73,15 +78,16 @@ def main() -> int:
                     )
                     print(json.dumps(records[-1]), flush=True)
     write_records(out, records)
-    lines = ["| stuffed | median prompt tokens | gold file stuffed | full cache accuracy | SnapKV 1024 (default) accuracy |", "|---|---|---|---|---|"]
+    header = "SnapKV 1024 (default)" if compressed == "snapkv 1024 (default)" else f"`{compressed}`"
+    lines = [f"| stuffed | questions | median prompt tokens | gold file stuffed | full cache accuracy | {header} accuracy |", "|---|---|---|---|---|---|"]
     for size in sizes:
-        rows = {m: [r for r in records if r["size"] == size and r["method"] == m] for m in METHODS}
-        full, snap = rows["full"], rows["snapkv 1024 (default)"]
+        rows = {m: [r for r in records if r["size"] == size and r["method"] == m] for m in methods_all}
+        full, snap = rows["full"], rows[compressed]
         any_rows = full or snap
         full_cell = f"{sum(r['correct'] for r in full)}/{len(full)}" if full else "does not fit"
         rolled = f" (rolled, {statistics.median(r['rolled_chunks'] for r in snap):.0f} chunks)" if size in PAST_WINDOW else ""
         lines.append(
-            f"| {size} | {statistics.median(r['prompt_tokens'] for r in any_rows):.0f} | {sum(r['gold_stuffed'] for r in any_rows)}/{len(any_rows)} | "
+            f"| {size} | {len(any_rows)} | {statistics.median(r['prompt_tokens'] for r in any_rows):.0f} | {sum(r['gold_stuffed'] for r in any_rows)}/{len(any_rows)} | "
             f"{full_cell} | {sum(r['correct'] for r in snap)}/{len(snap)}{rolled} |"
         )
     write_table(out, lines)
