@@ -34,7 +34,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from corpora import CORPORA, load_corpus  # noqa: E402
-from results_io import write_records, write_table  # noqa: E402
+from results_io import read_records, write_records, write_table  # noqa: E402
 
 from snapkv_rag import Engine  # noqa: E402
 from snapkv_rag.compression import SnapKV  # noqa: E402
@@ -70,7 +70,7 @@ def main() -> int:
     args = ap.parse_args()
     out = Path(args.out or ROOT / f"eval/results/chunk_reuse_{args.corpus}")
     if args.table_only:
-        records = [json.loads(line) for line in (out / "records.jsonl").read_text().splitlines() if line.strip()]
+        records = read_records(out)
         write_table(out, table_lines(records, args.corpus))
         return 0
     engine = Engine.default()

@@ -26,7 +26,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from results_io import write_records, write_table  # noqa: E402
+from results_io import read_records, write_records, write_table  # noqa: E402
 
 from snapkv_rag import Engine  # noqa: E402
 from snapkv_rag.evaluation.metrics import next_token_kl  # noqa: E402
@@ -241,9 +241,7 @@ def main() -> int:
     args = ap.parse_args()
     out = Path(args.out)
     if args.table_only:
-        import json
-
-        records = [json.loads(line) for line in (out / "records.jsonl").read_text().splitlines() if line.strip()]
+        records = read_records(out)
         write_table(out, table(records))
         return 0
     records: list[dict] = []

@@ -14,6 +14,14 @@ def write_records(out: Path, records: Iterable[dict]) -> None:
     (out / "records.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
 
 
+def read_records(out: Path, *, missing_ok: bool = False) -> list[dict]:
+    """The records a run left in ``out/records.jsonl`` (``missing_ok``: none yet is an empty list, not an error)."""
+    path = out / "records.jsonl"
+    if missing_ok and not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
 def write_table(out: Path, lines: list[str]) -> str:
     """``lines`` as ``out/table.md``, printed; returns the table."""
     table = "\n".join(lines)

@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 import torch  # noqa: E402
-from results_io import write_records, write_table  # noqa: E402
+from results_io import read_records, write_records, write_table  # noqa: E402
 
 from snapkv_rag import Engine  # noqa: E402
 from snapkv_rag.evaluation.metrics import needle_exact_match, next_token_kl  # noqa: E402
@@ -50,7 +50,7 @@ def needle_part(args) -> None:
     lengths = [int(x) for x in args.lengths.split(",")]
     depths = [float(x) for x in args.depths.split(",")]
     settings = needle_settings(args)
-    records = read_records(args.out) if args.resume else []
+    records = read_records(args.out, missing_ok=True) if args.resume else []
     done = {(r["length"], r["spec"], r["depth"]) for r in records}
     for length in lengths:
         specs = []
@@ -132,13 +132,6 @@ def needle_grid(records: list[dict]) -> list[str]:
 
 def spec_setting(spec: str) -> str:
     return ",".join(part for part in spec.split(":", 1)[1].split(",") if part != "window=question")
-
-
-def read_records(out: Path) -> list[dict]:
-    import json
-
-    path = out / "records.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
 
 
 def one_part(args) -> None:

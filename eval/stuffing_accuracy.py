@@ -8,7 +8,7 @@ greedy, the engine's default dtype. Accuracy = the gold answer string appears in
 runs there, read by a rolling prefill (issue 46); the full cache cannot take it.
 
     .venv/bin/python eval/stuffing_accuracy.py [--out eval/results/stuffing_accuracy] [--questions N] [--sizes 1K 2K 4K fill]
-    .venv/bin/python eval/stuffing_accuracy.py --sizes 16K --compression snapkv:budget=512,window=question --out eval/results/stuffing_accuracy_rolled_512
+    .venv/bin/python eval/stuffing_accuracy.py --sizes 16K --compression snapkv:window_size=question,max_capacity_prompt=512,chunk_size=16,chunk_min_ratio=2 --out eval/results/stuffing_accuracy_rolled_512
 
 ``--compression`` replaces the default policy (the full cache still runs where it fits).
 """
@@ -34,6 +34,7 @@ from snapkv_rag.rag.qa import DEFAULT_COMPRESSION  # noqa: E402
 
 SIZES = {"1K": 1000, "2K": 2000, "4K": 4000, "fill": None, "16K": 16000}
 PAST_WINDOW = {"16K"}  # sizes over the embedded model's 8K window: rolled, the default policy only
+DEFAULT_LABEL = "snapkv 1024 (default)"  # the method name of DocumentQA's policy in the records
 
 
 def main() -> int:
@@ -43,7 +44,7 @@ def main() -> int:
     ap.add_argument("--sizes", nargs="*", choices=list(SIZES), default=[s for s in SIZES if s not in PAST_WINDOW])
     ap.add_argument("--compression", default=DEFAULT_COMPRESSION, help="the compressed policy (default: DocumentQA's)")
     args = ap.parse_args()
-    compressed = "snapkv 1024 (default)" if args.compression == DEFAULT_COMPRESSION else args.compression
+    compressed = DEFAULT_LABEL if args.compression == DEFAULT_COMPRESSION else args.compression
     methods_all = {"full": None, compressed: args.compression}
     sizes = {k: v for k, v in SIZES.items() if k in args.sizes}
     out = Path(args.out)
@@ -78,7 +79,7 @@ def main() -> int:
                     )
                     print(json.dumps(records[-1]), flush=True)
     write_records(out, records)
-    header = "SnapKV 1024 (default)" if compressed == "snapkv 1024 (default)" else f"`{compressed}`"
+    header = "SnapKV 1024 (default)" if compressed == DEFAULT_LABEL else f"`{compressed}`"
     lines = [f"| stuffed | questions | median prompt tokens | gold file stuffed | full cache accuracy | {header} accuracy |", "|---|---|---|---|---|---|"]
     for size in sizes:
         rows = {m: [r for r in records if r["size"] == size and r["method"] == m] for m in methods_all}

@@ -25,7 +25,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "eval"))
 
 from corpora import CORPORA, load_corpus  # noqa: E402
-from results_io import write_records, write_table  # noqa: E402
+from results_io import read_records, write_records, write_table  # noqa: E402
 
 from snapkv_rag import Engine  # noqa: E402
 from snapkv_rag.evaluation.rag_citation import answer_correct, is_gold_file  # noqa: E402
@@ -81,7 +81,7 @@ def main() -> int:
     args = ap.parse_args()
     out = Path(args.out or ROOT / f"eval/results/stuffing_order/{args.corpus}_{args.dtype or 'default'}_{args.tokens}_{args.compression}")
     if args.table_only:
-        table(out, [json.loads(line) for line in (out / "records.jsonl").read_text().splitlines() if line.strip()])
+        table(out, read_records(out))
         return 0
     records = []
     with tempfile.TemporaryDirectory(prefix="snapkv-order-") as tmp:
