@@ -22,6 +22,12 @@ def add_app_parser(sub) -> None:
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
     p.add_argument("--dtype", default=None, help="float32, bfloat16, float16")
     p.add_argument("--weights", default=None, help="native (default) or int8: weight-only int8 linear layers on the CPU, faster decode, slightly less exact")
+    p.add_argument(
+        "--adapter",
+        default=None,
+        help="a LoRA adapter directory to merge (snapkv-rag tune); default: the embedded model's shipped adapter where it passed its gates",
+    )
+    p.add_argument("--base-model", action="store_true", help="load the bare model, without any adapter")
     p.add_argument("--store", default=None, help="embedded Chroma directory (default ~/.cache/snapkv-rag/chroma)")
     p.add_argument("--chroma-url", default=None, help="a Chroma server instead of the embedded store, e.g. http://chroma:8000 (env SNAPKV_RAG_APP_CHROMA_URL)")
     p.add_argument("--uploads", default=None, help="where uploaded files are kept (default ~/.cache/snapkv-rag/uploads)")
@@ -64,6 +70,10 @@ def app_command(args: argparse.Namespace) -> list[str]:
         "--model",
         args.model,
     ]
+    if args.base_model:
+        command.append("--base-model")
+    elif args.adapter is not None:  # an absolute path: streamlit runs the app from its own folder
+        command += ["--adapter", args.adapter if args.adapter == "auto" else os.path.abspath(os.path.expanduser(args.adapter))]
     for option in ("device", "dtype", "weights", "store", "chroma_url", "uploads", "collection", "allow_folder_root"):
         value = getattr(args, option, None)
         if value is not None:

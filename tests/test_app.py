@@ -7,6 +7,7 @@ comparison, the kept-entries record, and every bad input handled in the page.
 
 from __future__ import annotations
 
+import os
 import re
 import threading
 from pathlib import Path
@@ -349,6 +350,10 @@ def test_cli_app_command_line():
     assert command[command.index("--server.address") + 1] == "127.0.0.1"
     after = command[command.index("--") + 1 :]
     assert after == ["--model", "/models/x", "--store", "/tmp/s"]
+    bare = app_command(build_parser().parse_args(["app", "--base-model"]))
+    assert bare[bare.index("--") + 1 :] == ["--model", "default", "--base-model"]
+    tuned = app_command(build_parser().parse_args(["app", "--adapter", "runs/a"]))
+    assert tuned[tuned.index("--") + 1 :] == ["--model", "default", "--adapter", os.path.abspath("runs/a")]
 
 
 def test_app_reads_its_options_after_the_double_dash(monkeypatch):
@@ -365,6 +370,12 @@ def test_app_reads_its_options_after_the_double_dash(monkeypatch):
     cfg = ui_config.app_config(["--model", "/m", "--store", "/s", "--uploads", "/u", "--collection", "c", "--stray"])
     assert (cfg.model, cfg.store, cfg.uploads, cfg.collection) == ("/m", "/s", "/u", "c")
     assert ui_config.app_config([]).model == "default"
+    monkeypatch.delenv("SNAPKV_RAG_APP_ADAPTER", raising=False)
+    assert ui_config.app_config([]).adapter == "auto"
+    assert ui_config.app_config(["--base-model"]).adapter is None
+    assert ui_config.app_config(["--adapter", "/a"]).adapter == "/a"
+    monkeypatch.setenv("SNAPKV_RAG_APP_ADAPTER", "/b")
+    assert ui_config.app_config([]).adapter == "/b"
     settings = ui_config.Settings("snapkv", 256, "question", 32, 1024, 96, 0.0, True)
     assert settings.policy().window_size == "question" and settings.spec() == "snapkv:budget=256,window=question"
     assert ui_config.Settings("less", 128, "fixed", 16, 1024, 96, 0.0, True).spec() == "less:base=snapkv,budget=128,window=16"

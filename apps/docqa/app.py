@@ -6,6 +6,8 @@ answer goes through the library: :class:`snapkv_rag.rag.DocumentQA` over a
 
 Options (after ``--`` with ``streamlit run``; environment variables in brackets):
 ``--model`` (SNAPKV_RAG_APP_MODEL, default: the embedded SmolLM2), ``--device``, ``--dtype``,
+``--adapter`` (SNAPKV_RAG_APP_ADAPTER, a LoRA adapter directory; default: the shipped one where
+it passed its gates) or ``--base-model``,
 ``--store`` (SNAPKV_RAG_APP_STORE, the Chroma directory), ``--uploads`` (SNAPKV_RAG_APP_UPLOADS,
 where uploaded files are kept), ``--collection`` (SNAPKV_RAG_APP_COLLECTION) and
 ``--allow-folder-root`` (SNAPKV_RAG_APP_FOLDER_ROOT: folder ingest reads only under this folder;

@@ -14,6 +14,7 @@ import streamlit as st
 from snapkv_rag import Engine
 from snapkv_rag.compression import LESS, as_policy
 from snapkv_rag.model.loading import cache_root
+from snapkv_rag.model.shipped_adapters import AUTO, adapter_option
 from snapkv_rag.rag import Embedder
 from snapkv_rag.rag.loaders import SUPPORTED_SUFFIXES
 from snapkv_rag.rag.store import default_store_dir, make_client
@@ -56,6 +57,7 @@ class AppConfig:
     folder_root: str | None = None  # folder ingest reads only under this folder; None: off
     password: str | None = None  # asked for before anything is shown; None: no gate
     chroma_url: str | None = None  # a Chroma server instead of the embedded store (shared with other processes)
+    adapter: str | None = AUTO  # a LoRA adapter directory; "auto": the shipped one where it passed its gates; None: bare model
 
 
 def app_config(argv: list[str] | None = None) -> AppConfig:
@@ -66,6 +68,8 @@ def app_config(argv: list[str] | None = None) -> AppConfig:
     p.add_argument("--device", default=env("SNAPKV_RAG_APP_DEVICE"))
     p.add_argument("--dtype", default=env("SNAPKV_RAG_APP_DTYPE"))
     p.add_argument("--weights", default=env("SNAPKV_RAG_APP_WEIGHTS"))
+    p.add_argument("--adapter", default=env("SNAPKV_RAG_APP_ADAPTER") or AUTO)
+    p.add_argument("--base-model", action="store_true")
     p.add_argument("--store", default=env("SNAPKV_RAG_APP_STORE") or str(default_store_dir()))
     p.add_argument("--uploads", default=env("SNAPKV_RAG_APP_UPLOADS") or str(cache_root() / "uploads"))
     p.add_argument("--collection", default=env("SNAPKV_RAG_APP_COLLECTION", "documents"))
@@ -83,17 +87,18 @@ def app_config(argv: list[str] | None = None) -> AppConfig:
         folder_root=args.allow_folder_root,
         password=env("SNAPKV_RAG_APP_PASSWORD") or None,
         chroma_url=args.chroma_url,
+        adapter=adapter_option(args.adapter, base_model=args.base_model),
     )
 
 
 @st.cache_resource(show_spinner=False)
-def load_engine(model: str, device: str | None, dtype: str | None, weights: str | None = None) -> Engine:
+def load_engine(model: str, device: str | None, dtype: str | None, weights: str | None = None, adapter: str | None = AUTO) -> Engine:
     """The engine, loaded once per process and shared by every session (concurrent calls decode in one batch)."""
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
     hf_logging.set_verbosity_error()
-    return Engine.from_pretrained(model, device=device, dtype=dtype, weights=weights)
+    return Engine.from_pretrained(model, device=device, dtype=dtype, weights=weights, adapter=adapter)
 
 
 @st.cache_resource(show_spinner=False)

@@ -25,7 +25,7 @@ def sidebar_model(cfg: AppConfig) -> tuple[Engine | None, str | None]:
     )
     try:
         with st.spinner(f"Loading model {model}… (once per process)"):
-            engine = load_engine(model, cfg.device, cfg.dtype, cfg.weights)
+            engine = load_engine(model, cfg.device, cfg.dtype, cfg.weights, cfg.adapter)
     except Exception as exc:  # any loading failure is shown in the page; the app keeps running
         message = f"Model {model!r} failed to load: {exc}"
         st.sidebar.error(message)
@@ -35,6 +35,7 @@ def sidebar_model(cfg: AppConfig) -> tuple[Engine | None, str | None]:
     st.sidebar.caption(
         f"{name} · {info.parameters / 1e6:.0f}M parameters · {info.num_layers} layers · {info.num_kv_heads} KV heads · "
         f"context {info.context_length or 0:,} · KV {fmt_bytes(info.kv_bytes_per_token)}/token · {info.device}"
+        + (f" · adapter {Path(info.adapter).name}" if info.adapter else "")
     )
     return engine, None
 
