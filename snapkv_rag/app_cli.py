@@ -72,9 +72,7 @@ def app_command(args: argparse.Namespace) -> list[str]:
     ]
     if args.base_model:
         command.append("--base-model")
-    elif args.adapter is not None:  # an absolute path: streamlit runs the app from its own folder
-        command += ["--adapter", args.adapter if args.adapter == "auto" else os.path.abspath(os.path.expanduser(args.adapter))]
-    for option in ("device", "dtype", "weights", "store", "chroma_url", "uploads", "collection", "allow_folder_root"):
+    for option in ("adapter", "device", "dtype", "weights", "store", "chroma_url", "uploads", "collection", "allow_folder_root"):
         value = getattr(args, option, None)
         if value is not None:
             command += [f"--{option.replace('_', '-')}", str(value)]

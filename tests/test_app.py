@@ -353,7 +353,7 @@ def test_cli_app_command_line():
     bare = app_command(build_parser().parse_args(["app", "--base-model"]))
     assert bare[bare.index("--") + 1 :] == ["--model", "default", "--base-model"]
     tuned = app_command(build_parser().parse_args(["app", "--adapter", "runs/a"]))
-    assert tuned[tuned.index("--") + 1 :] == ["--model", "default", "--adapter", os.path.abspath("runs/a")]
+    assert tuned[tuned.index("--") + 1 :] == ["--model", "default", "--adapter", "runs/a"]  # the app resolves it, in the same folder
 
 
 def test_app_reads_its_options_after_the_double_dash(monkeypatch):
@@ -374,6 +374,7 @@ def test_app_reads_its_options_after_the_double_dash(monkeypatch):
     assert ui_config.app_config([]).adapter == "auto"
     assert ui_config.app_config(["--base-model"]).adapter is None
     assert ui_config.app_config(["--adapter", "/a"]).adapter == "/a"
+    assert ui_config.app_config(["--adapter", "runs/a"]).adapter == os.path.abspath("runs/a")
     monkeypatch.setenv("SNAPKV_RAG_APP_ADAPTER", "/b")
     assert ui_config.app_config([]).adapter == "/b"
     settings = ui_config.Settings("snapkv", 256, "question", 32, 1024, 96, 0.0, True)
