@@ -27,7 +27,7 @@ sys.path.insert(0, str(ROOT))
 
 from results_io import write_records, write_table  # noqa: E402
 
-from snapkv_rag.evaluation.metrics import citation_prf  # noqa: E402
+from snapkv_rag.harness.metrics import citation_prf  # noqa: E402
 from snapkv_rag.rag.attribution import DEFAULT_THRESHOLDS, answer_sentences, choose_gated, fact_gate, score_matrices, with_attention  # noqa: E402
 
 METHODS = {"full": None, "snapkv 256 (4x)": "snapkv:budget=256,window=question"}
@@ -38,7 +38,7 @@ MARGINS = [0.1, 0.2, 0.3]
 def run(questions: int | None) -> list[dict]:
     from snapkv_rag import Engine
     from snapkv_rag.compression.span_attention import sentence_attention
-    from snapkv_rag.evaluation.rag_citation import answer_correct, is_gold_file, load_questions
+    from snapkv_rag.harness.rag_citation import answer_correct, is_gold_file, load_questions
     from snapkv_rag.rag import DocumentQA, DocumentStore
     from snapkv_rag.rag.qa import ROUTES
 

@@ -38,8 +38,8 @@ from results_io import read_records, write_records, write_table  # noqa: E402
 
 from snapkv_rag import Engine  # noqa: E402
 from snapkv_rag.compression import SnapKV  # noqa: E402
-from snapkv_rag.evaluation.metrics import citation_prf  # noqa: E402
-from snapkv_rag.evaluation.rag_citation import answer_correct  # noqa: E402
+from snapkv_rag.harness.metrics import citation_prf  # noqa: E402
+from snapkv_rag.harness.rag_citation import answer_correct  # noqa: E402
 from snapkv_rag.rag import DocumentQA, DocumentStore  # noqa: E402
 from snapkv_rag.rag.kv_reuse import precompute_chunk_kv  # noqa: E402
 
@@ -85,7 +85,7 @@ def main() -> int:
             reference.retriever.context_tokens = size
             if size == int(args.sizes.split(",")[0]):
                 context = reference.retrieve(questions[0].question)
-                _, cold = time_to_first_token(engine, context.messages, chunked._kwargs(context, None, {}))
+                _, cold = time_to_first_token(engine, context.messages, chunked.generation_kwargs(context, compression=None))
                 start = time.perf_counter()
                 computed, _ = precompute_chunk_kv(engine, store.all_chunks(), chunked.kv_store)
                 records.append(
@@ -110,9 +110,9 @@ def main() -> int:
                     settings += [("off + snapkv 8x", reference, policy, {}), ("chunks r=0.15 + snapkv 8x", chunked, policy, {"recompute": 0.15})]
                 answers = {}
                 for name, qa, policy, extra in settings:
-                    kwargs = {**qa._kwargs(context, policy, {}), **extra}
+                    kwargs = {**qa.generation_kwargs(context, compression=policy), **extra}
                     result, ttft = time_to_first_token(engine, context.messages, kwargs)
-                    answer = qa._answer(context, result)
+                    answer = qa.answer_from(context, result)
                     answers[name] = answer
                     base = answers.get("off + snapkv 8x" if "snapkv" in name else "off", answer)
                     cited, cited_base = answer.cited("attributed"), base.cited("attributed")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
-from snapkv_rag.evaluation.rag_citation import RagQuestion, load_questions
+from snapkv_rag.harness.rag_citation import RagQuestion, load_questions
 
 ROOT = Path(__file__).resolve().parents[1]
 CORPORA = ("sample", "generated")

@@ -25,7 +25,7 @@ from results_io import write_records, write_table  # noqa: E402
 
 from snapkv_rag import Engine  # noqa: E402
 from snapkv_rag.compression import runtime  # noqa: E402
-from snapkv_rag.evaluation.needle import build_needle_case  # noqa: E402
+from snapkv_rag.harness.needle import build_needle_case  # noqa: E402
 
 METHODS = {"full": None, "snapkv 1024": "snapkv:budget=1024,window=question"}
 

@@ -24,9 +24,9 @@ import torch  # noqa: E402
 from results_io import write_records, write_table  # noqa: E402
 
 from snapkv_rag import Engine  # noqa: E402
-from snapkv_rag.evaluation.metrics import greedy_agreement  # noqa: E402
-from snapkv_rag.evaluation.needle import build_needle_case  # noqa: E402
-from snapkv_rag.evaluation.runner import fidelity_prompt  # noqa: E402
+from snapkv_rag.harness.metrics import greedy_agreement  # noqa: E402
+from snapkv_rag.harness.needle import build_needle_case  # noqa: E402
+from snapkv_rag.harness.runner import fidelity_prompt  # noqa: E402
 
 CONTINUATION = 32
 METHODS = {"full": None, "snapkv 1024": "snapkv:budget=1024,window=question"}

@@ -29,9 +29,9 @@ sys.path.insert(0, str(ROOT))
 from results_io import read_records, write_records, write_table  # noqa: E402
 
 from snapkv_rag import Engine  # noqa: E402
-from snapkv_rag.evaluation.metrics import next_token_kl  # noqa: E402
-from snapkv_rag.evaluation.needle import build_needle_case  # noqa: E402
-from snapkv_rag.evaluation.rag_citation import answer_correct, load_questions  # noqa: E402
+from snapkv_rag.harness.metrics import next_token_kl  # noqa: E402
+from snapkv_rag.harness.needle import build_needle_case  # noqa: E402
+from snapkv_rag.harness.rag_citation import answer_correct, load_questions  # noqa: E402
 from snapkv_rag.rag import DocumentQA, DocumentStore  # noqa: E402
 
 BITS = (None, 8, 4)

@@ -29,8 +29,8 @@ from results_io import write_records, write_table  # noqa: E402
 
 from snapkv_rag import Engine  # noqa: E402
 from snapkv_rag.compression import LESS, SnapKV  # noqa: E402
-from snapkv_rag.less.calibrate import CalibrationConfig, calibrate, describe_calibration  # noqa: E402
 from snapkv_rag.rag import DocumentQA, DocumentStore  # noqa: E402
+from snapkv_rag.training.calibrate import CalibrationConfig, calibrate, describe_calibration  # noqa: E402
 
 SIZES = {"1K": 1000, "2K": 2000, "4K": 4000}
 

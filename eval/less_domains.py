@@ -29,8 +29,8 @@ from results_io import write_records, write_table  # noqa: E402
 
 from snapkv_rag import Engine  # noqa: E402
 from snapkv_rag.compression import LESS  # noqa: E402
-from snapkv_rag.evaluation.heldout import run_heldout_fidelity  # noqa: E402
-from snapkv_rag.evaluation.runner import Method, method_grid, run_fidelity  # noqa: E402
+from snapkv_rag.harness.heldout import run_heldout_fidelity  # noqa: E402
+from snapkv_rag.harness.runner import Method, method_grid, run_fidelity  # noqa: E402
 
 DOMAINS = ("documents", "pydoc", "packages")
 

@@ -30,7 +30,7 @@ import torch
 from snapkv_rag import Engine, __version__
 from snapkv_rag.compression import SnapKV
 from snapkv_rag.errors import PromptTooLongError
-from snapkv_rag.model.memory import current_rss_bytes
+from snapkv_rag.model.peak_memory import current_rss_bytes
 
 FIRST = ["Maria", "Jonas", "Aiko", "Pedro", "Lena", "Omar", "Greta", "Ravi", "Nora", "Tomas"]
 CITIES = ["Lyon", "Porto", "Kyoto", "Quito", "Tartu", "Oslo", "Accra", "Pune", "Cork", "Brno"]

@@ -24,8 +24,8 @@ from snapkv_rag.engine.generation import DecodeRun  # noqa: E402
 from snapkv_rag.engine.preparation import resolve_policy  # noqa: E402
 from snapkv_rag.engine.prompts import render_prompt  # noqa: E402
 from snapkv_rag.engine.sampling import GenerationParams  # noqa: E402
-from snapkv_rag.evaluation.metrics import needle_exact_match  # noqa: E402
-from snapkv_rag.evaluation.needle import build_needle_case  # noqa: E402
+from snapkv_rag.harness.metrics import needle_exact_match  # noqa: E402
+from snapkv_rag.harness.needle import build_needle_case  # noqa: E402
 
 
 def trace(engine: Engine, length: int, depth: float, spec: str) -> dict:

@@ -34,8 +34,8 @@ import torch  # noqa: E402
 from results_io import read_records, write_records, write_table  # noqa: E402
 
 from snapkv_rag import Engine  # noqa: E402
-from snapkv_rag.evaluation.metrics import needle_exact_match, next_token_kl  # noqa: E402
-from snapkv_rag.evaluation.needle import build_needle_case  # noqa: E402
+from snapkv_rag.harness.metrics import needle_exact_match, next_token_kl  # noqa: E402
+from snapkv_rag.harness.needle import build_needle_case  # noqa: E402
 
 
 def needle_settings(args) -> list[tuple[int, int]]:

@@ -30,7 +30,7 @@ from corpora import CORPORA, load_corpus  # noqa: E402
 from results_io import write_records, write_table  # noqa: E402
 
 from snapkv_rag import Engine  # noqa: E402
-from snapkv_rag.evaluation.rag_citation import answer_correct  # noqa: E402
+from snapkv_rag.harness.rag_citation import answer_correct  # noqa: E402
 from snapkv_rag.rag import DocumentQA, DocumentStore  # noqa: E402
 
 SIZES = {"1K": 1000, "1.5K": 1500, "2K": 2000, "4K": 4000}

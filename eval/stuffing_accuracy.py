@@ -28,7 +28,7 @@ sys.path.insert(0, str(ROOT))
 from results_io import write_records, write_table  # noqa: E402
 
 from snapkv_rag import Engine  # noqa: E402
-from snapkv_rag.evaluation.rag_citation import answer_correct, is_gold_file, load_questions  # noqa: E402
+from snapkv_rag.harness.rag_citation import answer_correct, is_gold_file, load_questions  # noqa: E402
 from snapkv_rag.rag import DocumentQA, DocumentStore  # noqa: E402
 from snapkv_rag.rag.qa import DEFAULT_COMPRESSION  # noqa: E402
 

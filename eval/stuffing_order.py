@@ -28,7 +28,7 @@ from corpora import CORPORA, load_corpus  # noqa: E402
 from results_io import read_records, write_records, write_table  # noqa: E402
 
 from snapkv_rag import Engine  # noqa: E402
-from snapkv_rag.evaluation.rag_citation import answer_correct, is_gold_file  # noqa: E402
+from snapkv_rag.harness.rag_citation import answer_correct, is_gold_file  # noqa: E402
 from snapkv_rag.rag import DocumentQA, DocumentStore  # noqa: E402
 
 ORDERS = ("score", "cache")

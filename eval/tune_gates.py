@@ -39,8 +39,8 @@ from tool_decisions import TOOLSETS, load, run  # noqa: E402
 
 from snapkv_rag import Engine  # noqa: E402
 from snapkv_rag.compression import SnapKV  # noqa: E402
-from snapkv_rag.evaluation.metrics import citation_prf  # noqa: E402
-from snapkv_rag.evaluation.rag_citation import answer_correct, is_gold_file, load_questions  # noqa: E402
+from snapkv_rag.harness.metrics import citation_prf  # noqa: E402
+from snapkv_rag.harness.rag_citation import answer_correct, is_gold_file, load_questions  # noqa: E402
 from snapkv_rag.rag import DocumentQA, DocumentStore  # noqa: E402
 from snapkv_rag.rag.kv_reuse import precompute_chunk_kv  # noqa: E402
 
@@ -105,8 +105,8 @@ def run_answers(engine: Engine, variant: str, questions_limit: int | None) -> li
                         ("snapkv 4x", qa, SnapKV(window_size="question", max_capacity_prompt=max(64, context.prompt_tokens // 4)), {}),
                     ]
                 for setting, reader, policy, extra in runs:
-                    result = engine.generate(context.messages, **{**reader._kwargs(context, policy, {}), **extra})
-                    records.append(answer_record(variant, size, setting, q, context, reader._answer(context, result)))
+                    result = engine.generate(context.messages, **{**reader.generation_kwargs(context, compression=policy), **extra})
+                    records.append(answer_record(variant, size, setting, q, context, reader.answer_from(context, result)))
                     print(json.dumps(records[-1]), flush=True)
     return records
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from . import _moved
 from ._version import __version__
 from .errors import (  # noqa: E402
     EmptyPromptError,
@@ -21,8 +20,6 @@ from .errors import (  # noqa: E402
     SnapKVRagError,
     StructuredOutputError,
 )
-
-_moved.install()  # the old module paths (snapkv_rag.generation, ...) as deprecated aliases
 
 _LAZY = {
     "Engine": "engine.engine",

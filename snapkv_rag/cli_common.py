@@ -1,4 +1,5 @@
-"""What ``snapkv-rag`` and ``snapkv-rag eval`` share: model arguments and engine loading.
+"""The options every command shares, declared once: the model options (``snapkv-rag`` and its
+``ask``, ``ingest``, ``eval``, ``less``, ``tune`` and ``serve``), the store options, and engine loading.
 
 Kept free of torch imports so building the parser (``--help``) stays fast.
 """
@@ -8,18 +9,29 @@ from __future__ import annotations
 import argparse
 
 
-def add_model_args(p: argparse.ArgumentParser) -> None:
+def add_model_args(p: argparse.ArgumentParser, *, json_output: bool = True, adapters: bool = True, weights: bool = True) -> None:
+    """``--model --device --dtype`` and, unless turned off, ``--weights``, ``--adapter/--base-model`` and ``--json``."""
     p.add_argument("--model", default="default", help="'default' (embedded SmolLM2), a model dir, a .gguf file or a hub id")
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
     p.add_argument("--dtype", default=None, help="float32, bfloat16, float16 (default: bf16 on GPU and on CPUs with native bf16, else fp32)")
-    p.add_argument("--weights", default=None, help="native (default) or int8: weight-only int8 linear layers on the CPU, faster decode, slightly less exact")
+    if weights:
+        p.add_argument(
+            "--weights", default=None, help="native (default) or int8: weight-only int8 linear layers on the CPU, faster decode, slightly less exact"
+        )
+    if not adapters:
+        return _add_json(p, json_output)
     p.add_argument(
         "--adapter",
         default="auto",
         help="a LoRA adapter directory to merge (snapkv-rag tune); default 'auto': the embedded model's shipped adapter where it passed its gates",
     )
     p.add_argument("--base-model", action="store_true", help="load the bare model, without any adapter")
-    p.add_argument("--json", action="store_true", help="print machine-readable JSON")
+    _add_json(p, json_output)
+
+
+def _add_json(p: argparse.ArgumentParser, json_output: bool) -> None:
+    if json_output:
+        p.add_argument("--json", action="store_true", help="print machine-readable JSON")
 
 
 def chosen_adapter(args: argparse.Namespace) -> str | None:
@@ -37,3 +49,24 @@ def load_engine(args: argparse.Namespace, **options):
     return load_engine_quietly(
         args.model, device=args.device, dtype=args.dtype, weights=getattr(args, "weights", None), adapter=chosen_adapter(args), **options
     )
+
+
+def add_store_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--collection", required=True, help="Chroma collection name (3-512 of letters, digits, . _ -)")
+    where = p.add_mutually_exclusive_group()
+    where.add_argument("--store", default=None, help="embedded Chroma directory (default ~/.cache/snapkv-rag/chroma)")
+    where.add_argument("--chroma-url", default=None, help="a Chroma server, e.g. http://127.0.0.1:8000")
+    p.add_argument("--embedder", default="default", help="sentence-transformers model path (default: embedded all-MiniLM-L6-v2)")
+
+
+def open_store(args, *, create: bool = True):
+    from pathlib import Path
+
+    from .rag.store import DocumentStore, StoreError
+
+    if not create and args.store is not None and not Path(args.store).expanduser().is_dir():
+        # Reading a store never creates one: a typo in --store must not leave an empty directory behind.
+        raise StoreError(
+            f"no store at {args.store} (no such directory); ingest into it first: snapkv-rag ingest PATH --collection {args.collection} --store {args.store}"
+        )
+    return DocumentStore(args.collection, path=args.store, url=args.chroma_url, embedder=args.embedder, create=create)

@@ -15,7 +15,7 @@ pytestmark = pytest.mark.skipif(malloc_stats() is None, reason="not glibc")
 PROBE = """
 import torch
 from snapkv_rag.model.allocator import malloc_stats, trim
-from snapkv_rag.model.memory import current_rss_bytes
+from snapkv_rag.model.peak_memory import current_rss_bytes
 
 tensors = [torch.ones(25_000) for _ in range(2000)]  # 100 KB each: below glibc's mmap threshold, from its arena
 kept = tensors[::10]  # what stays in use pins the heap: the freed blocks between cannot be cut off its top

@@ -1,4 +1,4 @@
-"""The Streamlit document-QA app (apps/docqa/app.py) driven by streamlit.testing.v1.AppTest.
+"""The Streamlit document-QA app (snapkv_rag/app/page.py) driven by streamlit.testing.v1.AppTest.
 
 A tiny random Llama (saved once per session) stands in for the model, so these check the
 flows, not answer quality: ingest with progress and a summary, chat with sources, the side-by-side
@@ -18,7 +18,7 @@ pytest.importorskip("streamlit")
 from conftest import build_tokenizer, tiny_model  # noqa: E402
 from streamlit.testing.v1 import AppTest  # noqa: E402
 
-APP = str(Path(__file__).resolve().parents[1] / "apps" / "docqa" / "app.py")
+APP = str(Path(__file__).resolve().parents[1] / "snapkv_rag" / "app" / "page.py")
 TIMEOUT = 240
 
 DOCS = {
@@ -339,7 +339,7 @@ def test_concurrent_sessions_get_their_own_answers(app_env):
 
 # ----------------------------------------------------------------------------- command line
 def test_cli_app_command_line():
-    from snapkv_rag.app_cli import APP_SCRIPT, app_command
+    from snapkv_rag.app.cli import APP_SCRIPT, app_command
     from snapkv_rag.cli import build_parser
 
     assert APP_SCRIPT.is_file()
@@ -357,14 +357,10 @@ def test_cli_app_command_line():
 
 
 def test_app_reads_its_options_after_the_double_dash(monkeypatch):
-    import importlib.util
-    import sys
+    import importlib
 
-    spec = importlib.util.spec_from_file_location("docqa_app", APP)
-    module = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, "docqa_app", module)
-    spec.loader.exec_module(module)  # defines everything; main() runs only as __main__
-    import ui_config  # the app's own modules, beside app.py (it puts their folder on sys.path)
+    importlib.import_module("snapkv_rag.app.page")  # defines everything; main() runs only as __main__
+    from snapkv_rag.app import config as ui_config
 
     monkeypatch.delenv("SNAPKV_RAG_APP_MODEL", raising=False)
     cfg = ui_config.app_config(["--model", "/m", "--store", "/s", "--uploads", "/u", "--collection", "c", "--stray"])
@@ -388,14 +384,9 @@ def test_app_reads_its_options_after_the_double_dash(monkeypatch):
 
 # ----------------------------------------------------------------------------- issue 31: found by a new user
 def load_app_module(monkeypatch):
-    import importlib.util
-    import sys
+    import importlib
 
-    spec = importlib.util.spec_from_file_location("docqa_app", APP)
-    module = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, "docqa_app", module)
-    spec.loader.exec_module(module)
-    return module
+    return importlib.import_module("snapkv_rag.app.page")
 
 
 def test_less_without_kernels_is_refused_before_any_answer(app_env):
@@ -415,7 +406,7 @@ def test_decode_speedup_is_na_when_nothing_was_evicted_and_no_claim_from_noise(m
     from types import SimpleNamespace as NS
 
     load_app_module(monkeypatch)
-    import ui_views as module
+    from snapkv_rag.app import views as module
 
     def stats(ms, quartiles, kept=100, full=200):
         return NS(decode_ms_per_token=ms, decode_ms_quartiles=quartiles, prompt_kv_bytes_kept=kept, prompt_kv_bytes_full=full)

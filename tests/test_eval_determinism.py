@@ -13,8 +13,8 @@ import sys
 
 SCRIPT = """
 import json
-from snapkv_rag.evaluation.citation import build_questions
-from snapkv_rag.evaluation.runner import fidelity_prompt
+from snapkv_rag.harness.citation import build_questions
+from snapkv_rag.harness.runner import fidelity_prompt
 out = {
     "questions": [[q.messages, list(q.gold), list(q.answers)] for q in build_questions(40, 5, seed=3)],
     "fidelity": [fidelity_prompt(n, s) for n in (500, 2000) for s in (0, 1, 2)],
@@ -35,6 +35,6 @@ def test_same_seed_same_prompts_under_any_hash_seed():
 
 
 def test_different_seeds_give_different_prompts():
-    from snapkv_rag.evaluation.runner import fidelity_prompt
+    from snapkv_rag.harness.runner import fidelity_prompt
 
     assert fidelity_prompt(2000, 0) != fidelity_prompt(2000, 1)

@@ -8,10 +8,10 @@ import pytest
 from conftest import tiny_engine
 
 from snapkv_rag.errors import InvalidCompressionError
-from snapkv_rag.evaluation.citation import build_questions
-from snapkv_rag.evaluation.needle import build_needle_case
-from snapkv_rag.evaluation.report import read_jsonl, write_report
-from snapkv_rag.evaluation.runner import method_grid, run_fidelity, run_needle, run_speed
+from snapkv_rag.harness.citation import build_questions
+from snapkv_rag.harness.needle import build_needle_case
+from snapkv_rag.harness.report import read_jsonl, write_report
+from snapkv_rag.harness.runner import method_grid, run_fidelity, run_needle, run_speed
 
 REQUIRED = {"task", "model", "method", "budget", "settings", "prompt_tokens", "batch_size", "dtype", "device", "threads", "version"}
 

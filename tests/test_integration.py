@@ -10,8 +10,8 @@ import sys
 import pytest
 
 from snapkv_rag.compression import SnapKV
-from snapkv_rag.evaluation.metrics import needle_exact_match
-from snapkv_rag.evaluation.needle import build_needle_case
+from snapkv_rag.harness.metrics import needle_exact_match
+from snapkv_rag.harness.needle import build_needle_case
 
 pytestmark = pytest.mark.integration
 

@@ -103,9 +103,9 @@ def test_document_qa_keeps_the_document_labels_when_asked(tokenizer, tmp_path):
     labels = context.labels()
     assert labels and all(label.startswith(f"[{i}]") for i, label in enumerate(labels, start=1))
     assert all(label in context.messages[-1]["content"] for label in labels)
-    assert qa._kwargs(context, policy, {})["keep_texts"] == labels
-    assert "keep_texts" not in DocumentQA(engine, store, compression=policy, context_tokens=300)._kwargs(context, policy, {})
-    assert "keep_texts" not in qa._kwargs(context, None, {})  # the full cache keeps everything
+    assert qa.generation_kwargs(context, compression=policy)["keep_texts"] == labels
+    assert "keep_texts" not in DocumentQA(engine, store, compression=policy, context_tokens=300).generation_kwargs(context, compression=policy)
+    assert "keep_texts" not in qa.generation_kwargs(context, compression=None)  # the full cache keeps everything
     with recording_kept_indices() as kept:
         answer = qa.answer_context(context)
     assert answer.result.stats.compression["method"] == "snapkv"

@@ -6,12 +6,7 @@ source, every kind counted: at module level, inside functions (run time) and und
 from __future__ import annotations
 
 import ast
-import importlib
-import sys
-import warnings
 from pathlib import Path
-
-import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "snapkv_rag"
 
@@ -23,14 +18,14 @@ LAYERS: list[set[str]] = [
     {"reuse"},
     {"tools"},
     {"engine"},
-    {"less"},
+    {"training"},
     {"agents"},
     {"rag"},
     {"tune"},
-    {"evaluation"},
+    {"harness"},
     {"server"},
-    # entry points: the public facade, the command lines (each subpackage's cli module too) and the old paths
-    {"__init__", "cli", "cli_common", "app_cli", "_moved", "*.cli"},
+    # entry points: the public facades, the command lines (each subpackage's cli module too) and the app
+    {"__init__", "integrations", "cli", "cli_common", "app", "*.cli"},
 ]
 ROOT_MODULE_LIMIT = 8
 
@@ -186,22 +181,3 @@ def test_reading_imports_counts_function_level_and_type_checking_imports(tmp_pat
 def test_the_root_holds_few_modules():
     root = sorted(p.name for p in PACKAGE.glob("*.py") if p.name not in {"__init__.py", "__main__.py"})
     assert len(root) <= ROOT_MODULE_LIMIT, root
-
-
-@pytest.mark.parametrize("old", ["snapkv_rag.generation", "snapkv_rag.engine_cache", "snapkv_rag.less.kernels", "snapkv_rag.metrics"])
-def test_old_module_paths_still_import_with_a_deprecation_warning(old):
-    from snapkv_rag._moved import MOVED
-
-    sys.modules.pop(old, None)
-    with pytest.warns(DeprecationWarning, match=f"{old} has moved to {MOVED[old]}"):
-        module = importlib.import_module(old)
-    assert module is importlib.import_module(MOVED[old])
-
-
-def test_every_old_path_resolves():
-    from snapkv_rag._moved import MOVED
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)
-        for old, new in MOVED.items():
-            assert importlib.import_module(old) is importlib.import_module(new)

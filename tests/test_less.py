@@ -223,7 +223,7 @@ def test_stats_report_the_real_state_and_cache(less_engine):
 
 
 def test_mass_only_features_cost_one_number_each_and_count_in_baseline_plus(less_engine):
-    from snapkv_rag.evaluation.heldout import state_tokens
+    from snapkv_rag.harness.heldout import state_tokens
 
     less = LESS(base=BASE, kernels=make_kernels(signature(less_engine), "exp+mass", rank=4, seed=0, scale=1.0))
     result = less_engine.generate(PROMPT, max_new_tokens=3, ignore_eos=True, compression=less)
@@ -451,6 +451,6 @@ def test_probe_switches_off_a_state_that_hurts_end_to_end(less_engine, monkeypat
 
 def test_less_train_writes_to_the_shipped_kernels_by_default():
     from snapkv_rag.compression.less.kernels import SHIPPED_DIR
-    from snapkv_rag.less.cli import DEFAULT_OUT
+    from snapkv_rag.training.cli import DEFAULT_OUT
 
     assert DEFAULT_OUT.resolve() == SHIPPED_DIR.resolve() and any(SHIPPED_DIR.glob("*.safetensors"))

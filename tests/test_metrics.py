@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from snapkv_rag.evaluation.metrics import (
+from snapkv_rag.harness.metrics import (
     citation_prf,
     greedy_agreement,
     macro_f1,

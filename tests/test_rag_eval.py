@@ -9,7 +9,7 @@ import pytest
 from conftest import build_tokenizer, tiny_engine, tiny_model
 
 from snapkv_rag.cli import main
-from snapkv_rag.evaluation.rag_citation import (
+from snapkv_rag.harness.rag_citation import (
     EvalInputError,
     RagQuestion,
     answer_correct,
@@ -17,8 +17,8 @@ from snapkv_rag.evaluation.rag_citation import (
     load_questions,
     run_rag_citation,
 )
-from snapkv_rag.evaluation.report import attribution_sweep_rows, read_jsonl, write_report
-from snapkv_rag.evaluation.runner import method_grid
+from snapkv_rag.harness.report import attribution_sweep_rows, read_jsonl, write_report
+from snapkv_rag.harness.runner import method_grid
 from snapkv_rag.rag import Embedder, EvidenceAttributor
 from snapkv_rag.rag.attribution import choose, sweep
 
@@ -232,7 +232,7 @@ def test_cli_bad_input_exits_2_with_one_line(model_dir, extra, message, capsys):
 
 
 def test_needle_records_name_the_resolved_question_window(engine):
-    from snapkv_rag.evaluation.runner import run_needle
+    from snapkv_rag.harness.runner import run_needle
 
     records = run_needle(engine, method_grid(["snapkv:window=question", "snapkv:window=8"], [96]), [250], [0.5], max_new_tokens=2, progress=False)
     by_method = {r["method"]: r for r in records}

@@ -19,7 +19,7 @@ import time
 import pytest
 from conftest import running, terse_bias, tiny_tool_engine
 
-from snapkv_rag.model.memory import current_rss_bytes
+from snapkv_rag.model.peak_memory import current_rss_bytes
 from snapkv_rag.server import ServerConfig
 
 httpx = pytest.importorskip("httpx")

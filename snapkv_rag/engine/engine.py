@@ -13,7 +13,7 @@ from ..compression import CompressionPolicy, as_policy
 from ..compression.runtime import WRAPPED_IMPLEMENTATIONS, register_attention_functions, wrapped_name
 from ..errors import InvalidGenerationParameterError
 from ..model.loading import DEFAULT_MODEL, RECOMMENDED_CONTEXT_TOKENS, RECOMMENDED_KV_REUSE, load_model_and_tokenizer
-from ..model.memory import PeakMemory
+from ..model.peak_memory import PeakMemory
 from ..model.quantization import parameter_count
 from ..reuse.blending import RopeShift, model_rope_shift
 from ..reuse.prefix_cache import PrefixCache, default_prefix_cache_bytes

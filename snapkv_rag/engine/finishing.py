@@ -11,7 +11,7 @@ from ..tools.calls import OutputSpec, ToolCallStream, complete_calls_text, parse
 from .results import GenerationResult, Usage, row_stats
 
 if TYPE_CHECKING:
-    from ..model.memory import PeakMemory
+    from ..model.peak_memory import PeakMemory
     from .info import ModelInfo
     from .requests import Request
     from .scheduler import Member

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 from ..tools.calls import ToolCall
 
 if TYPE_CHECKING:
-    from ..model.memory import PeakMemory
+    from ..model.peak_memory import PeakMemory
     from .generation import DecodeRun
     from .info import ModelInfo
     from .requests import Request

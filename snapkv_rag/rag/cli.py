@@ -2,34 +2,13 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from typing import Any
 
+from ..cli_common import add_store_args, open_store
 from ..engine.results import kept_tokens_text
 from ..errors import SnapKVRagError
-
-
-def add_store_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--collection", required=True, help="Chroma collection name (3-512 of letters, digits, . _ -)")
-    where = p.add_mutually_exclusive_group()
-    where.add_argument("--store", default=None, help="embedded Chroma directory (default ~/.cache/snapkv-rag/chroma)")
-    where.add_argument("--chroma-url", default=None, help="a Chroma server, e.g. http://127.0.0.1:8000")
-    p.add_argument("--embedder", default="default", help="sentence-transformers model path (default: embedded all-MiniLM-L6-v2)")
-
-
-def open_store(args, *, create: bool = True):
-    from pathlib import Path
-
-    from .store import DocumentStore, StoreError
-
-    if not create and args.store is not None and not Path(args.store).expanduser().is_dir():
-        # Reading a store never creates one: a typo in --store must not leave an empty directory behind.
-        raise StoreError(
-            f"no store at {args.store} (no such directory); ingest into it first: snapkv-rag ingest PATH --collection {args.collection} --store {args.store}"
-        )
-    return DocumentStore(args.collection, path=args.store, url=args.chroma_url, embedder=args.embedder, create=create)
 
 
 def _add_kv_args(p) -> None:
@@ -208,7 +187,7 @@ def _reuse_note(stats, prompt_tokens: int) -> str:
 
 def cmd_ask(args) -> int:
     from ..cli_common import load_engine
-    from ..less.calibrate import calibration_note
+    from ..compression.less.calibration import calibration_note
     from .kv_reuse import kv_reuse_note
     from .qa import DocumentQA, small_model_note
 

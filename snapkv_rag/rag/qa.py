@@ -16,9 +16,9 @@ from typing import Any
 
 from ..compression import CompressionPolicy, SnapKV, as_policy, parse_compression
 from ..compression.base import MIN_ROLLING
+from ..compression.less.calibration import policy_for_collection
 from ..compression.span_attention import sentence_attention
 from ..engine.results import GenerationResult
-from ..less.calibrate import policy_for_collection
 from .attribution import EvidenceAttributor, SentenceSupport, answer_sentences
 from .citations import parse_citations
 from .kv_reuse import chunk_kv_store, precompute_chunk_kv, resolve_kv_reuse, reuse_kwargs
@@ -189,7 +189,7 @@ class AnswerStream:
 
     def __iter__(self) -> Iterator[str]:
         yield from self._stream
-        self._answer = self._qa._answer(self._context, self._stream.result)
+        self._answer = self._qa.answer_from(self._context, self._stream.result)
 
     def close(self) -> None:
         close = getattr(self._stream, "close", None)
@@ -314,7 +314,10 @@ class DocumentQA:
     def retrieve(self, question: str) -> StuffedContext:
         return self.retriever.retrieve(question)
 
-    def _kwargs(self, context: StuffedContext, compression: Any, sampling: dict[str, Any]) -> dict[str, Any]:
+    def generation_kwargs(self, context: StuffedContext, *, compression: Any = _DEFAULT, **sampling: Any) -> dict[str, Any]:
+        """What :meth:`answer_context` passes to :meth:`Engine.generate` with ``context.messages``:
+        the policy (rolled past the window where needed), the question, reuse and sampling options.
+        Benchmarks call the engine with these (and their own overrides), then :meth:`answer_from`."""
         reuse = reuse_kwargs(self.kv_reuse, context.segments, self.kv_store)
         if self.recompute is not None and "reuse_segments" in reuse:
             reuse["recompute"] = self.recompute
@@ -334,7 +337,8 @@ class DocumentQA:
             **sampling,
         }
 
-    def _answer(self, context: StuffedContext, result: GenerationResult) -> Answer:
+    def answer_from(self, context: StuffedContext, result: GenerationResult) -> Answer:
+        """The cited :class:`Answer` for ``result``, generated over ``context``."""
         attention = None
         if "attention" in self.routes and result.span_attention:
             attention = sentence_attention(self.engine.tokenizer, result.token_ids, result.span_attention, answer_sentences(result.text))
@@ -348,18 +352,18 @@ class DocumentQA:
     def answer_context(self, context: StuffedContext, *, compression: Any = _DEFAULT, **sampling: Any) -> Answer:
         """Generate and cite over an already stuffed ``context`` (from :meth:`retrieve`), so
         several compression settings can answer from the very same prompt."""
-        result = self.engine.generate(context.messages, **self._kwargs(context, compression, sampling))
-        return self._answer(context, result)
+        result = self.engine.generate(context.messages, **self.generation_kwargs(context, compression=compression, **sampling))
+        return self.answer_from(context, result)
 
     def stream(self, question: str, *, compression: Any = _DEFAULT, **sampling: Any) -> AnswerStream:
         context = self.retrieve(question)
-        return AnswerStream(self, context, self.engine.stream(context.messages, **self._kwargs(context, compression, sampling)))
+        return AnswerStream(self, context, self.engine.stream(context.messages, **self.generation_kwargs(context, compression=compression, **sampling)))
 
     async def aask(self, question: str, *, compression: Any = _DEFAULT, **sampling: Any) -> Answer:
         import asyncio
 
         context = await asyncio.to_thread(self.retrieve, question)
-        result = await self.engine.agenerate(context.messages, **self._kwargs(context, compression, sampling))
+        result = await self.engine.agenerate(context.messages, **self.generation_kwargs(context, compression=compression, **sampling))
         return await asyncio.to_thread(self._answer, context, result)
 
     async def astream(self, question: str, *, compression: Any = _DEFAULT, **sampling: Any) -> AsyncIterator[str | Answer]:
@@ -367,7 +371,7 @@ class DocumentQA:
         import asyncio
 
         context = await asyncio.to_thread(self.retrieve, question)
-        stream = self.engine.astream(context.messages, **self._kwargs(context, compression, sampling))
+        stream = self.engine.astream(context.messages, **self.generation_kwargs(context, compression=compression, **sampling))
         async for piece in stream:
             yield piece
         yield await asyncio.to_thread(self._answer, context, stream.result)

@@ -8,6 +8,7 @@ import logging
 import os
 import sys
 
+from ..cli_common import add_model_args
 from ..errors import SnapKVRagError
 
 
@@ -15,16 +16,7 @@ def add_serve_parser(sub) -> None:
     from .defaults import DEFAULT_COMPRESSION, DEFAULT_MAX_QUEUE, DEFAULT_MAX_REQUEST_BYTES, DEFAULT_MAX_TOKENS, DEFAULT_SHUTDOWN_GRACE
 
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (chat, completions, embeddings)")
-    p.add_argument("--model", default="default", help="'default' (embedded SmolLM2), a model dir, a .gguf file or a hub id")
-    p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
-    p.add_argument("--dtype", default=None, help="float32, bfloat16, float16 (default: bf16 on GPU and on CPUs with native bf16, else fp32)")
-    p.add_argument("--weights", default=None, help="native (default) or int8: weight-only int8 linear layers on the CPU, faster decode, slightly less exact")
-    p.add_argument(
-        "--adapter",
-        default="auto",
-        help="a LoRA adapter directory to merge (snapkv-rag tune); default: the embedded model's shipped one where it passed its gates",
-    )
-    p.add_argument("--base-model", action="store_true", help="load the bare model, without any adapter")
+    add_model_args(p, json_output=False)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: this machine only; 0.0.0.0 for all)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument(

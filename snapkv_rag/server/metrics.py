@@ -118,7 +118,7 @@ class MemoryCollector:
 
     def collect(self):
         from ..model.allocator import malloc_stats, trim_stats
-        from ..model.memory import current_rss_bytes
+        from ..model.peak_memory import current_rss_bytes
 
         yield GaugeMetricFamily("snapkv_process_resident_bytes", "Resident memory of this process", value=current_rss_bytes())
         stats = malloc_stats()

@@ -7,6 +7,8 @@ import json
 import sys
 from pathlib import Path
 
+from ..cli_common import add_model_args
+
 DEFAULT_OUT = "tune-runs/default"
 STOPPED_EXIT = 75  # EX_TEMPFAIL: stopped early with a checkpoint; the same command resumes
 
@@ -25,9 +27,7 @@ def add_tune_parser(sub) -> None:
     data.set_defaults(func=cmd_data)
 
     train = tasks.add_parser("train", help="train a LoRA adapter; run the same command again to resume a stopped run (a stopped run exits with status 75)")
-    train.add_argument("--model", default="default", help="'default' (embedded SmolLM2), a model dir, a .gguf file or a hub id")
-    train.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
-    train.add_argument("--dtype", default=None, help="float32, bfloat16, float16 (default: as the engine chooses)")
+    add_model_args(train, json_output=False, adapters=False, weights=False)
     train.add_argument("--out", default=DEFAULT_OUT, help="the run's directory: checkpoint/, loss.jsonl, loss.png, adapter/")
     train.add_argument("--seed", type=int, default=0)
     train.add_argument("--examples", type=int, default=None, help="training examples, each seen once (default 560: about 80 minutes on 2 CPU cores)")

@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 from langchain_snapkv import ChatSnapKV, SnapKVStuffingRetriever, create_cited_qa_chain
-from snapkv_rag.rag import DocumentStore
+from snapkv_rag.integrations import DocumentStore
 
 CORPUS = Path(__file__).resolve().parents[3] / "examples" / "sample_corpus"
 

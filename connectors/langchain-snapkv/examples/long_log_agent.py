@@ -29,7 +29,7 @@ from langchain.agents.middleware import wrap_model_call
 from langchain_core.messages import AIMessage, HumanMessage, ToolMessage
 
 from langchain_snapkv import ChatSnapKV, SnapKVChatMessageHistory
-from snapkv_rag.agents import AgentMemory
+from snapkv_rag.integrations import AgentMemory
 
 SERVICES = ["billing", "search", "auth", "mailer", "reports", "storage", "gateway", "scheduler", "cache", "audit"]
 SECRET = "the backup job failed with error code E-4471"

@@ -21,9 +21,7 @@ from langchain_core.documents import Document
 from langchain_core.messages import BaseMessage
 from langchain_core.runnables import Runnable, RunnableLambda, RunnablePassthrough
 
-from snapkv_rag.rag import EvidenceAttributor, build_messages
-from snapkv_rag.rag.qa import TEXT_ROUTES, cite_with_support
-from snapkv_rag.rag.stuffing import SYSTEM_PROMPT
+from snapkv_rag.integrations import SYSTEM_PROMPT, TEXT_ROUTES, EvidenceAttributor, build_messages, cite_with_support
 
 from .chat_models import from_engine_messages
 from .retrievers import document_to_chunk
@@ -69,7 +67,7 @@ def create_cited_qa_chain(
     if "attributed" in routes:
         embedder = embedder or getattr(retriever, "embedder", None)
         if embedder is None:
-            from snapkv_rag.rag import Embedder
+            from snapkv_rag.integrations import Embedder
 
             embedder = Embedder()
         attributor = EvidenceAttributor(getattr(embedder, "embedder", embedder))

@@ -21,7 +21,7 @@ from typing import Any
 from langchain_core.chat_history import BaseChatMessageHistory
 from langchain_core.messages import BaseMessage
 
-from snapkv_rag.agents import AgentMemory
+from snapkv_rag.integrations import AgentMemory
 
 from .chat_models import from_engine_messages, to_engine_messages
 

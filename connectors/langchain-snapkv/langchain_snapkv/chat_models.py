@@ -38,8 +38,7 @@ from langchain_core.utils.pydantic import is_basemodel_subclass
 from pydantic import ConfigDict, Field, PrivateAttr, model_validator
 
 from snapkv_rag import Engine, GenerationResult, ToolCallDelta
-from snapkv_rag.compression import as_policy
-from snapkv_rag.reuse.offered import check_kv_reuse, resolve_kv_reuse, reuse_kwargs, segment_store_at
+from snapkv_rag.integrations import as_policy, check_kv_reuse, resolve_kv_reuse, reuse_kwargs, segment_store_at
 
 PROVIDER = "snapkv"
 # Per-call keyword arguments passed to the engine as they are.
@@ -329,7 +328,7 @@ class ChatSnapKV(BaseChatModel):
         if self.engine is not None:
             return self.engine
         if self._engine is None:
-            from snapkv_rag.engine.shared import shared_engine
+            from snapkv_rag.integrations import shared_engine
 
             self._engine = shared_engine(self.model, device=self.device, dtype=self.dtype, prefix_cache_bytes=self.prefix_cache_bytes)
         return self._engine
@@ -339,7 +338,7 @@ class ChatSnapKV(BaseChatModel):
         model = kwargs.pop("model", None)
         if model is None or model == self.model_name:
             return self.client
-        from snapkv_rag.engine.shared import shared_engine
+        from snapkv_rag.integrations import shared_engine
 
         return shared_engine(model, device=self.device, dtype=self.dtype, prefix_cache_bytes=self.prefix_cache_bytes)
 

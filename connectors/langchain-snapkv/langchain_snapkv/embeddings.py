@@ -11,7 +11,7 @@ from typing import Any
 
 from langchain_core.embeddings import Embeddings
 
-from snapkv_rag.rag import Embedder
+from snapkv_rag.integrations import Embedder
 
 
 class SnapKVEmbeddings(Embeddings):

@@ -18,11 +18,7 @@ from langchain_core.vectorstores import VectorStore
 from pydantic import ConfigDict, Field
 
 from snapkv_rag import Engine
-from snapkv_rag.compression import as_policy
-from snapkv_rag.rag import DocumentStore, StuffedContext, StuffingRetriever
-from snapkv_rag.rag.store import StoredChunk
-from snapkv_rag.rag.stuffing import SYSTEM_PROMPT
-from snapkv_rag.reuse.offered import offer_segments
+from snapkv_rag.integrations import SYSTEM_PROMPT, DocumentStore, StoredChunk, StuffedContext, StuffingRetriever, as_policy, offer_segments
 
 
 def chunk_to_document(number: int, chunk: StoredChunk) -> Document:
@@ -139,7 +135,7 @@ class SnapKVStuffingRetriever(BaseRetriever):
             return self.engine
         if self.llm is not None:
             return self.llm.client
-        from snapkv_rag.engine.shared import shared_engine
+        from snapkv_rag.integrations import shared_engine
 
         return shared_engine("default")
 

@@ -33,7 +33,7 @@ from llama_index.llms.snapkv import (
     hide_file_metadata,
 )
 
-from snapkv_rag.rag.citations import parse_citations
+from snapkv_rag.integrations import parse_citations
 
 CORPUS = Path(__file__).resolve().parents[3] / "examples" / "sample_corpus"
 QUESTION = "What time does the first ferry leave Marrowick harbour on weekdays?"

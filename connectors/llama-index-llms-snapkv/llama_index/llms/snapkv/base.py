@@ -36,10 +36,8 @@ from llama_index.core.llms.llm import ToolSelection
 from llama_index.core.prompts import BasePromptTemplate
 
 from snapkv_rag import Engine, GenerationResult, ToolCallDelta
-from snapkv_rag.compression import as_policy
-from snapkv_rag.engine.shared import shared_engine
 from snapkv_rag.errors import PromptTooLongError
-from snapkv_rag.reuse.offered import check_kv_reuse, resolve_kv_reuse, reuse_kwargs, segment_store_at
+from snapkv_rag.integrations import as_policy, check_kv_reuse, resolve_kv_reuse, reuse_kwargs, segment_store_at, shared_engine
 
 from .messages import assistant_message, result_message, result_summary, to_engine_messages, tool_selections
 

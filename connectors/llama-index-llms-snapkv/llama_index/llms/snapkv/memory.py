@@ -14,7 +14,7 @@ from llama_index.core.base.llms.types import ChatMessage
 from llama_index.core.bridge.pydantic import Field, PrivateAttr
 from llama_index.core.memory.types import BaseMemory
 
-from snapkv_rag.agents import AgentMemory, RenderedHistory
+from snapkv_rag.integrations import AgentMemory, RenderedHistory
 
 from .messages import from_engine_message, to_engine_message
 

@@ -15,9 +15,7 @@ from llama_index.core.bridge.pydantic import Field, PrivateAttr
 from llama_index.core.postprocessor.types import BaseNodePostprocessor
 from llama_index.core.schema import MetadataMode, NodeWithScore, QueryBundle
 
-from snapkv_rag.rag.packing import pack_greedy
-from snapkv_rag.rag.stuffing import ContextBudgetError
-from snapkv_rag.reuse.offered import offer_segments
+from snapkv_rag.integrations import ContextBudgetError, offer_segments, pack_greedy
 
 #: CitationQueryEngine numbers its sources like this; pass it as ``node_header`` there.
 CITATION_HEADER = "Source {n}:\n"

@@ -17,7 +17,7 @@ def default_embed_model(**kwargs: Any):
     """``HuggingFaceEmbedding`` over the local all-MiniLM-L6-v2 (``default_embedder_path()``)."""
     from llama_index.embeddings.huggingface import HuggingFaceEmbedding
 
-    from snapkv_rag.rag.embeddings import default_embedder_path
+    from snapkv_rag.integrations import default_embedder_path
 
     kwargs.setdefault("device", "cpu")
     return HuggingFaceEmbedding(model_name=default_embedder_path(), **kwargs)
@@ -30,7 +30,7 @@ def chroma_vector_store(collection: str, *, path: str | None = None, url: str | 
     """
     from llama_index.vector_stores.chroma import ChromaVectorStore
 
-    from snapkv_rag.rag.store import make_client
+    from snapkv_rag.integrations import make_client
 
     client = make_client(path=path, url=url)
     chroma = client.get_or_create_collection(collection, embedding_function=None, metadata={"hnsw:space": "cosine"})

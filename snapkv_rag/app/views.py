@@ -10,11 +10,10 @@ from typing import Any
 import altair as alt
 import pandas as pd
 import streamlit as st
-from ui_config import COLORS, Settings
 
-from snapkv_rag.evaluation.metrics import citation_prf
-from snapkv_rag.rag import Answer
-from snapkv_rag.rag.kept import DocumentKept
+from snapkv_rag.integrations import Answer, DocumentKept, citation_prf
+
+from .config import COLORS, Settings
 
 
 def fmt_bytes(n: float) -> str:

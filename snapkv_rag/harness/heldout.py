@@ -1,6 +1,6 @@
 """Fidelity on held-out plain text (``snapkv-rag eval fidelity --text heldout``), with LESS rows.
 
-Prompts are consecutive windows of the LESS held-out split (:mod:`snapkv_rag.less.corpus`,
+Prompts are consecutive windows of the LESS held-out split (:mod:`snapkv_rag.training.corpus`,
 disjoint from the training split); the continuation is the text's own next tokens, teacher
 forced through each method's cache. Per prompt and method: mean KL(full || method) over the
 continuation and the perplexity of the continuation. For a LESS method at budget ``B`` the
@@ -24,7 +24,7 @@ from tqdm.auto import tqdm
 from ..compression import LESS
 from ..engine.generation import DecodeRun
 from ..engine.sampling import GenerationParams
-from ..less.corpus import heldout_prompts, heldout_starts
+from ..training.corpus import heldout_prompts, heldout_starts
 from .metrics import next_token_kl
 from .runner import FULL, Method, Record, common_fields
 

@@ -5,15 +5,13 @@ from __future__ import annotations
 import time
 
 import streamlit as st
-from ui_config import MAX_QUESTION_CHARS, Settings, checked_policy, reads_past_window
-from ui_views import Run, Turn, answer_markdown, md_escape, render_comparison, render_kept, render_run_caption, render_sources
 
 from snapkv_rag import Engine
-from snapkv_rag.compression import recording_kept_indices
-from snapkv_rag.errors import SnapKVRagError
-from snapkv_rag.rag import DocumentQA, DocumentStore
-from snapkv_rag.rag.kept import kept_per_document
-from snapkv_rag.rag.qa import small_model_note
+from snapkv_rag.integrations import DocumentQA, DocumentStore, kept_per_document, recording_kept_indices, small_model_note
+
+from ..errors import SnapKVRagError
+from .config import MAX_QUESTION_CHARS, Settings, checked_policy, reads_past_window
+from .views import Run, Turn, answer_markdown, md_escape, render_comparison, render_kept, render_run_caption, render_sources
 
 
 def ask_one(qa: DocumentQA, question: str, run: Run, settings: Settings, policy, target) -> None:

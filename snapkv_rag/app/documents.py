@@ -8,14 +8,24 @@ from typing import Any
 
 import pandas as pd
 import streamlit as st
-from ui_config import UPLOAD_TYPES, AppConfig, ingest_lock
-from ui_sidebar import list_collections
-from ui_views import md_escape
 
-from snapkv_rag.errors import SnapKVRagError
-from snapkv_rag.rag import DocumentStore, Embedder, IngestReport, Skipped
-from snapkv_rag.rag.intake import IntakeError, Upload, folder_files, remove_skipped_uploads, save_uploads
-from snapkv_rag.rag.store import validate_collection_name
+from snapkv_rag.integrations import (
+    DocumentStore,
+    Embedder,
+    IngestReport,
+    IntakeError,
+    Skipped,
+    Upload,
+    folder_files,
+    remove_skipped_uploads,
+    save_uploads,
+    validate_collection_name,
+)
+
+from ..errors import SnapKVRagError
+from .config import UPLOAD_TYPES, AppConfig, ingest_lock
+from .sidebar import list_collections
+from .views import md_escape
 
 
 def open_store(client, embedder: Embedder, cfg: AppConfig, name: str, *, create: bool) -> DocumentStore:

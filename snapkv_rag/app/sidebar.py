@@ -5,11 +5,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import streamlit as st
-from ui_config import KV_REUSE, KV_WIDTHS, METHODS, NEW_COLLECTION, AppConfig, Settings, checked_policy, load_engine, reads_past_window
-from ui_views import fmt_bytes
 
 from snapkv_rag import Engine
-from snapkv_rag.errors import SnapKVRagError
+
+from ..errors import SnapKVRagError
+from .config import KV_REUSE, KV_WIDTHS, METHODS, NEW_COLLECTION, AppConfig, Settings, checked_policy, load_engine, reads_past_window
+from .views import fmt_bytes
 
 
 def sidebar_model(cfg: AppConfig) -> tuple[Engine | None, str | None]:

@@ -5,8 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from ..cli_common import add_model_args, load_engine
-from ..rag.cli import add_store_args, open_store
+from ..cli_common import add_model_args, add_store_args, load_engine, open_store
 from .corpus import TEXTS
 
 DEFAULT_OUT = Path(__file__).parents[1] / "compression" / "less" / "shipped"  # kernels.SHIPPED_DIR, named here so --help loads no torch

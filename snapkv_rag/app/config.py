@@ -12,12 +12,7 @@ from typing import Any
 import streamlit as st
 
 from snapkv_rag import Engine
-from snapkv_rag.compression import LESS, as_policy
-from snapkv_rag.model.loading import cache_root
-from snapkv_rag.model.shipped_adapters import AUTO, adapter_option
-from snapkv_rag.rag import Embedder
-from snapkv_rag.rag.loaders import SUPPORTED_SUFFIXES
-from snapkv_rag.rag.store import default_store_dir, make_client
+from snapkv_rag.integrations import AUTO, LESS, SUPPORTED_SUFFIXES, Embedder, adapter_option, as_policy, cache_root, default_store_dir, make_client
 
 MAX_QUESTION_CHARS = 2000
 
@@ -164,7 +159,7 @@ class Settings:
 def reads_past_window(settings: Settings, engine: Engine | None, policy) -> bool:
     """Whether the stuffed context plus the answer exceed the model's window and ``policy`` reads
     such a prompt with a rolling prefill (the full cache cannot read it at all)."""
-    from snapkv_rag.rag.qa import rolls
+    from snapkv_rag.integrations import rolls
 
     context = engine.context_length if engine is not None else None
     return bool(context) and settings.context_tokens + settings.max_new_tokens > context and policy is not None and rolls(policy)

@@ -1,4 +1,4 @@
-"""``snapkv-rag app``: start the Streamlit document-QA app (apps/docqa/app.py) of a source checkout."""
+"""``snapkv-rag app``: start the Streamlit document-QA app (:mod:`.page`, shipped in the package)."""
 
 from __future__ import annotations
 
@@ -11,23 +11,15 @@ import subprocess
 import sys
 from pathlib import Path
 
-from .errors import SnapKVRagError
+from ..cli_common import add_model_args
+from ..errors import SnapKVRagError
 
-APP_SCRIPT = Path(__file__).resolve().parent.parent / "apps" / "docqa" / "app.py"
+APP_SCRIPT = Path(__file__).resolve().parent / "page.py"
 
 
 def add_app_parser(sub) -> None:
     p = sub.add_parser("app", help="start the Streamlit document-QA app in the browser")
-    p.add_argument("--model", default="default", help="'default' (embedded SmolLM2), a model dir, a .gguf file or a hub id")
-    p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
-    p.add_argument("--dtype", default=None, help="float32, bfloat16, float16")
-    p.add_argument("--weights", default=None, help="native (default) or int8: weight-only int8 linear layers on the CPU, faster decode, slightly less exact")
-    p.add_argument(
-        "--adapter",
-        default=None,
-        help="a LoRA adapter directory to merge (snapkv-rag tune); default: the embedded model's shipped adapter where it passed its gates",
-    )
-    p.add_argument("--base-model", action="store_true", help="load the bare model, without any adapter")
+    add_model_args(p, json_output=False)
     p.add_argument("--store", default=None, help="embedded Chroma directory (default ~/.cache/snapkv-rag/chroma)")
     p.add_argument("--chroma-url", default=None, help="a Chroma server instead of the embedded store, e.g. http://chroma:8000 (env SNAPKV_RAG_APP_CHROMA_URL)")
     p.add_argument("--uploads", default=None, help="where uploaded files are kept (default ~/.cache/snapkv-rag/uploads)")
@@ -72,7 +64,9 @@ def app_command(args: argparse.Namespace) -> list[str]:
     ]
     if args.base_model:
         command.append("--base-model")
-    for option in ("adapter", "device", "dtype", "weights", "store", "chroma_url", "uploads", "collection", "allow_folder_root"):
+    if args.adapter != "auto":  # else the app's own default (SNAPKV_RAG_APP_ADAPTER, or auto)
+        command += ["--adapter", args.adapter]
+    for option in ("device", "dtype", "weights", "store", "chroma_url", "uploads", "collection", "allow_folder_root"):
         value = getattr(args, option, None)
         if value is not None:
             command += [f"--{option.replace('_', '-')}", str(value)]
@@ -89,10 +83,8 @@ def is_loopback(host: str) -> bool:
 
 
 def cmd_app(args: argparse.Namespace) -> int:
-    if not APP_SCRIPT.is_file():
-        raise SnapKVRagError(f"the app ships with the source checkout ({APP_SCRIPT} is missing); clone the repository and pip install -e '.[app]'")
     if importlib.util.find_spec("streamlit") is None:
-        raise SnapKVRagError("the app needs Streamlit: pip install -e '.[app]' (scripts/setup.sh installs it)")
+        raise SnapKVRagError("the app needs Streamlit: pip install 'snapkv-rag[app]' (scripts/setup.sh installs it)")
     if not is_loopback(args.host) and not os.environ.get("SNAPKV_RAG_APP_PASSWORD", "").strip() and not args.no_password:
         blank = " (it is set, but only to whitespace)" if os.environ.get("SNAPKV_RAG_APP_PASSWORD") else ""
         raise SnapKVRagError(
