@@ -92,9 +92,8 @@ def __getattr__(name: str) -> Any:
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'snapkv_rag.integrations' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"snapkv_rag.{module}"), name)
-    globals()[name] = value
-    return value
+    # Looked up on every access, not cached here: the defining module stays the one place to patch.
+    return getattr(importlib.import_module(f"snapkv_rag.{module}"), name)
 
 
 def __dir__() -> list[str]:
