@@ -1,6 +1,6 @@
 """KV-cache compression policies and the machinery that applies them during prefill."""
 
-from .base import CompressionPolicy, keep_recent_and_top
+from .base import CompressionPolicy, SparsePolicy, keep_recent_and_top
 from .full import FullCache
 from .h2o import H2O
 from .less.policy import LESS
@@ -19,6 +19,7 @@ __all__ = [
     "POLICIES",
     "RandomKeep",
     "SnapKV",
+    "SparsePolicy",
     "StreamingLLM",
     "as_policy",
     "keep_recent_and_top",

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import torch
@@ -181,12 +182,11 @@ class CompressionPolicy(ABC):
         return PolicyState(self, sliding)
 
     def spec_fields(self) -> dict[str, Any]:
-        """The dataclass fields that rebuild this policy (decode settings only when set)."""
+        """The dataclass fields that rebuild this policy, the policy's own first, then the shared
+        options (:class:`SparsePolicy`) that are set."""
         fields = dataclasses.asdict(self)
-        for name in OPTIONAL_FIELDS:
-            if name in fields and fields[name] is None:
-                del fields[name]
-        return fields
+        optional = {name: fields.pop(name) for name in OPTIONAL_FIELDS if name in fields}
+        return fields | {name: value for name, value in optional.items() if value is not None}
 
     def settings(self) -> dict[str, Any]:
         out = {"method": self.name, **self.spec_fields()}
@@ -197,6 +197,23 @@ class CompressionPolicy(ABC):
         """The CLI string that rebuilds this policy."""
         fields = ",".join(f"{k}={v}" for k, v in self.spec_fields().items())
         return f"{self.name}:{fields}" if fields else self.name
+
+
+@dataclass(frozen=True)
+class SparsePolicy(CompressionPolicy):
+    """A policy that keeps a budget of the prompt's entries, with the options every such policy
+    takes, declared once (keyword-only, so each policy's own fields keep their positions)."""
+
+    decode_budget: int | None = field(default=None, kw_only=True)  # cut the cache back to this many entries per layer during decoding
+    decode_interval: int | None = field(default=None, kw_only=True)  # ... every this many generated tokens (None: 64)
+    rolling: int | None = field(default=None, kw_only=True)  # prefill this many prompt tokens at a time, cut back to the budget after each (engine/rolling.py)
+    kv_bits: int | None = field(default=None, kw_only=True)  # store kept entries in 8 or 4 bits (compression/quantized.py)
+
+    def check_shared_options(self) -> None:
+        """Validate the options above (call from ``__post_init__``)."""
+        self.check_decode_budget()
+        self.check_rolling()
+        self.check_kv_bits()
 
 
 def keep_all(batch: int, kv_heads: int, n: int, device: torch.device) -> torch.Tensor:

@@ -16,11 +16,11 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import InvalidCompressionError
-from .base import CompressionPolicy, check_choice, check_positive_int, keep_all, keep_recent_and_top, reduce_groups, window_attention
+from .base import SparsePolicy, check_choice, check_positive_int, keep_all, keep_recent_and_top, reduce_groups, window_attention
 
 
 @dataclass(frozen=True)
-class H2O(CompressionPolicy):
+class H2O(SparsePolicy):
     """Keep the ``recent`` last entries plus the prefix entries with the largest attention
     accumulated over *all* prompt queries. Queries are processed in chunks of
     ``query_chunk`` so no ``n x n`` matrix exists at once. ``recent`` defaults to half the budget.
@@ -31,10 +31,6 @@ class H2O(CompressionPolicy):
     recent: int | None = None
     gqa_reduce: str = "mean"
     query_chunk: int = 256
-    decode_budget: int | None = None  # cut the cache back to this many entries per layer during decoding
-    decode_interval: int | None = None  # ... every this many generated tokens (None: 64)
-    rolling: int | None = None  # prefill this many prompt tokens at a time, cut back to the budget after each (engine/rolling.py)
-    kv_bits: int | None = None  # store kept entries in 8 or 4 bits (compression/quantized.py)
 
     def __post_init__(self) -> None:
         check_positive_int("H2O", "max_capacity_prompt", self.max_capacity_prompt)
@@ -46,9 +42,7 @@ class H2O(CompressionPolicy):
         elif self.max_capacity_prompt < 2:
             raise InvalidCompressionError("H2O: max_capacity_prompt must be at least 2")
         check_choice("H2O", "gqa_reduce", self.gqa_reduce, ("mean", "max"))
-        self.check_decode_budget()
-        self.check_rolling()
-        self.check_kv_bits()
+        self.check_shared_options()
 
     @property
     def recent_tokens(self) -> int:

@@ -7,11 +7,11 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import InvalidCompressionError
-from .base import CompressionPolicy, check_positive_int, keep_all, keep_recent_and_top
+from .base import SparsePolicy, check_positive_int, keep_all, keep_recent_and_top
 
 
 @dataclass(frozen=True)
-class RandomKeep(CompressionPolicy):
+class RandomKeep(SparsePolicy):
     """Keep the ``recent`` last entries (the question) plus a uniformly random prefix subset.
 
     The draw depends only on ``seed`` and the shapes, so runs are reproducible.
@@ -21,10 +21,6 @@ class RandomKeep(CompressionPolicy):
     max_capacity_prompt: int = 1024
     seed: int = 0
     recent: int = 32
-    decode_budget: int | None = None  # cut the cache back to this many entries per layer during decoding
-    decode_interval: int | None = None  # ... every this many generated tokens (None: 64)
-    rolling: int | None = None  # prefill this many prompt tokens at a time, cut back to the budget after each (engine/rolling.py)
-    kv_bits: int | None = None  # store kept entries in 8 or 4 bits (compression/quantized.py)
 
     def __post_init__(self) -> None:
         check_positive_int("RandomKeep", "max_capacity_prompt", self.max_capacity_prompt)
@@ -32,9 +28,7 @@ class RandomKeep(CompressionPolicy):
         check_positive_int("RandomKeep", "recent", self.recent, minimum=0)
         if self.recent >= self.max_capacity_prompt:
             raise InvalidCompressionError(f"RandomKeep: recent ({self.recent}) must be smaller than max_capacity_prompt ({self.max_capacity_prompt})")
-        self.check_decode_budget()
-        self.check_rolling()
-        self.check_kv_bits()
+        self.check_shared_options()
 
     def select(self, queries, keys, attention_mask=None, *, scaling=None, protected=None):
         b, kv_heads, n, _ = keys.shape

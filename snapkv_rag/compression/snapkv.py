@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from ..errors import InvalidCompressionError
 from .base import (
-    CompressionPolicy,
+    SparsePolicy,
     check_choice,
     check_positive_int,
     keep_adaptive,
@@ -32,7 +32,7 @@ KEEP_EVERYTHING = 2**62  # the budget of a layer left whole
 
 
 @dataclass(frozen=True)
-class SnapKV(CompressionPolicy):
+class SnapKV(SparsePolicy):
     """Keep the ``window_size`` last prompt entries plus the ``max_capacity_prompt - window_size``
     prefix entries that the window's queries attend to most (votes summed over the window,
     reduced over each GQA group, then pooled over neighbouring positions).
@@ -88,10 +88,6 @@ class SnapKV(CompressionPolicy):
     head_budgets: str = "uniform"
     head_floor: float = 0.2  # adaptive heads: the share of a uniform head's voted entries each head is sure of
     whole_layers: int = 0
-    decode_budget: int | None = None  # cut the cache back to this many entries per layer during decoding
-    decode_interval: int | None = None  # ... every this many generated tokens (None: 64)
-    rolling: int | None = None  # prefill this many prompt tokens at a time, cut back to the budget after each (engine/rolling.py)
-    kv_bits: int | None = None  # store kept entries in 8 or 4 bits (compression/quantized.py)
 
     def __post_init__(self) -> None:
         check_positive_int("SnapKV", "max_capacity_prompt", self.max_capacity_prompt)
@@ -123,9 +119,7 @@ class SnapKV(CompressionPolicy):
             raise InvalidCompressionError(f"SnapKV: head_floor must be a number from 0 to 1, got {self.head_floor!r}")
         if self.ragged_heads and self.decode_budget is not None:
             raise InvalidCompressionError("SnapKV: decode_budget (decode-time cuts) does not combine with head_budgets='adaptive'")
-        self.check_decode_budget()
-        self.check_rolling()
-        self.check_kv_bits()
+        self.check_shared_options()
         if self.rolling is not None:
             if self.ragged_heads:
                 raise InvalidCompressionError("SnapKV: rolling= does not combine with head_budgets='adaptive' (per-head budgets)")

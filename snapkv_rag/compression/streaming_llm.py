@@ -11,20 +11,16 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import InvalidCompressionError
-from .base import CompressionPolicy, check_positive_int, keep_all, keep_recent_and_top
+from .base import SparsePolicy, check_positive_int, keep_all, keep_recent_and_top
 
 
 @dataclass(frozen=True)
-class StreamingLLM(CompressionPolicy):
+class StreamingLLM(SparsePolicy):
     """Keep the first ``sink_tokens`` real tokens and the last ``max_capacity_prompt - sink_tokens``."""
 
     name = "streamingllm"
     sink_tokens: int = 4
     max_capacity_prompt: int = 1024
-    decode_budget: int | None = None  # cut the cache back to this many entries per layer during decoding
-    decode_interval: int | None = None  # ... every this many generated tokens (None: 64)
-    rolling: int | None = None  # prefill this many prompt tokens at a time, cut back to the budget after each (engine/rolling.py)
-    kv_bits: int | None = None  # store kept entries in 8 or 4 bits (compression/quantized.py)
 
     def __post_init__(self) -> None:
         check_positive_int("StreamingLLM", "sink_tokens", self.sink_tokens, minimum=0)
@@ -33,9 +29,7 @@ class StreamingLLM(CompressionPolicy):
             raise InvalidCompressionError(
                 f"StreamingLLM: sink_tokens ({self.sink_tokens}) must be smaller than max_capacity_prompt ({self.max_capacity_prompt})"
             )
-        self.check_decode_budget()
-        self.check_rolling()
-        self.check_kv_bits()
+        self.check_shared_options()
 
     def select(self, queries, keys, attention_mask=None, *, scaling=None, protected=None):
         b, kv_heads, n, _ = keys.shape
