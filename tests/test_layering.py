@@ -1,12 +1,20 @@
 """The package's layering (docs/development.md, "Layers"): no import circle between any two
 modules, and no subpackage importing one above it or beside it. Imports are read from the
 source, every kind counted: at module level, inside functions (run time) and under
-``TYPE_CHECKING``."""
+``TYPE_CHECKING``.
+
+Around the package: the connectors, their examples, apps/ and the packaged app import only the
+public surface (``snapkv_rag``, ``snapkv_rag.errors``, ``snapkv_rag.integrations``, pinned here)
+and no private name; the package never imports the benchmarks (eval/), which may import the
+package (their own rules: tests/test_eval_suite.py)."""
 
 from __future__ import annotations
 
 import ast
+import sys
 from pathlib import Path
+
+import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "snapkv_rag"
 
@@ -181,3 +189,98 @@ def test_reading_imports_counts_function_level_and_type_checking_imports(tmp_pat
 def test_the_root_holds_few_modules():
     root = sorted(p.name for p in PACKAGE.glob("*.py") if p.name not in {"__init__.py", "__main__.py"})
     assert len(root) <= ROOT_MODULE_LIMIT, root
+
+
+# ----------------------------------------------------------------------------- around the package
+REPO = PACKAGE.parent
+# What code outside the package (connectors, their examples, apps) and the packaged app import.
+PUBLIC_SURFACE = {"snapkv_rag", "snapkv_rag.errors", "snapkv_rag.integrations"}
+
+
+def absolute_imports(path: Path) -> list[tuple[str, list[str], int]]:
+    """``(module, imported names, line)`` for every absolute import of ``snapkv_rag`` or ``eval`` in ``path``."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            found.append((node.module, [a.name for a in node.names], node.lineno))
+        elif isinstance(node, ast.Import):
+            found += [(a.name, [], node.lineno) for a in node.names]
+    return [(m, names, line) for m, names, line in found if m.split(".")[0] in ("snapkv_rag", "eval")]
+
+
+def outside_code() -> list[Path]:
+    """The connectors' packages and examples (not their tests) and apps/."""
+    paths = [p for p in (REPO / "connectors").rglob("*.py") if "tests" not in p.relative_to(REPO).parts]
+    return paths + list((REPO / "apps").rglob("*.py"))
+
+
+def surface_violations(paths: list[Path], allowed: set[str]) -> list[str]:
+    out = []
+    for path in paths:
+        for module, names, line in absolute_imports(path):
+            where = f"{path.relative_to(REPO) if path.is_relative_to(REPO) else path.name}:{line}"
+            if module not in allowed:
+                out.append(f"{where} imports {module}")
+            out += [f"{where} imports the private name {module}.{n}" for n in names if n.startswith("_")]
+    return out
+
+
+def test_connectors_and_apps_import_only_the_public_surface():
+    paths = outside_code()
+    assert len(paths) > 15
+    assert surface_violations(paths, PUBLIC_SURFACE) == []
+
+
+def test_the_packaged_app_imports_only_the_public_surface():
+    app = [p for p in (PACKAGE / "app").glob("*.py")]
+    assert surface_violations(app, PUBLIC_SURFACE | {f"snapkv_rag.app.{p.stem}" for p in app}) == []
+    relative = [
+        f"{p.name}:{node.lineno} imports ..{node.module}"
+        for p in app
+        for node in ast.walk(ast.parse(p.read_text()))
+        if isinstance(node, ast.ImportFrom) and node.level == 2 and node.module not in ("errors", "integrations", "cli_common")
+    ]
+    assert relative == []
+
+
+def test_the_surface_check_catches_an_internal_import(tmp_path):
+    bad = tmp_path / "glue.py"
+    bad.write_text("from snapkv_rag.engine.shared import shared_engine\nfrom snapkv_rag.integrations import _LAZY\nimport snapkv_rag\n")
+    assert surface_violations([bad], PUBLIC_SURFACE) == [
+        "glue.py:1 imports snapkv_rag.engine.shared",
+        "glue.py:2 imports the private name snapkv_rag.integrations._LAZY",
+    ]
+
+
+def test_the_package_never_imports_the_benchmarks():
+    found = [f"{p.relative_to(REPO)}:{line} imports {m}" for p in PACKAGE.rglob("*.py") for m, _, line in absolute_imports(p) if m.split(".")[0] == "eval"]
+    assert found == []
+
+
+# The public surface for integrations, pinned: removing or renaming a name breaks connectors and users.
+INTEGRATIONS = [
+    "AUTO", "AgentMemory", "Answer", "ContextBudgetError", "DocumentKept", "DocumentQA", "DocumentStore", "Embedder",
+    "EvidenceAttributor", "IngestReport", "IntakeError", "LESS", "RenderedHistory", "SUPPORTED_SUFFIXES", "SYSTEM_PROMPT",
+    "Skipped", "StoredChunk", "StuffedContext", "StuffingRetriever", "TEXT_ROUTES", "Upload", "adapter_option", "as_policy",
+    "build_messages", "cache_root", "check_kv_reuse", "citation_prf", "cite_with_support", "default_embedder_path",
+    "default_store_dir", "folder_files", "kept_per_document", "make_client", "offer_segments", "pack_greedy", "parse_citations",
+    "recording_kept_indices", "remove_skipped_uploads", "resolve_kv_reuse", "reuse_kwargs", "rolls", "save_uploads",
+    "segment_store_at", "shared_engine", "small_model_note", "validate_collection_name",
+]  # fmt: skip
+
+
+def test_the_integrations_surface_is_pinned_and_every_name_resolves():
+    import snapkv_rag.integrations as integrations
+
+    assert integrations.__all__ == sorted(INTEGRATIONS)
+    for name in integrations.__all__:
+        assert getattr(integrations, name) is not None, name
+    with pytest.raises(AttributeError, match="no attribute 'engine'"):
+        integrations.engine  # noqa: B018
+
+
+def test_importing_the_public_surface_loads_no_torch():
+    import subprocess
+
+    code = "import sys, snapkv_rag, snapkv_rag.integrations, snapkv_rag.errors; print('torch' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip() == "False"
