@@ -284,3 +284,18 @@ def test_importing_the_public_surface_loads_no_torch():
 
     code = "import sys, snapkv_rag, snapkv_rag.integrations, snapkv_rag.errors; print('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip() == "False"
+
+
+def test_no_two_package_folders_share_a_name():
+    folders = [p for p in PACKAGE.rglob("*") if p.is_dir() and (p / "__init__.py").exists()]
+    names = [p.name for p in folders]
+    assert len(folders) > 10
+    assert sorted({n for n in names if names.count(n) > 1}) == []
+
+
+def test_importing_the_package_installs_no_import_hooks():
+    """No compatibility shims: old module paths are not aliased by a finder on sys.meta_path."""
+    import subprocess
+
+    code = "import sys; before = list(sys.meta_path); import snapkv_rag, snapkv_rag.integrations; print(len(sys.meta_path) - len(before))"
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip() == "0"
