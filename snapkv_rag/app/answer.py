@@ -29,10 +29,11 @@ def ask_one(qa: DocumentQA, question: str, run: Run, settings: Settings, policy,
                 yield answer_markdown(piece)
 
         try:
-            text = st.write_stream(pieces())
+            written = st.write_stream(pieces())
         finally:
             stream.close()
-        if not (text or "").strip():
+        text = written if isinstance(written, str) else "".join(map(str, written))
+        if not text.strip():
             st.markdown("_(the model returned an empty answer)_")
     run.answer = stream.answer
     record = kept[-1] if kept else None

@@ -162,7 +162,9 @@ def reads_past_window(settings: Settings, engine: Engine | None, policy) -> bool
     from snapkv_rag.integrations import rolls
 
     context = engine.context_length if engine is not None else None
-    return bool(context) and settings.context_tokens + settings.max_new_tokens > context and policy is not None and rolls(policy)
+    if not context:
+        return False
+    return settings.context_tokens + settings.max_new_tokens > context and policy is not None and rolls(policy)
 
 
 def checked_policy(settings: Settings, engine: Engine | None):

@@ -70,7 +70,7 @@ def sidebar_collection(cfg: AppConfig, client) -> str:
 
 def sidebar_settings(engine: Engine | None) -> Settings:
     st.sidebar.subheader("Compression")
-    method = st.sidebar.selectbox("Method", list(METHODS), format_func=METHODS.get, index=1, key="method")
+    method = st.sidebar.selectbox("Method", list(METHODS), format_func=METHODS.__getitem__, index=1, key="method") or "snapkv"
     budget = st.sidebar.number_input(
         "KV budget (entries per layer and head)", min_value=8, max_value=1_000_000, value=256, step=64, key="budget", disabled=method == "full"
     )
@@ -79,7 +79,7 @@ def sidebar_settings(engine: Engine | None) -> Settings:
         window = st.sidebar.radio(
             "Observation window",
             ["question", "fixed"],
-            format_func={"question": "Question-aligned", "fixed": "Fixed"}.get,
+            format_func={"question": "Question-aligned", "fixed": "Fixed"}.__getitem__,
             horizontal=True,
             key="window",
             help="Question-aligned: the queries of the question (plus the template tail) vote for what to keep. Fixed: the last N prompt tokens.",
@@ -89,7 +89,7 @@ def sidebar_settings(engine: Engine | None) -> Settings:
     kv_bits = st.sidebar.selectbox(
         "Stored width of kept entries",
         list(KV_WIDTHS),
-        format_func=KV_WIDTHS.get,
+        format_func=KV_WIDTHS.__getitem__,
         key="kv_bits",
         help="8 or 4 bits: the kept keys (per channel) and values (per entry) are quantized after the prefill, "
         "the latest entries stay at full width (kv_bits=). Fewer bytes per entry, on top of what the budget drops.",
@@ -117,7 +117,7 @@ def sidebar_settings(engine: Engine | None) -> Settings:
     kv_reuse = st.sidebar.selectbox(
         "K/V reuse",
         list(KV_REUSE),
-        format_func=KV_REUSE.get,
+        format_func=KV_REUSE.__getitem__,
         key="kv_reuse",
         index=list(KV_REUSE).index(engine.recommended_kv_reuse) if engine is not None else 0,
         help="Chunks: each document's K/V is computed once, stored beside the collection and reused wherever it lands in a "

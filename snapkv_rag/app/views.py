@@ -65,6 +65,13 @@ class Run:
     kept: list[DocumentKept] | None = None  # per stuffed document; None when nothing was recorded
     kept_note: str | None = None
 
+    @property
+    def done(self) -> Answer:
+        """The finished answer: the views render only runs that finished."""
+        if self.answer is None:
+            raise RuntimeError(f"{self.label}: the run has not finished")
+        return self.answer
+
 
 @dataclass
 class Turn:
@@ -76,7 +83,7 @@ class Turn:
 
 
 def stats_row(run: Run) -> dict[str, str]:
-    a = run.answer
+    a = run.done
     s = a.result.stats
     kept = max(s.kept_tokens_per_layer) if s.kept_tokens_per_layer else 0
     row = {
@@ -155,7 +162,7 @@ def render_run_caption(run: Run) -> None:
 
 
 def render_comparison(full: Run, other: Run) -> None:
-    a, b = full.answer, other.answer
+    a, b = full.done, other.done
     f1 = citation_prf(cited_numbers(b), cited_numbers(a))[2]
     sa, sb = a.result.stats, b.result.stats
     c1, c2, c3, c4 = st.columns(4)
@@ -190,10 +197,10 @@ def decode_speedup(full, compressed) -> str:
 
 
 def kept_chart(run: Run) -> alt.Chart:
-    answer = run.answer
+    answer = run.done
     cited = set(cited_numbers(answer))
     rows, labels = [], []
-    for doc in run.kept:
+    for doc in run.kept or []:
         chunk = answer.context.chunks[doc.number - 1]
         label = f"[{doc.number}] {short(chunk.title or Path(chunk.file).stem, 34)}"
         labels.append(label)
@@ -228,7 +235,7 @@ def render_kept(run: Run) -> None:
         st.info(run.kept_note)
     if not run.kept:
         return
-    answer = run.answer
+    answer = run.done
     stats = answer.result.stats
     n = stats.prompt_tokens_padded
     kept_total = max(stats.kept_tokens_per_layer) if stats.kept_tokens_per_layer else n
@@ -252,8 +259,8 @@ def render_turn(turn: Turn, *, last: bool) -> None:
         if turn.error:
             for run in turn.runs:  # answers finished before the failure stay on the page
                 st.markdown(f"##### {run.label}")
-                st.markdown(answer_markdown(run.answer.text) or "_(empty answer)_")
-                render_sources(run.answer)
+                st.markdown(answer_markdown(run.done.text) or "_(empty answer)_")
+                render_sources(run.done)
             st.error(turn.error)
             return
         if len(turn.runs) == 2:
@@ -261,13 +268,13 @@ def render_turn(turn: Turn, *, last: bool) -> None:
             for col, run in zip(cols, turn.runs):
                 with col:
                     st.markdown(f"##### {run.label}")
-                    st.markdown(answer_markdown(run.answer.text) or "_(empty answer)_")
-                    render_sources(run.answer)
+                    st.markdown(answer_markdown(run.done.text) or "_(empty answer)_")
+                    render_sources(run.done)
             render_comparison(*turn.runs)
         else:
             run = turn.runs[0]
-            st.markdown(answer_markdown(run.answer.text) or "_(empty answer)_")
-            render_sources(run.answer)
+            st.markdown(answer_markdown(run.done.text) or "_(empty answer)_")
+            render_sources(run.done)
             render_run_caption(run)
         if turn.model_note:
             st.caption(turn.model_note)

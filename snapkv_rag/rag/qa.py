@@ -364,7 +364,7 @@ class DocumentQA:
 
         context = await asyncio.to_thread(self.retrieve, question)
         result = await self.engine.agenerate(context.messages, **self.generation_kwargs(context, compression=compression, **sampling))
-        return await asyncio.to_thread(self._answer, context, result)
+        return await asyncio.to_thread(self.answer_from, context, result)
 
     async def astream(self, question: str, *, compression: Any = _DEFAULT, **sampling: Any) -> AsyncIterator[str | Answer]:
         """Yield text pieces, then the :class:`Answer` last."""
@@ -374,4 +374,4 @@ class DocumentQA:
         stream = self.engine.astream(context.messages, **self.generation_kwargs(context, compression=compression, **sampling))
         async for piece in stream:
             yield piece
-        yield await asyncio.to_thread(self._answer, context, stream.result)
+        yield await asyncio.to_thread(self.answer_from, context, stream.result)
