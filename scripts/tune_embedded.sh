@@ -11,7 +11,7 @@ SHIPPED=snapkv_rag/tune/shipped/smollm2-135m-instruct
 .venv/bin/snapkv-rag tune train --out "$RUN"
 .venv/bin/snapkv-rag tune ship "$RUN/adapter"
 # the bare and the tuned model at once, one core and one thread each
-OMP_NUM_THREADS=1 taskset -c 0 .venv/bin/python eval/tune_gates.py --variant base > "$RUN/gates_base.log" 2>&1 &
-OMP_NUM_THREADS=1 taskset -c 1 .venv/bin/python eval/tune_gates.py --variant tuned --adapter "$SHIPPED" > "$RUN/gates_tuned.log" 2>&1 &
+OMP_NUM_THREADS=1 taskset -c 0 .venv/bin/python -m eval tune_gates --variant base > "$RUN/gates_base.log" 2>&1 &
+OMP_NUM_THREADS=1 taskset -c 1 .venv/bin/python -m eval tune_gates --variant tuned --adapter "$SHIPPED" > "$RUN/gates_tuned.log" 2>&1 &
 wait
-.venv/bin/python eval/tune_gates.py --table-only --manifest "$SHIPPED"
+.venv/bin/python -m eval tune_gates --table-only --manifest "$SHIPPED"

@@ -27,8 +27,9 @@ BLOCK = re.compile(r"(<!-- readme-example: (?P<tag>[\w-]+) -->\n)?```python\n(?P
 pytestmark = pytest.mark.integration
 
 
-# Site pages built from other files by docs/hooks.py: the README (tested on its own) and eval/RESULTS.md.
-GENERATED = {"index.md", "results.md"}
+# Site pages built from other files by docs/hooks.py: the README (tested on its own), eval/RESULTS.md
+# and each area's eval/<area>/RESULTS.md (results/<area>.md).
+GENERATED = {"index.md", "results.md", *(f"results/{page.parent.name}.md" for page in (ROOT / "eval").glob("*/RESULTS.md"))}
 
 
 def docs_pages() -> list[str]:

@@ -4,7 +4,7 @@ the adapter merged at load."""
 
 from __future__ import annotations
 
-import importlib.util
+import importlib
 import json
 import re
 from pathlib import Path
@@ -77,7 +77,7 @@ def _shingles(text: str, n: int = 6) -> set[tuple[str, ...]]:
     return {tuple(words[i : i + n]) for i in range(len(words) - n + 1)}
 
 
-def test_generated_data_shares_nothing_with_the_eval_text(monkeypatch):
+def test_generated_data_shares_nothing_with_the_eval_text():
     """The sample corpus, its questions and the eval's tool sets are what the gates measure on:
     no run of 8 words of a corpus document, and no run of 7 words of a question (a common frame
     such as "who is the artistic director of" is not the question), appears in generated text."""
@@ -91,16 +91,13 @@ def test_generated_data_shares_nothing_with_the_eval_text(monkeypatch):
     assert corpus and questions
     assert not set().union(*(_shingles(t, 8) for t in texts)) & corpus
     assert not set().union(*(_shingles(t, 7) for t in texts)) & questions
-    monkeypatch.syspath_prepend(str(ROOT / "eval"))
-    spec = importlib.util.spec_from_file_location("tool_decisions_eval", ROOT / "eval/tool_decisions.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = importlib.import_module("eval.agents.tool_decisions")
     eval_tools = {t["function"]["name"] for tools in module.TOOLSETS.values() for t in tools}
     assert eval_tools and not eval_tools & set(CANONICAL) and set(CANONICAL) >= {f.name for f in FAMILIES}
     prompts = {
         json.loads(line)["prompt"]
         for name in ("tool_decisions.jsonl", "tool_decisions_b.jsonl")
-        for line in (ROOT / "eval/data" / name).read_text().splitlines()
+        for line in (ROOT / "eval/agents/data" / name).read_text().splitlines()
         if line.strip()
     }
     assert not prompts & ({q for q, _ in NO_TOOL} | _user_texts(build_examples(0, 300)))
@@ -472,12 +469,8 @@ def test_a_finished_run_is_not_trained_again(smollm_tok, tmp_path):
     assert again["already_finished"] and json.loads(manifest.read_text())["gates"] == {"x": {"passed": True}}
 
 
-def _gates_module(monkeypatch):
-    monkeypatch.syspath_prepend(str(ROOT / "eval"))
-    spec = importlib.util.spec_from_file_location("tune_gates_eval", ROOT / "eval/tune_gates.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def _gates_module():
+    return importlib.import_module("eval.tune.tune_gates")
 
 
 def _answer_rows(variant, right, size="1K", setting="full", n=10, gold=(1,), cited=(1,)):
@@ -488,8 +481,8 @@ def _answer_rows(variant, right, size="1K", setting="full", n=10, gold=(1,), cit
     ]  # fmt: skip
 
 
-def test_the_gates_compare_like_with_like_and_fail_on_a_miss(monkeypatch):
-    gates = _gates_module(monkeypatch)
+def test_the_gates_compare_like_with_like_and_fail_on_a_miss():
+    gates = _gates_module()
     tools = lambda variant, right, false_calls: [  # noqa: E731
         {"part": "tools", "variant": variant, "prompt": f"p{i}", "tool": "t" if i < 5 else None, "right": i < right,
          "called": ["t"] if (i < 5 or i - 5 < false_calls) else [], "adapter_sha256": variant}

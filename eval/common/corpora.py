@@ -1,0 +1,61 @@
+"""The corpora the benchmarks answer questions over: the sample corpus and a generated one."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+from snapkv_rag.harness.rag_citation import RagQuestion, load_questions
+
+ROOT = Path(__file__).resolve().parents[2]
+
+CORPORA = ("sample", "generated")
+
+
+PLACES = [
+    "ferry terminal",
+    "weather station",
+    "archive",
+    "tram depot",
+    "lighthouse",
+    "market hall",
+    "seed bank",
+    "clock tower",
+    "water works",
+    "radio mast",
+    "boat yard",
+    "glass studio",
+]
+PEOPLE = ["Ada Quill", "Bram Osei", "Cora Lindqvist", "Dev Anand", "Elin Marsh", "Faisal Noor", "Greta Holm", "Hugo Varga"]
+
+
+def generated_corpus(folder: Path, documents: int = 120, seed: int = 0) -> list[RagQuestion]:
+    """``documents`` short reports about numbered sites, each with one unique code; a question per document."""
+    rng = random.Random(seed)
+    questions = []
+    for i in range(documents):
+        place = f"{PLACES[i % len(PLACES)]} {i // len(PLACES) + 1}"
+        code = f"{rng.choice('KMRTVX')}{rng.randint(100, 999)}"
+        keeper = rng.choice(PEOPLE)
+        opened = rng.randint(1890, 2015)
+        filler = " ".join(
+            f"Inspectors visited the {place} in {opened + k} and noted {rng.choice(['fresh paint', 'a new roof', 'repaired stairs', 'clean filters', 'a longer jetty'])}."
+            for k in range(6)
+        )
+        text = (
+            f"# Report on the {place}\n\nThe {place} opened in {opened} and is kept by {keeper}. {filler} "
+            f"The access code of the {place} is {code}. Visitors sign the book at the gate.\n"
+        )
+        (folder / f"site-{i:03d}.md").write_text(text)
+        questions.append(RagQuestion(f"What is the access code of the {place}?", code, [f"site-{i:03d}.md"]))
+    return questions
+
+
+def load_corpus(name: str, scratch: Path, questions: int | None = None) -> tuple[Path, list[RagQuestion]]:
+    """``(folder to ingest, questions)``: ``sample`` is examples/sample_corpus with its 40 questions;
+    ``generated`` writes 120 site reports under ``scratch`` and takes ``questions`` of them evenly."""
+    if name == "sample":
+        return ROOT / "examples/sample_corpus", load_questions(ROOT / "examples/sample_questions.jsonl", questions)
+    folder = scratch / "corpus"
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder, generated_corpus(folder)[:: max(1, 120 // (questions or 120))][:questions]

@@ -1,0 +1,30 @@
+"""How the benchmarks leave their results: records.jsonl and table.md under --out."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from pathlib import Path
+
+
+def write_records(out: Path, records: Iterable[dict]) -> None:
+    """One JSON line per record in ``out/records.jsonl`` (written before the table, so a long run's
+    records survive a failure while the table is built)."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "records.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+
+
+def read_records(out: Path, *, missing_ok: bool = False) -> list[dict]:
+    """The records a run left in ``out/records.jsonl`` (``missing_ok``: none yet is an empty list, not an error)."""
+    path = out / "records.jsonl"
+    if missing_ok and not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def write_table(out: Path, lines: list[str]) -> str:
+    """``lines`` as ``out/table.md``, printed; returns the table."""
+    table = "\n".join(lines)
+    (out / "table.md").write_text(table + "\n")
+    print(table)
+    return table
