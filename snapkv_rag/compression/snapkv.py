@@ -44,7 +44,7 @@ class SnapKV(SparsePolicy):
     template's tail, clipped to ``[min_window, max_window]``, before prefill. The question
     is the text the caller names (``question=``), else the last paragraph of the last user
     message. A fixed window of 32 takes in filler in front of a short question, whose
-    queries then outvote what the question asks for (eval/RESULTS.md, needle sensitivity).
+    queries then outvote what the question asks for (eval/compression/RESULTS.md, "SnapKV sensitivity").
 
     Two selection options from later work, off by default:
 

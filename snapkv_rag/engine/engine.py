@@ -129,11 +129,11 @@ class Engine:
 
         ``adapter``: a LoRA adapter directory merged at load (``snapkv-rag tune``); ``"auto"``
         (the default) merges the adapter shipped for the embedded model where it passed its
-        gates (eval/RESULTS.md, "A tuned embedded model") and nothing for other models; None
+        gates (eval/tune/RESULTS.md, "A tuned embedded model") and nothing for other models; None
         loads the bare model.
 
         ``weights``: ``"native"`` (None) or ``"int8"``: weight-only int8 linear layers, CPU only;
-        faster decode, slightly less exact (eval/RESULTS.md, "Weight-only int8"). ``pack_weights``:
+        faster decode, slightly less exact (eval/decoding/RESULTS.md, "Weight-only int8"). ``pack_weights``:
         None packs the CPU's linear weights for oneDNN once (:mod:`snapkv_rag.model.packed_linear`),
         False keeps PyTorch's plain layout.
         ``prefix_cache_bytes``, ``max_batch_size`` and ``prefill_chunk_tokens`` as in :class:`Engine`

@@ -70,7 +70,7 @@ _SCHEDULERS: weakref.WeakSet[Scheduler] = weakref.WeakSet()
 
 def default_max_batch_size(device: torch.device) -> int:
     """Rows decoded together by default: on a CPU a step's cost grows with the rows once the
-    weights stop dominating (measured in eval/RESULTS.md, "Continuous batching"); a GPU takes many more."""
+    weights stop dominating (measured in eval/serving/RESULTS.md, "Continuous batching"); a GPU takes many more."""
     return 64 if device.type == "cuda" else 16
 
 

@@ -1,4 +1,4 @@
-"""Metric definitions of ``docs/design/evaluation.md``: citations, agreement, KL, needle match.
+"""Metric definitions of ``docs/design/evaluation-method.md``: citations, agreement, KL, needle match.
 
 Citation markers are parsed by :func:`snapkv_rag.rag.citations.parse_citations` (document QA
 reads them too), exported here with the metrics."""

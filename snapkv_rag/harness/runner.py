@@ -1,6 +1,6 @@
 """Run the four evaluation tasks: compressed and uncompressed runs in one process, interleaved.
 
-Every record carries the settings of ``docs/design/evaluation.md``: model, method and its
+Every record carries the settings of ``docs/design/evaluation-method.md``: model, method and its
 settings (window, budget, kernel, pooling, question-aware), prompt length, batch size,
 dtype, device, threads and toolkit version.
 """

@@ -1,2 +1,2 @@
 """The model the engine runs: loading (``loading.py``), CPU weight layouts (``packed_linear.py``,
-``quantization.py``), OpenMP threads (``openmp.py``) and memory probes (``memory.py``)."""
+``quantization.py``), OpenMP threads (``openmp.py``) and peak-memory probes (``peak_memory.py``)."""

@@ -5,7 +5,7 @@ requests instead of giving it back, in one arena per thread that allocated (up t
 core), and raises its mmap threshold up to 32 MiB after a large block is freed, so K/V caches
 and activations of ever-new shapes come from those arenas and fragment them. A server's
 resident memory then grows with no plateau although the tensors in use do not
-(eval/RESULTS.md, "Server memory over a soak").
+(eval/serving/RESULTS.md, "Server memory over a soak").
 
 :func:`bound_allocator` (``snapkv-rag serve`` calls it before the model loads) caps the arenas
 and returns free pages to the system every few seconds (``malloc_trim``).

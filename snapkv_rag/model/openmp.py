@@ -5,7 +5,7 @@ OpenMP on Linux) lets idle pool threads spin between parallel regions only while
 has no more OpenMP threads than CPUs; past that, every thread sleeps at once and each of the
 hundreds of small parallel regions in a decode step pays a futex wake-up. So once the thread that
 loaded the model (or embedded a query) had a pool, a decode loop on another thread took 63-69 ms
-per token instead of 23-28 here (eval/RESULTS.md, "Packed weights and the caller's OpenMP
+per token instead of 23-28 here (eval/decoding/RESULTS.md, "Packed weights and the caller's OpenMP
 threads"). OpenMP 5's
 ``omp_pause_resource_all`` frees the calling thread's pool; torch builds a new one if that thread
 runs torch again. Where no OpenMP runtime with that call is loaded, nothing happens.

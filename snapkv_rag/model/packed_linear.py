@@ -6,11 +6,11 @@ that reorder (one more pass over every weight per token) cost about a third of t
 model's step here. :class:`PackedLinear` keeps the weight in the blocked layout from load time
 on: the decoder's linear layers took 1.4-1.6x less time for 1 to 16 rows and 1.05-1.2x less for
 prefill chunks of 512-2048 rows in bf16 with bitwise identical results; 1.5-2.2x less in fp32,
-within 1e-4 (another kernel: a different summation order). eval/RESULTS.md, "Packed weights".
+within 1e-4 (another kernel: a different summation order). eval/decoding/RESULTS.md, "Packed weights".
 
 Sibling layers that read the same input (a layer's query, key and value projections; the MLP's
 gate and up projections) are packed as one weight (:class:`FusedLinears`): one oneDNN call instead
-of three or two, 5-7% off a decode step here (eval/RESULTS.md, "Fused projections"). Which layers
+of three or two, 5-7% off a decode step here (eval/decoding/RESULTS.md, "Fused projections"). Which layers
 share an input is found by running the model once on two tokens, so no model family is named.
 
 The packed tensor is opaque and has no gradient, so a forward that needs one (LESS distillation

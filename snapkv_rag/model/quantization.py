@@ -5,7 +5,7 @@ reading the weights: int8 halves the bytes of bf16. The matrix products run in P
 ``aten._weight_int8pack_mm`` kernel (per-output-channel scales, activations in the model's dtype;
 the output head stays in the model's dtype, see :func:`quantize_linear_weights`); with few rows
 it is 2-4x faster than a bf16 ``linear`` here, though the whole decode step was not faster
-(eval/RESULTS.md, "Weight-only int8"). With many rows (a prefill chunk) that kernel is slower than a dequantized ``linear``, so
+(eval/decoding/RESULTS.md, "Weight-only int8"). With many rows (a prefill chunk) that kernel is slower than a dequantized ``linear``, so
 those take the dequantized path. torchao's int8 weight-only tensors reach a kernel like this one
 through tensor-subclass dispatch, which in eager mode made decode slower, not faster.
 """
@@ -86,7 +86,7 @@ def quantize_linear_weights(model: nn.Module, *, output_head: bool = False) -> i
 
     The output head stays in the model's dtype unless ``output_head``: on the embedded model an
     int8 head doubled the next-token KL that int8 adds (0.0043 against 0.0023 over fp32, bf16
-    itself 0.0009) for about 2 ms of a decode step (eval/RESULTS.md, "Weight-only int8")."""
+    itself 0.0009) for about 2 ms of a decode step (eval/decoding/RESULTS.md, "Weight-only int8")."""
     if not int8_kernel_available():
         raise InvalidDeviceError(f"weights='int8' needs torch.ops.aten._weight_int8pack_mm, which torch {torch.__version__} lacks")
     get_head = getattr(model, "get_output_embeddings", None)
@@ -104,7 +104,7 @@ def choose_weights(weights: str | None, device: torch.device) -> str:
     """The weight format to load: ``"native"`` (also for None) or ``"int8"``.
 
     int8 is an option, not the default: on the embedded model it decodes faster but answered 2-3
-    fewer of the 40 sample questions than bf16, which lost none (eval/RESULTS.md, "Weight-only int8")."""
+    fewer of the 40 sample questions than bf16, which lost none (eval/decoding/RESULTS.md, "Weight-only int8")."""
     fmt = "native" if weights is None else str(weights).lower()
     if fmt not in WEIGHT_FORMATS:
         raise InvalidDeviceError(f"unknown weights format {weights!r}; choose one of {', '.join(WEIGHT_FORMATS)}")

@@ -2,7 +2,7 @@
 
 ``snapkv_rag/tune/shipped/<name>/`` holds an adapter trained by ``snapkv-rag tune train`` and
 its manifest. The embedded model loads with it (merged) only when the manifest records gate
-results (eval/tune_gates.py) and every gate passed; otherwise, and with ``adapter=None``
+results (eval/tune/tune_gates.py) and every gate passed; otherwise, and with ``adapter=None``
 (``--base-model``), the bare model loads.
 """
 
@@ -69,7 +69,7 @@ def adapter_note(adapter: str | Path | None, *, embedded: bool) -> str:
 def ship_adapter(source: str | Path, name: str = EMBEDDED_ADAPTER) -> Path:
     """Copy the adapter in ``source`` into the package as ``name``'s shipped adapter, its
     weights in float16 (half the bytes; the merge computes in float32). Its manifest comes
-    along with ``gates`` reset: the copy is measured again (eval/tune_gates.py) before the
+    along with ``gates`` reset: the copy is measured again (eval/tune/tune_gates.py) before the
     engine loads it by default. Written beside the target and swapped in whole."""
     import json
     import shutil

@@ -17,7 +17,7 @@ calculates ("7,699 * 10 = 76,990") is checked too: a result the arithmetic gives
 looked for in the documents, but a wrong result ("7,699 * 10 = 769"), or an operand no chunk
 holds, leaves the sentence not supported at all, since its claim is the calculation.
 
-Choice by measurement (eval/RESULTS.md, "Citations on the RAG pipeline"): on 40 questions
+Choice by measurement (eval/rag/RESULTS.md, "Citations on the RAG pipeline"): on 40 questions
 over the sample corpus, the uncompressed model's answers attributed with "hybrid",
 "embedding" and "lexical" reached gold F1 0.693, 0.709 and 0.711 at their best settings,
 too close to call on 40 questions, so the method stays "hybrid". The threshold did not
@@ -39,8 +39,8 @@ from .embeddings import Embedder
 
 METHODS = ("hybrid", "embedding", "lexical")
 DEFAULT_THRESHOLDS = {"hybrid": 0.6, "embedding": 0.3, "lexical": 0.3}
-DEFAULT_MARGINS = {"hybrid": 0.2, "embedding": 0.1, "lexical": 0.2}  # eval/RESULTS.md, "Citations on the RAG pipeline"
-DEFAULT_ATTENTION_WEIGHT = 0.25  # the attention route: the least harmful weight measured (eval/RESULTS.md, "Citations from the run's own attention")
+DEFAULT_MARGINS = {"hybrid": 0.2, "embedding": 0.1, "lexical": 0.2}  # eval/rag/RESULTS.md, "Citations on the RAG pipeline"
+DEFAULT_ATTENTION_WEIGHT = 0.25  # the attention route: the least harmful weight measured (eval/rag/RESULTS.md, "Citations from the run's own attention")
 _MARKER = re.compile(r"\[\s*\d+(?:\s*[,;]\s*\d+)*\s*\]")
 # A sentence ends at . ! or ? (then closing quotes and any [n] markers, which stay with it) before
 # whitespace and a capital or a digit, or at a line break; "6:40 a.m. on weekdays" and "3.40" go on.

@@ -40,7 +40,7 @@ class Embedder:
         # Where loading and encoding run; StuffingRetriever (so DocumentQA) and the server set an
         # engine's run_on_model.
         # On a CPU, torch work on a second thread (a second OpenMP pool) made the engine's decode
-        # steps 2-3x slower for the rest of the process (eval/RESULTS.md, "Weight-only int8").
+        # steps 2-3x slower for the rest of the process (eval/decoding/RESULTS.md, "Weight-only int8").
         self.runner: Callable[[Callable[[], Any]], Any] | None = None
 
     @cached_property

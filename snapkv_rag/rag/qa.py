@@ -26,10 +26,10 @@ from .store import DocumentStore, StoredChunk
 from .stuffing import SYSTEM_PROMPT, StuffedContext, StuffingRetriever, chunk_segment
 
 ROUTES = ("generated", "attributed", "attention")
-DEFAULT_LOOKUP_TOKENS = 4  # set by eval/lookup_bench.py (eval/RESULTS.md, "Prompt-lookup drafts")
+DEFAULT_LOOKUP_TOKENS = 4  # set by eval/decoding/lookup_bench.py (eval/decoding/RESULTS.md, "Prompt-lookup drafts")
 TEXT_ROUTES = ("generated", "attributed")  # the routes computed from an answer's text alone
 # Question-aligned observation window (the question plus the template tail, 8-64 tokens) and,
-# where the prompt is at least twice the budget, 16-token spans (eval/RESULTS.md, "Selection
+# where the prompt is at least twice the budget, 16-token spans (eval/compression/RESULTS.md, "Selection
 # options against answers"): over 40 questions at 2K and 4K stuffed tokens, 4x and 8x, spans of
 # 16 lost 35 right answers against 46 for token-level top-k; at 1.03x and 1.5x they lost one
 # more each (2 against 1, 1 against 0), so shallow cuts stay token-level.
@@ -241,7 +241,7 @@ class DocumentQA:
     ``keep_labels``: every compressed layer keeps each document's opening line (``[n] title``,
     the engine's ``keep_texts``), so the numbers an answer cites are never evicted.
     ``prompt_lookup_num_tokens``: draft tokens looked up in the stuffed documents per decode
-    forward for greedy answers (the engine's option; 0: off); the default follows eval/RESULTS.md,
+    forward for greedy answers (the engine's option; 0: off); the default follows eval/decoding/RESULTS.md,
     "Prompt-lookup drafts".
     """
 

@@ -41,7 +41,7 @@ import torch
 
 from .segment_store import SegmentKV, SegmentKVStore
 
-#: Share of reused tokens recomputed by default (CacheBlend's 15%; see eval/RESULTS.md for the curve).
+#: Share of reused tokens recomputed by default (CacheBlend's 15%; see eval/reuse/RESULTS.md, "Chunk-level K/V reuse", for the curve).
 DEFAULT_RECOMPUTE = 0.15
 _OFFSET_CHECK = 37
 _REFUSED_ROPE_TYPES = ("dynamic", "longrope")

@@ -158,7 +158,7 @@ def reuse_tail(policy: CompressionPolicy | None) -> int | None:
 #: of the prompt attends to it through compression.runtime.cached_prefix_attention, at a causal
 #: prefill's cost per token, so reuse pays from small shares: on the embedded model 1.02-1.07x
 #: at 5-10% in fp32 (2.4K and 8K tokens) and 1.03x at 10% in bf16, but 0.88x at 5% in bf16 (2K),
-#: where the fixed cost of reusing outweighs 98 tokens (eval/RESULTS.md, "Exact prefix reuse at
+#: where the fixed cost of reusing outweighs 98 tokens (eval/reuse/RESULTS.md, "Exact prefix reuse at
 #: any share"). It was 0.5 while the rest went through an explicit mask (0.6-0.9x below half).
 MIN_REUSE_SHARE = 0.1
 #: The same in bf16/fp16, where reuse is not bit-exact (attention computed in two pieces rounds

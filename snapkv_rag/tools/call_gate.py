@@ -17,8 +17,8 @@ The call itself is then written under the grammar with the chosen tool forced, s
 match the schema. The gate is opt-in (``engine.call_gate = CallGate(...)``): on the embedded
 model a gate fitted on one tool set made 65-72% of the decisions on another set right (the
 model alone: 50%, never calling), short of the 80% that would justify a default, and a gate that
-never calls on one set's no-tool prompts called on others' (eval/RESULTS.md, "Tool decisions
-under tool_choice="auto""; ``eval/tool_decisions.py`` fits and checks it).
+never calls on one set's no-tool prompts called on others' (eval/agents/RESULTS.md, "Tool decisions
+under tool_choice="auto""; ``eval/agents/tool_decisions.py`` fits and checks it).
 """
 
 from __future__ import annotations

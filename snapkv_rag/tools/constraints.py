@@ -11,7 +11,7 @@ to close it (see :class:`JsonDepth`): a small model can loop inside a string val
 token budget runs out, and a truncated call or answer is useless, while a closed one with a
 short last value still parses and validates.
 
-Why llguidance and not xgrammar (both measured on CPU, see eval/RESULTS.md): its per-step
+Why llguidance and not xgrammar (both measured on CPU, see eval/agents/RESULTS.md, "Tool calling and structured output"): its per-step
 mask costs well under 1 ms on SmolLM2's 49K vocabulary (about 1% of a decode step), it is a
 single dependency-free wheel (xgrammar's wheel requires triton, about 1 GB, on Linux), and its
 Lark grammars with inline ``%json`` express "free text, or a call once the marker starts"

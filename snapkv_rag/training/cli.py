@@ -119,7 +119,7 @@ def add_less_parser(sub) -> None:
     g.add_argument("--continuation-tokens", type=int, default=64)
     g.add_argument("--no-per-layer", action="store_true", help="skip the exact-value-in-one-layer runs (one per layer and prompt)")
     g.add_argument("--threads", type=int, default=2, help="torch CPU threads (default 2)")
-    g.add_argument("--out", type=Path, default=Path("eval/results/less_gap"))
+    g.add_argument("--out", type=Path, default=Path("eval/compression/results/less_gap"))
     g.add_argument("--no-progress", action="store_true")
     g.set_defaults(func=cmd_less_gap)
 

@@ -50,7 +50,7 @@ def cmd_ship(args: argparse.Namespace) -> int:
     from ..model.shipped_adapters import ship_adapter
 
     target = ship_adapter(args.adapter)
-    print(f"shipped {args.adapter} as {target}; the engine loads it by default only once eval/tune_gates.py records that every gate passed")
+    print(f"shipped {args.adapter} as {target}; the engine loads it by default only once eval/tune/tune_gates.py records that every gate passed")
     return 0
 
 

@@ -34,7 +34,7 @@ BUDGETS = (500, 1000, 1500, 2000, 3000, 4000)
 BUDGET_WEIGHTS = (3, 4, 3, 3, 1, 1)
 KINDS = ("qa_one", "qa_two", "qa_none")
 # recipe 3: unanswerable questions were 2 in 10 in recipe 2, and the first adapter then said
-# "the documents do not say" to sample questions it could answer (eval/RESULTS.md, issue 47)
+# "the documents do not say" to sample questions it could answer (eval/tune/RESULTS.md, issue 47)
 KIND_WEIGHTS = (7, 2, 1)
 # Share of single questions that describe the entity ("the lighthouse in Quarrow") instead of
 # naming it: no document title matches them, so the fact must be found inside a document.

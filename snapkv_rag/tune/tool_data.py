@@ -8,7 +8,7 @@ continues after a tool result that the answer must use. Calls are written by
 
 Held out by tool (:data:`HELD_OUT_TOOLS`) and by template (the last request template of each
 tool, the last no-tool template): the training split uses neither. The eval's tool sets
-(eval/tool_decisions.py) share no tool name with these (a test checks).
+(eval/agents/tool_decisions.py) share no tool name with these (a test checks).
 """
 
 from __future__ import annotations

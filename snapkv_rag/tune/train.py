@@ -429,7 +429,7 @@ def _write_adapter(peft_model, state: dict[str, Any], config: TuneConfig, out: P
         "training": {k: state[k] for k in ("step", "examples_done", "tokens", "target_tokens", "skipped")}
         | {"minutes": round(state["seconds"] / 60, 1), "threads": torch.get_num_threads(), "cpu_count": os.cpu_count()},
         "heldout_loss": {"base": state.get("heldout_loss_base"), "tuned": state.get("heldout_loss_tuned"), "examples": config.eval_examples},
-        "gates": None,  # filled by eval/tune_gates.py; the engine loads the adapter by default only when every gate passed
+        "gates": None,  # filled by eval/tune/tune_gates.py; the engine loads the adapter by default only when every gate passed
     }
     (staging / MANIFEST_FILE).write_text(json.dumps(manifest, indent=1))
     shutil.rmtree(target, ignore_errors=True)

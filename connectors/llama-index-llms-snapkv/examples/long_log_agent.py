@@ -12,7 +12,7 @@ per model call the example prints prompt tokens, reused prefix tokens, KV entrie
 layer and the compression ratio.
 
 The 135M embedded model does not decide on its own when to call a tool (see the tool
-decisions table in eval/RESULTS.md), so "read part k" turns set LlamaIndex's own
+decisions table in eval/agents/RESULTS.md), so "read part k" turns set LlamaIndex's own
 ``initial_tool_choice="read_log"``; the call's arguments are the model's, under the engine's
 constrained decoding, and the answer after the tool result is under ``tool_choice="auto"``.
 """
