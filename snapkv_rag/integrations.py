@@ -1,13 +1,17 @@
 """What integrations build on: the one module the LangChain and LlamaIndex connectors, the app
 and your own framework glue import (besides :mod:`snapkv_rag` and :mod:`snapkv_rag.errors`).
 
-Everything here is public and kept stable; the subpackages behind it may move. Loaded on first
-use, so importing this module imports no torch.
+Everything here is public and kept stable; the modules that define these names (``rag.store``,
+``reuse.offered``, ``engine.shared`` ...) are internal and may move. Users' own code may also use the
+subpackages' facades (``snapkv_rag.rag``, ``.agents``, ``.compression``, ``.tools``: their ``__all__``);
+the connectors and the app import only this module, :mod:`snapkv_rag` and :mod:`snapkv_rag.errors`.
+Loaded on first use, so importing this module imports no torch.
 
 - **Engines**: :func:`shared_engine` (one engine per model and options, shared by every wrapper in
   the process), :func:`as_policy` (a spec string, a policy or None to a policy), :class:`LESS`,
   :func:`recording_kept_indices` (which prompt entries each layer kept).
-- **Documents**: :class:`DocumentStore`, :class:`DocumentQA` and its :class:`Answer`,
+- **Documents**: :class:`DocumentStore` (its errors :class:`StoreError`, :class:`StoreUnavailableError`,
+  :class:`EmptyCollectionError`), :class:`DocumentQA` and its :class:`Answer`,
   :class:`StuffingRetriever` and :class:`StuffedContext`, :func:`build_messages` and
   :data:`SYSTEM_PROMPT` (the stuffed prompt), :func:`pack_greedy` (fill a token budget),
   :class:`Embedder` and :func:`default_embedder_path`, :func:`make_client` (a Chroma client).
@@ -27,7 +31,7 @@ use, so importing this module imports no torch.
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 _LAZY = {
     # engines and compression
@@ -39,6 +43,8 @@ _LAZY = {
     "DocumentStore": "rag.store",
     "StoredChunk": "rag.store",
     "IngestReport": "rag.store",
+    "StoreError": "rag.store",
+    "StoreUnavailableError": "rag.store",
     "make_client": "rag.store",
     "default_store_dir": "rag.store",
     "validate_collection_name": "rag.store",
@@ -51,6 +57,7 @@ _LAZY = {
     "StuffingRetriever": "rag.stuffing",
     "StuffedContext": "rag.stuffing",
     "ContextBudgetError": "rag.stuffing",
+    "EmptyCollectionError": "rag.stuffing",
     "SYSTEM_PROMPT": "rag.stuffing",
     "build_messages": "rag.stuffing",
     "pack_greedy": "rag.packing",
@@ -85,6 +92,57 @@ _LAZY = {
     "adapter_option": "model.shipped_adapters",
 }
 
+if TYPE_CHECKING:  # the same names for type checkers (a test keeps these and _LAZY equal)
+    from .agents import AgentMemory as AgentMemory
+    from .agents import RenderedHistory as RenderedHistory
+    from .compression import LESS as LESS
+    from .compression import as_policy as as_policy
+    from .compression import recording_kept_indices as recording_kept_indices
+    from .engine.shared import shared_engine as shared_engine
+    from .harness.metrics import citation_prf as citation_prf
+    from .model.loading import cache_root as cache_root
+    from .model.shipped_adapters import AUTO as AUTO
+    from .model.shipped_adapters import adapter_option as adapter_option
+    from .rag.attribution import EvidenceAttributor as EvidenceAttributor
+    from .rag.citations import parse_citations as parse_citations
+    from .rag.embeddings import Embedder as Embedder
+    from .rag.embeddings import default_embedder_path as default_embedder_path
+    from .rag.intake import IntakeError as IntakeError
+    from .rag.intake import Upload as Upload
+    from .rag.intake import folder_files as folder_files
+    from .rag.intake import remove_skipped_uploads as remove_skipped_uploads
+    from .rag.intake import save_uploads as save_uploads
+    from .rag.kept import DocumentKept as DocumentKept
+    from .rag.kept import kept_per_document as kept_per_document
+    from .rag.loaders import SUPPORTED_SUFFIXES as SUPPORTED_SUFFIXES
+    from .rag.loaders import Skipped as Skipped
+    from .rag.packing import pack_greedy as pack_greedy
+    from .rag.qa import TEXT_ROUTES as TEXT_ROUTES
+    from .rag.qa import Answer as Answer
+    from .rag.qa import DocumentQA as DocumentQA
+    from .rag.qa import cite_with_support as cite_with_support
+    from .rag.qa import rolls as rolls
+    from .rag.qa import small_model_note as small_model_note
+    from .rag.store import DocumentStore as DocumentStore
+    from .rag.store import IngestReport as IngestReport
+    from .rag.store import StoredChunk as StoredChunk
+    from .rag.store import StoreError as StoreError
+    from .rag.store import StoreUnavailableError as StoreUnavailableError
+    from .rag.store import default_store_dir as default_store_dir
+    from .rag.store import make_client as make_client
+    from .rag.store import validate_collection_name as validate_collection_name
+    from .rag.stuffing import SYSTEM_PROMPT as SYSTEM_PROMPT
+    from .rag.stuffing import ContextBudgetError as ContextBudgetError
+    from .rag.stuffing import EmptyCollectionError as EmptyCollectionError
+    from .rag.stuffing import StuffedContext as StuffedContext
+    from .rag.stuffing import StuffingRetriever as StuffingRetriever
+    from .rag.stuffing import build_messages as build_messages
+    from .reuse.offered import check_kv_reuse as check_kv_reuse
+    from .reuse.offered import offer_segments as offer_segments
+    from .reuse.offered import resolve_kv_reuse as resolve_kv_reuse
+    from .reuse.offered import reuse_kwargs as reuse_kwargs
+    from .reuse.offered import segment_store_at as segment_store_at
+
 __all__ = sorted(_LAZY)
 
 
@@ -97,4 +155,4 @@ def __getattr__(name: str) -> Any:
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+    return list(__all__)

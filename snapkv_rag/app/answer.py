@@ -75,6 +75,7 @@ def answer_question(question: str, engine: Engine | None, engine_error: str | No
             turn.error = problem
             return turn
         turn.model_note = small_model_note(engine, "For better answers start the app with a larger instruct model: `snapkv-rag app --model PATH_OR_HUB_ID`.")
+        assert store is not None  # a missing or empty store was refused above
         # the chosen policy decides the stuffing: a sparse one may stuff past the window (rolling prefill)
         qa = DocumentQA(
             engine, store, compression=policy, context_tokens=settings.context_tokens, max_new_tokens=settings.max_new_tokens, kv_reuse=settings.kv_reuse
@@ -89,7 +90,7 @@ def answer_question(question: str, engine: Engine | None, engine_error: str | No
                     target.markdown(f"##### {run.label}")
                 ask_one(qa, question, run, settings, policy if run is runs[-1] else None, target)
                 with target:
-                    render_sources(run.answer)
+                    render_sources(run.done)
         except Exception as exc:  # say so in the page, keep the app running and every answer already made
             turn.error = str(exc) if isinstance(exc, SnapKVRagError) else f"Answering failed: {type(exc).__name__}: {exc}"
             turn.runs = [r for r in runs if r.answer is not None]

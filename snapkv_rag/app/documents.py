@@ -116,9 +116,9 @@ def documents_panel(cfg: AppConfig, client, embedder: Embedder, collection: str)
                 st.rerun()
             except SnapKVRagError as exc:
                 st.error(str(exc))
-        report = st.session_state.get("ingest_report")
-        if report and report["collection"] == collection:
-            render_report(report)
+        last = st.session_state.get("ingest_report")
+        if last and last["collection"] == collection:
+            render_report(last)
         if files:
             table = pd.DataFrame(
                 [

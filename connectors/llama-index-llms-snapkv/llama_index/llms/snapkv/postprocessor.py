@@ -1,6 +1,6 @@
 """``TokenBudgetPostprocessor``: keep as many retrieved nodes as fit the LLM's token budget.
 
-The packing is :func:`snapkv_rag.rag.packing.pack_greedy`, the same packer the RAG core's
+The packing is :func:`snapkv_rag.integrations.pack_greedy`, the same packer the RAG core's
 ``StuffingRetriever`` uses: nodes in rank order, each costed in the *LLM's* tokens (its
 header and separator included), taken while they fit, so the query engine's synthesizer
 sends one prompt instead of refining over several.
