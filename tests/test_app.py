@@ -351,9 +351,9 @@ def test_cli_app_command_line():
     after = command[command.index("--") + 1 :]
     assert after == ["--model", "/models/x", "--store", "/tmp/s"]
     bare = app_command(build_parser().parse_args(["app", "--base-model"]))
-    assert bare[bare.index("--") + 1 :] == ["--model", "default", "--base-model"]
+    assert bare[bare.index("--") + 1 :] == ["--base-model"]  # the model: the app's own default (SNAPKV_RAG_APP_MODEL)
     tuned = app_command(build_parser().parse_args(["app", "--adapter", "runs/a"]))
-    assert tuned[tuned.index("--") + 1 :] == ["--model", "default", "--adapter", "runs/a"]  # the app resolves it, in the same folder
+    assert tuned[tuned.index("--") + 1 :] == ["--adapter", "runs/a"]  # the app resolves it, in the same folder
 
 
 def test_app_reads_its_options_after_the_double_dash(monkeypatch):

@@ -59,9 +59,9 @@ def app_command(args: argparse.Namespace) -> list[str]:
         "--client.toolbarMode",
         "minimal",
         "--",
-        "--model",
-        args.model,
     ]
+    if args.model != "default":  # else the app's own default (SNAPKV_RAG_APP_MODEL, or the embedded model)
+        command += ["--model", args.model]
     if args.base_model:
         command.append("--base-model")
     if args.adapter != "auto":  # else the app's own default (SNAPKV_RAG_APP_ADAPTER, or auto)

@@ -12,6 +12,7 @@ from typing import Any
 import streamlit as st
 
 from snapkv_rag import Engine
+from snapkv_rag.cli_common import add_model_args
 from snapkv_rag.integrations import AUTO, LESS, SUPPORTED_SUFFIXES, Embedder, adapter_option, as_policy, cache_root, default_store_dir, make_client
 
 MAX_QUESTION_CHARS = 2000
@@ -58,13 +59,15 @@ class AppConfig:
 def app_config(argv: list[str] | None = None) -> AppConfig:
     """Options given after ``--`` to ``streamlit run``, falling back to environment variables."""
     env = os.environ.get
-    p = argparse.ArgumentParser(prog="apps/docqa/app.py", add_help=False, allow_abbrev=False)
-    p.add_argument("--model", default=env("SNAPKV_RAG_APP_MODEL", "default"))
-    p.add_argument("--device", default=env("SNAPKV_RAG_APP_DEVICE"))
-    p.add_argument("--dtype", default=env("SNAPKV_RAG_APP_DTYPE"))
-    p.add_argument("--weights", default=env("SNAPKV_RAG_APP_WEIGHTS"))
-    p.add_argument("--adapter", default=env("SNAPKV_RAG_APP_ADAPTER") or AUTO)
-    p.add_argument("--base-model", action="store_true")
+    p = argparse.ArgumentParser(prog="snapkv-rag app --", add_help=False, allow_abbrev=False)
+    add_model_args(p, json_output=False)  # the options of every command, with the app's environment variables as defaults
+    p.set_defaults(
+        model=env("SNAPKV_RAG_APP_MODEL", "default"),
+        device=env("SNAPKV_RAG_APP_DEVICE"),
+        dtype=env("SNAPKV_RAG_APP_DTYPE"),
+        weights=env("SNAPKV_RAG_APP_WEIGHTS"),
+        adapter=env("SNAPKV_RAG_APP_ADAPTER") or AUTO,
+    )
     p.add_argument("--store", default=env("SNAPKV_RAG_APP_STORE") or str(default_store_dir()))
     p.add_argument("--uploads", default=env("SNAPKV_RAG_APP_UPLOADS") or str(cache_root() / "uploads"))
     p.add_argument("--collection", default=env("SNAPKV_RAG_APP_COLLECTION", "documents"))
