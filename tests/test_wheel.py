@@ -42,7 +42,9 @@ def installed(tmp_path_factory) -> dict:
     shutil.copytree(ROOT / "snapkv_rag", source / "snapkv_rag", ignore=shutil.ignore_patterns("__pycache__"))
     dist = tmp / "dist"
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(dist), str(source)], check=True)
-    (wheel,) = dist.glob("snapkv_rag-*.whl")
+    from snapkv_rag import __version__
+
+    (wheel,) = dist.glob(f"snapkv_rag-{__version__}-*.whl")  # pyproject's version is the package's
     venv = tmp / "venv"
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
     python = venv / "bin" / "python"

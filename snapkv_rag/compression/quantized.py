@@ -27,7 +27,7 @@ from __future__ import annotations
 import math
 import threading
 from dataclasses import dataclass
-from typing import Self
+from typing import TYPE_CHECKING
 
 import torch
 from transformers.cache_utils import DynamicLayer
@@ -35,6 +35,9 @@ from transformers.cache_utils import DynamicLayer
 from ..errors import InvalidCompressionError
 from ..model.quantization import int8_kernel_available
 from .own_attention import active_layer, mask_decode_scores
+
+if TYPE_CHECKING:  # typing.Self is 3.11+; the package supports 3.10
+    from typing import Self
 
 KV_BITS = (8, 4)
 KEY_GROUP = 64  # entries per key-quantization group (each channel has its own scale per group)
