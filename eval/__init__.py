@@ -1,7 +1,9 @@
 """The benchmark suite: the scripts that measure snapkv-rag on the embedded model and write the
 numbers, tables and plots of RESULTS.md and its area pages. The evaluation harness they build on
 (``snapkv-rag eval``: needle, speed, fidelity, citation runs and their metrics) is the package's
-:mod:`snapkv_rag.harness`; this folder is not shipped.
+:mod:`snapkv_rag.harness`; this folder is not shipped. Benchmarks measure the package's internals,
+so unlike the connectors (held to :mod:`snapkv_rag.integrations`) they may import any of its modules,
+never a private name, nothing from tests or examples, and no ``sys.path`` edits.
 
 Each area folder (compression, decoding, reuse, rag, agents, serving, tune) holds benchmark
 modules, its page (``RESULTS.md``) and its ``results/``; ``common/`` holds what several share.
@@ -53,10 +55,16 @@ def _lookup(name: str) -> str | None:
 
 def run(argv: list[str]) -> int:
     """The runner behind ``python -m eval``; returns the exit status."""
-    if not argv or argv[0] in ("-h", "--help"):
+    if not argv:
+        print(USAGE, file=sys.stderr)
+        return 2
+    if argv[0] in ("-h", "--help"):
         print(USAGE + "\n\n" + __doc__.split("\n\n")[0])
-        return 0 if argv else 2
+        return 0
     if argv[0] == "--list":
+        if argv[1:]:
+            print(f"python -m eval --list takes no arguments, got {' '.join(argv[1:])}", file=sys.stderr)
+            return 2
         names = benchmarks()
         width = max(map(len, names))
         for name, module in names.items():

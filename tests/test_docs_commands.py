@@ -45,6 +45,9 @@ def shell_lines(body: str) -> list[str]:
         if line.endswith("\\"):
             pending += line[:-1] + " "
             continue
+        if out and not pending and line[:1].isspace() and line.lstrip().startswith(("[", "--")):  # a usage line wrapped
+            out[-1] += " " + line.strip()
+            continue
         line, pending = pending + line, ""
         if line.strip() and not line.lstrip().startswith("#"):
             out.append(line.strip())
@@ -55,7 +58,8 @@ def segments(line: str) -> list[str]:
     """The simple commands of a shell line (split at ``&&``, ``||``, ``;``, ``|``), each without
     leading ``VAR=value`` assignments, ``export``s, ``timeout N`` or a ``.venv/bin/`` prefix."""
     out = []
-    for part in re.split(r"\s*(?:&&|\|\||;|\|)\s*", line):
+    line = re.sub(r"\[([^\[\]|]*?)\s+\|\s+[^\[\]]*\]", r"[\1]", line)  # usage "[--store DIR | --chroma-url URL]": the first
+    for part in re.split(r"\s*(?:&&|\|\||;)\s*|\s+\|\s+", line):
         part = re.sub(r"\s+[12]?>\s*\S+|\s+&$", "", part).strip()  # redirections, background
         while True:
             stripped = re.sub(r"^(?:export\s+)?[A-Z_][A-Z0-9_]*=\S*\s*|^timeout\s+\d+\s+|^(?:OMP_NUM_THREADS=\d+\s+)?taskset\s+-c\s+\S+\s+", "", part)
@@ -100,6 +104,7 @@ def check_command(command: str, *, mention: bool = False) -> str | None:
     Usage brackets (``[--store DIR]``) are read as their contents; ``# ...`` ends the command."""
     try:
         argv = shlex.split(command.replace("[", " ").replace("]", " "), comments=True)
+        argv = [a.split("|")[0] if re.fullmatch(r"[\w.-]+(\|[\w.-]+)+", a) else a for a in argv]  # "needle|speed": the first
     except ValueError as exc:
         return f"does not split as a shell line: {exc}"
     if argv[0] == "snapkv-rag":
@@ -223,6 +228,14 @@ def test_the_checks_catch_what_they_are_for(tmp_path):
     assert check_command("snapkv-rag no-such-command", mention=True) is not None
     assert check_command("snapkv-rag ask 'q?' --collection c [--store DIR]   # a comment") is None
     assert check_command('snapkv-rag ask "..." --collection c [--compression ...] [--kv-cache-bytes N] ...') is None
+    assert shell_lines("snapkv-rag ask q --collection c\n    [--order score|source] [--no-such]\n") == [
+        "snapkv-rag ask q --collection c [--order score|source] [--no-such]"
+    ]
+    assert segments("snapkv-rag ingest P --collection c [--store DIR | --chroma-url URL] [--json]") == [
+        "snapkv-rag ingest P --collection c [--store DIR] [--json]"
+    ]
+    assert check_command("snapkv-rag ask q --collection c [--order score|source] [--no-such]") is not None
+    assert check_command("snapkv-rag eval needle|speed --budgets 256") is None
     assert check_command("python eval/no_such_script.py --x 1") is not None
     assert check_command("bash scripts/test.sh") is None
     assert check_command("python -m eval no_such_benchmark") is not None
@@ -238,5 +251,8 @@ def test_the_readme_is_a_front_door():
     assert len(lines) <= 90
     blocks = [s for s, mention in commands(ROOT / "README.md") if not mention]
     assert blocks[:2] == ["bash scripts/quickstart.sh", "bash scripts/test.sh"]
-    head = "\n".join(lines[:60])
-    assert "SnapKVLLM(" in head and "ChatSnapKV(" in head and "create_agent(" in head
+    examples = [m for m in FENCE.finditer("\n".join(lines)) if m.group("lang") == "python"]
+    llama_index, langchain = examples[0], examples[1]
+    assert "SnapKVLLM(" in llama_index.group("body") and "ChatSnapKV(" in langchain.group("body") and "create_agent(" in langchain.group("body")
+    last_code_line = "\n".join(lines).count("\n", 0, langchain.end("body"))  # its body ends with its last line's newline
+    assert last_code_line <= 60

@@ -36,13 +36,14 @@ def test_each_sparse_policy_takes_the_shared_options_from_one_declaration(policy
 
 
 def test_shared_options_are_declared_only_in_base():
+    """Fields on SparsePolicy; CompressionPolicy's class defaults are what the other policies
+    (FullCache, LESS) read; FullCache keeps kv_bits as its own field (the full cache in fewer bits)."""
     declaring = {
-        f"{path.name}:{cls}"
-        for path in COMPRESSION.rglob("*.py")
-        for cls, fields in declared_fields(path).items()
-        if {"decode_budget", "decode_interval", "rolling"} & fields
+        name: {f"{path.name}:{cls}" for path in COMPRESSION.rglob("*.py") for cls, fields in declared_fields(path).items() if name in fields} for name in SHARED
     }
-    assert declaring == {"base.py:SparsePolicy", "base.py:CompressionPolicy"}
+    for name in ("decode_budget", "decode_interval", "rolling"):
+        assert declaring[name] == {"base.py:SparsePolicy", "base.py:CompressionPolicy"}, name
+    assert declaring["kv_bits"] == {"base.py:SparsePolicy", "base.py:CompressionPolicy", "full.py:FullCache"}
 
 
 def test_spec_lists_the_policy_fields_first_and_only_the_shared_options_set():

@@ -116,7 +116,7 @@ class CompressionPolicy(ABC):
         return self
 
     # ------------------------------------------------------------ after the prefill
-    decode_budget: int | None = None  # sparse policies declare both as dataclass fields
+    decode_budget: int | None = None  # the fields are SparsePolicy's; policies without them read None
     decode_interval: int | None = None
 
     @property
@@ -147,7 +147,7 @@ class CompressionPolicy(ABC):
             raise InvalidCompressionError(f"{reason} (decode_budget is the budget of the decode-time cuts)") from None
 
     # ------------------------------------------------------------ rolling prefill
-    rolling: int | None = None  # sparse policies declare it as a dataclass field
+    rolling: int | None = None  # a SparsePolicy field; policies without it read None
 
     def check_rolling(self) -> None:
         """Validate ``rolling`` (call from ``__post_init__``)."""
@@ -155,7 +155,7 @@ class CompressionPolicy(ABC):
             check_positive_int(type(self).__name__, "rolling", self.rolling, minimum=MIN_ROLLING)
 
     # ------------------------------------------------------------ stored width
-    kv_bits: int | None = None  # every policy declares it as a dataclass field: 8 or 4 (None: full width)
+    kv_bits: int | None = None  # 8 or 4 (None: full width): a field of SparsePolicy and of FullCache
 
     def check_kv_bits(self) -> None:
         """Validate ``kv_bits`` (call from ``__post_init__``)."""

@@ -21,7 +21,13 @@ def _floats(text: str) -> list[float]:
 
 
 def add_eval_parser(sub) -> None:
-    parser = sub.add_parser("eval", help="evaluate compression methods against the uncompressed model")
+    parser = sub.add_parser(
+        "eval",
+        help="evaluate compression methods against the uncompressed model",
+        description="The evaluation harness (snapkv_rag.harness): needle, speed, fidelity and citation runs of compression "
+        "methods against the uncompressed model, on any model. The repository's benchmark suite, which uses it, is "
+        "`python -m eval --list` in a source checkout (eval/RESULTS.md).",
+    )
     tasks = parser.add_subparsers(dest="task", required=True)
     for name, help_text, lengths in (
         ("needle", "passkey exact match over depth x length x budget", "1000,2000"),
