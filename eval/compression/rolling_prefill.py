@@ -196,67 +196,16 @@ def memory_part(args) -> None:
     write_table(args.out, lines)
 
 
-# The tiny model and tokenizer of ``--part tiny``: the test suite's tiny random Llama (2 layers,
-# hidden size 64, 4 query and 2 KV heads) and its byte-level BPE tokenizer trained in memory,
-# written out here with the same settings so a benchmark needs nothing from tests/.
-TINY_CHAT_TEMPLATE = (
-    "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"
-)
-TINY_CORPUS = [
-    "The quick brown fox jumps over the lazy dog. The capital of France is Paris.",
-    "Long documents need compressed caches; SnapKV keeps what the question looks at.",
-    "Numbers like 1234 and 5678 appear in passkeys. Hello world, hello engine!",
-] * 20
-
-
-def build_tokenizer():
-    """A 400-token byte-level BPE tokenizer with a chat template (BOS 1, PAD 3, EOS 8)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    specials = ["<unk>", "<s>", "</s>", "<pad>", "<|user|>", "<|system|>", "<|assistant|>", "<|tool|>", "<|end|>"]
-    tok = Tokenizer(models.BPE(unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(TINY_CORPUS, trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="<|end|>", unk_token="<unk>", pad_token="<pad>")
-    fast.chat_template = TINY_CHAT_TEMPLATE
-    return fast
-
-
-def tiny_llama(vocab_size: int, *, context: int, seed: int = 0):
-    """A random 2-layer Llama (seeded) with a ``context``-token window."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    config = AutoConfig.for_model(
-        "llama",
-        vocab_size=vocab_size,
-        max_position_embeddings=context,
-        tie_word_embeddings=False,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        bos_token_id=1,
-        eos_token_id=8,
-        pad_token_id=3,
-        head_dim=16,
-    )
-    torch.manual_seed(seed)
-    return AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
-
-
 def tiny_part(args) -> None:
     from snapkv_rag.compression import parse_compression
     from snapkv_rag.engine.generation import DecodeRun
     from snapkv_rag.engine.preparation import resolve_policy
     from snapkv_rag.engine.prompts import render_prompt
     from snapkv_rag.engine.sampling import GenerationParams
+    from snapkv_rag.testing import build_tokenizer, tiny_model
 
     tokenizer = build_tokenizer()
-    engine = Engine(tiny_llama(len(tokenizer), context=65536), tokenizer, name="tiny-llama-64k")
+    engine = Engine(tiny_model("llama", len(tokenizer), context=65536), tokenizer, name="tiny-llama-64k")
     words = "alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike november oscar papa".split()
 
     def logits(prompt: str, spec: str | None) -> torch.Tensor:
