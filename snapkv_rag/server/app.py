@@ -52,7 +52,7 @@ class ServerConfig:
     room left in the context caps it too). ``embedder``: an :class:`~snapkv_rag.rag.Embedder`
     for ``/v1/embeddings`` (loaded on first use), or None to serve no embeddings.
     ``shutdown_grace``: seconds that generating requests get to finish at Ctrl+C or SIGTERM
-    (:mod:`.draining`)."""
+    (:mod:`.draining`). ``public_metrics``: serve ``/metrics`` without the API key."""
 
     def __init__(
         self,
@@ -70,6 +70,7 @@ class ServerConfig:
         max_queue: int = DEFAULT_MAX_QUEUE,
         backend=None,
         shutdown_grace: float = DEFAULT_SHUTDOWN_GRACE,
+        public_metrics: bool = False,
     ):
         if isinstance(default_max_tokens, bool) or not isinstance(default_max_tokens, int) or default_max_tokens < 1:
             raise ValueError(f"default_max_tokens must be a positive integer, got {default_max_tokens!r}")
@@ -93,6 +94,7 @@ class ServerConfig:
         self.allow_origins = tuple(allow_origins)
         self.max_queue = max_queue  # completion requests admitted at once (waiting or generating); more get 429
         self.shutdown_grace = shutdown_grace
+        self.public_metrics = public_metrics  # /metrics without the API key (where one is set)
         self.started = int(time.time())
 
 
@@ -100,10 +102,25 @@ def _error_response(exc: APIError) -> JSONResponse:
     return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
 
 
+def is_json_media_type(content_type: str) -> bool:
+    """``application/json`` (any parameters, e.g. ``; charset=utf-8``) or a ``+json`` type."""
+    media = content_type.split(";", 1)[0].strip().lower()
+    return media == "application/json" or (media.startswith("application/") and media.endswith("+json"))
+
+
 async def _json_body(request: Request, limit: int) -> Any:
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > limit:
         raise APIError(413, f"the request body has {int(declared)} bytes; this server takes at most {limit}", code="request_too_large")
+    # A web page can POST text/plain, a form or a typeless blob to localhost without a CORS
+    # preflight; only a JSON content type (which needs one) is read.
+    content_type = request.headers.get("content-type", "")
+    if not is_json_media_type(content_type):
+        raise APIError(
+            415,
+            f"the request body must be sent as Content-Type: application/json, not {content_type or 'without a Content-Type'}",
+            code="unsupported_media_type",
+        )
     raw = bytearray()
     async for piece in request.stream():
         raw += piece
@@ -124,15 +141,20 @@ async def _json_body(request: Request, limit: int) -> Any:
 
 
 class APIKeyMiddleware:
-    """Every ``/v1/`` request must carry ``Authorization: Bearer <api_key>`` (``/health`` and
-    CORS preflights need none); one 401 in OpenAI's error shape otherwise."""
+    """Every ``/v1/`` request, and ``/metrics`` unless ``public_metrics``, must carry
+    ``Authorization: Bearer <api_key>`` (``/health`` and CORS preflights need none); one 401 in
+    OpenAI's error shape otherwise."""
 
-    def __init__(self, app, api_key: str):
+    def __init__(self, app, api_key: str, public_metrics: bool = False):
         self.app = app
         self.key = api_key.encode()
+        self.public_metrics = public_metrics
+
+    def guarded(self, path: str) -> bool:
+        return path.startswith("/v1/") or (path.rstrip("/") == "/metrics" and not self.public_metrics)
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and scope["path"].startswith("/v1/") and scope["method"] != "OPTIONS":
+        if scope["type"] == "http" and self.guarded(scope["path"]) and scope["method"] != "OPTIONS":
             header = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
             scheme, _, token = header.partition(" ")
             if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.key):
@@ -320,8 +342,7 @@ def _completions(kind: str):
         except APIError as exc:
             metrics.finished(kind, exc.status)
             return _error_response(exc)
-        except Exception as exc:  # a bug, not bad input: still one OpenAI-shaped answer, and the traceback in the log
-            log.exception("request failed")
+        except Exception as exc:  # a bug, not bad input: one OpenAI-shaped answer with an id, the traceback in the log
             error = from_engine_error(exc, kind)
             metrics.finished(kind, error.status)
             return _error_response(error)
@@ -390,8 +411,7 @@ async def embeddings(request: Request):
     except APIError as exc:
         request.app.state.metrics.finished("embeddings", exc.status)
         return _error_response(exc)
-    except Exception as exc:
-        log.exception("embedding request failed")
+    except Exception as exc:  # a bug: logged with the id the answer carries
         error = from_engine_error(exc)
         request.app.state.metrics.finished("embeddings", error.status)
         return _error_response(error)
@@ -453,7 +473,7 @@ def create_app(config: ServerConfig) -> Starlette:
     if config.allow_origins:
         middleware.append(Middleware(CORSMiddleware, allow_origins=list(config.allow_origins), allow_methods=["GET", "POST"], allow_headers=["*"]))
     if config.api_key is not None:
-        middleware.append(Middleware(APIKeyMiddleware, api_key=config.api_key))
+        middleware.append(Middleware(APIKeyMiddleware, api_key=config.api_key, public_metrics=config.public_metrics))
     app = Starlette(
         routes=[
             Route("/v1/chat/completions", _completions("chat"), methods=["POST"]),

@@ -28,6 +28,7 @@ def add_serve_parser(sub) -> None:
         help="the model id clients send (default: the model's name, e.g. SmolLM2-135M-Instruct; the --model value is accepted too)",
     )
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (default: $SNAPKV_RAG_API_KEY, else no key)")
+    p.add_argument("--public-metrics", action="store_true", help="serve /metrics without the API key (default: behind it, where a key is set)")
     p.add_argument(
         "--default-max-tokens",
         type=int,

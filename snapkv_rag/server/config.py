@@ -107,4 +107,5 @@ def build_config(args: argparse.Namespace, engine=None, backend=None):
         max_queue=args.max_queue,
         backend=backend,
         shutdown_grace=args.shutdown_grace,
+        public_metrics=getattr(args, "public_metrics", False),
     )

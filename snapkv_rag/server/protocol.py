@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import base64
 import json
+import logging
 import math
 import time
 import uuid
@@ -92,7 +93,11 @@ def from_engine_error(exc: BaseException, kind: str = "chat") -> APIError:
         return invalid(message, param, "structured_output_error" if isinstance(exc, StructuredOutputError) else None)
     if isinstance(exc, RecursionError):
         return invalid("the request is nested too deeply")
-    return APIError(500, f"the server failed: {type(exc).__name__}: {exc}", type="server_error")
+    # A bug, not bad input: the client gets an id to quote, the log gets the exception (its text
+    # may hold a prompt's words, a path or another request's state, so it stays out of the answer).
+    incident = f"error-{uuid.uuid4().hex[:16]}"
+    logging.getLogger("snapkv_rag.server").error("%s: %s", incident, type(exc).__name__, exc_info=exc)
+    return APIError(500, f"the server failed on this request; its log has the details under {incident}", type="server_error", code=incident)
 
 
 # Labels of a request that change nothing in what the engine computes.

@@ -1,0 +1,86 @@
+"""Attacks on the server found by review (issue 64), each reproduced in process on a tiny model:
+a web page's blind POST, an unauthenticated scrape of /metrics, and a 500 that told the client
+what went wrong inside."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+from starlette.testclient import TestClient
+
+from snapkv_rag.server import ServerConfig, create_app
+
+CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "Say something."}], "max_tokens": 2}
+KEY = {"Authorization": "Bearer k3y"}
+
+
+@pytest.fixture(scope="module")
+def plain(engine):
+    with TestClient(create_app(ServerConfig(engine, model_id="tiny", compression="snapkv:budget=64"))) as client:  # one event loop for all requests
+        yield client
+
+
+@pytest.mark.parametrize("content_type", ["text/plain", "text/plain;charset=UTF-8", "application/x-www-form-urlencoded", "multipart/form-data", None])
+def test_a_body_a_web_page_can_send_without_a_preflight_is_refused_unread(plain, content_type):
+    import json
+
+    headers = {"content-type": content_type} if content_type else {}
+    response = plain.post("/v1/chat/completions", content=json.dumps(CHAT).encode(), headers=headers)
+    assert response.status_code == 415
+    assert response.json()["error"]["code"] == "unsupported_media_type"
+
+
+@pytest.mark.parametrize("content_type", ["application/json", "application/json; charset=utf-8", "Application/JSON"])
+def test_json_content_types_are_read(plain, content_type):
+    import json
+
+    response = plain.post("/v1/chat/completions", content=json.dumps(CHAT).encode(), headers={"content-type": content_type})
+    assert response.status_code == 200, response.text
+
+
+def test_the_size_bound_comes_before_the_media_type(engine):
+    client = TestClient(create_app(ServerConfig(engine, model_id="tiny", max_request_bytes=100)))
+    assert client.post("/v1/chat/completions", content=b"x" * 1000, headers={"content-type": "text/plain"}).status_code == 413
+
+
+def test_metrics_sit_behind_the_api_key_unless_made_public(engine):
+    guarded = TestClient(create_app(ServerConfig(engine, model_id="tiny", api_key="k3y")))
+    assert guarded.get("/metrics").status_code == 401
+    assert guarded.get("/metrics", headers=KEY).status_code == 200
+    assert guarded.get("/health").status_code == 200  # a load balancer's probe needs no key
+    public = TestClient(create_app(ServerConfig(engine, model_id="tiny", api_key="k3y", public_metrics=True)))
+    assert public.get("/metrics").status_code == 200
+    assert public.post("/v1/chat/completions", json=CHAT).status_code == 401
+    assert TestClient(create_app(ServerConfig(engine, model_id="tiny"))).get("/metrics").status_code == 200  # no key: nothing to guard
+
+
+def test_the_public_metrics_option_reaches_the_server_config(engine):
+    from snapkv_rag.cli import build_parser
+    from snapkv_rag.server.config import build_config
+
+    args = build_parser().parse_args(["serve", "--api-key", "k3y", "--public-metrics", "--embedder", "none"])
+    assert build_config(args, engine=engine).public_metrics is True
+    assert build_config(build_parser().parse_args(["serve", "--embedder", "none"]), engine=engine).public_metrics is False
+
+
+class BrokenBackend:
+    """A backend with a bug whose message holds what a client must not see."""
+
+    async def open(self, config, request):
+        raise RuntimeError("cannot read /srv/tenants/acme/secret-prompt.txt for user 42")
+
+    async def health(self):
+        return {"context_length": 512, "device": "cpu", "replicas": 1}
+
+
+def test_a_server_bug_answers_with_an_id_and_logs_the_details(caplog):
+    client = TestClient(create_app(ServerConfig(None, backend=BrokenBackend(), model_id="tiny")))
+    with caplog.at_level(logging.ERROR, logger="snapkv_rag.server"):
+        response = client.post("/v1/chat/completions", json=CHAT)
+    assert response.status_code == 500
+    error = response.json()["error"]
+    assert "secret" not in response.text and "/srv" not in response.text and "RuntimeError" not in response.text
+    assert error["type"] == "server_error" and error["code"].startswith("error-") and error["code"] in error["message"]
+    logged = [r for r in caplog.records if error["code"] in r.getMessage()]
+    assert logged and "secret-prompt.txt" in logging.Formatter().formatException(logged[0].exc_info)
