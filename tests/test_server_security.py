@@ -84,3 +84,38 @@ def test_a_server_bug_answers_with_an_id_and_logs_the_details(caplog):
     assert error["type"] == "server_error" and error["code"].startswith("error-") and error["code"] in error["message"]
     logged = [r for r in caplog.records if error["code"] in r.getMessage()]
     assert logged and "secret-prompt.txt" in logging.Formatter().formatException(logged[0].exc_info)
+
+
+@pytest.mark.parametrize("path", ["/etc/passwd", "/etc/nonexistent", "/root/.ssh", "snapkv_rag/compression/less/shipped"])
+def test_a_request_cannot_make_the_server_open_a_path(plain, monkeypatch, path):
+    """LESS kernels named in a request were loaded from the server's disk, and the error told a file
+    from a folder from nothing: a file-system probe. Now every path gets the same 400, unopened."""
+    import snapkv_rag.compression.less.kernels as kernels
+
+    def never(*args, **kwargs):
+        raise AssertionError("a request's path was opened")
+
+    monkeypatch.setattr(kernels, "load_kernels", never)
+    response = plain.post("/v1/chat/completions", json={**CHAT, "compression": f"less:base=snapkv,budget=256,kernels={path}"})
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert (error["param"], error["code"]) == ("compression", "unsupported_parameter")
+    assert path not in error["message"] and "exist" not in error["message"] and "readable" not in error["message"]
+
+
+def test_an_invalid_request_compression_is_a_400_before_anything_runs(plain):
+    response = plain.post("/v1/chat/completions", json={**CHAT, "compression": "snapkv:budget=-3"})
+    assert response.status_code == 400 and response.json()["error"]["param"] == "compression"
+
+
+def test_a_huge_schema_is_refused_by_its_size_before_it_is_compiled(plain, monkeypatch):
+    import snapkv_rag.tools.constraints as constraints
+
+    branches = [{"type": "object", "properties": {f"k{i}": {"const": i}}, "required": [f"k{i}"]} for i in range(8000)]
+    schema = {"type": "json_schema", "json_schema": {"name": "bomb", "schema": {"anyOf": branches}}}
+    monkeypatch.setattr(constraints, "grammar_for", lambda spec: pytest.fail("a schema over the bound reached the grammar"))
+    response = plain.post("/v1/chat/completions", json={**CHAT, "response_format": schema})  # 7.2 s of grammar compilation before
+    assert response.status_code == 400 and response.json()["error"]["code"] == "schema_too_large"
+    tools = [{"type": "function", "function": {"name": f"t{i}", "description": "x" * 100, "parameters": {"type": "object"}}} for i in range(1000)]
+    response = plain.post("/v1/chat/completions", json={**CHAT, "tools": tools})
+    assert response.status_code == 400 and response.json()["error"]["param"] == "tools"

@@ -297,7 +297,29 @@ def _common(body: Any, kind: str, accepted: set[str]) -> tuple[ParsedRequest, An
     fields = _validated(ChatFields if kind == "chat" else CompletionFields, body)
     include_usage = bool(fields.stream_options is not None and fields.stream_options.include_usage)
     request = ParsedRequest(kind, fields.model, None, bool(fields.stream), include_usage, fields.sampling(), compression=fields.compression)
+    if fields.compression is not None:
+        check_request_compression(fields.compression)
     return request, fields
+
+
+def check_request_compression(spec: str) -> None:
+    """A request's ``compression``, parsed before anything runs: an invalid spec is a 400 here, and
+    a spec naming LESS ``kernels=`` is refused before any path is opened (the file a request names
+    is the server's file system; the operator picks kernels with the server's --compression)."""
+    from ..compression import parse_compression
+    from ..compression.less.policy import LESS
+
+    try:
+        policy = parse_compression(spec)
+    except SnapKVRagError as exc:
+        raise invalid(str(exc), "compression") from None
+    if isinstance(policy, LESS) and policy.kernels is not None:
+        raise invalid(
+            "a request cannot name LESS kernels (kernels=...): they are files on the server; use less:base=...,budget=N "
+            "(the kernels shipped for this model), or ask the operator to start the server with --compression less:...,kernels=PATH",
+            "compression",
+            "unsupported_parameter",
+        )
 
 
 def _text_content(content: Any, where: str) -> str | None:
@@ -357,7 +379,27 @@ def chat_messages(messages: Any) -> list[dict[str, Any]]:
     return out
 
 
+# The most JSON text a request's tools or response_format may hold: a grammar is compiled from
+# them, whose cost grows with the schema (a 0.7 MB anyOf took 7 s of CPU before its 400).
+MAX_SCHEMA_CHARS = 65_536
+
+
+def _check_schema_sizes(body: Any) -> None:
+    if not isinstance(body, Mapping):
+        return
+    for key in ("tools", "response_format"):
+        if body.get(key) is None:
+            continue
+        try:
+            size = len(json.dumps(body[key], separators=(",", ":")))
+        except (TypeError, ValueError, RecursionError):
+            raise invalid(f"{key} is not a JSON value this server reads", key) from None
+        if size > MAX_SCHEMA_CHARS:
+            raise invalid(f"{key} has {size:,} characters of JSON; this server compiles at most {MAX_SCHEMA_CHARS:,}", key, "schema_too_large")
+
+
 def parse_chat_request(body: Any) -> ParsedRequest:
+    _check_schema_sizes(body)  # before any schema is validated or compiled
     request, fields = _common(body, "chat", CHAT_FIELDS)
     request.prompt = chat_messages(fields.messages)
     request.max_tokens = fields.max_completion_tokens if fields.max_completion_tokens is not None else fields.max_tokens
