@@ -119,3 +119,31 @@ def test_a_huge_schema_is_refused_by_its_size_before_it_is_compiled(plain, monke
     tools = [{"type": "function", "function": {"name": f"t{i}", "description": "x" * 100, "parameters": {"type": "object"}}} for i in range(1000)]
     response = plain.post("/v1/chat/completions", json={**CHAT, "tools": tools})
     assert response.status_code == 400 and response.json()["error"]["param"] == "tools"
+
+
+def test_slow_clients_hold_no_queue_place_and_are_cut_off(engine):
+    """Two sockets trickling a body used to take both places of --max-queue 2 for as long as they
+    liked: every real request got 429. Now a body is read before its request is admitted, within
+    the body timeout."""
+    import socket
+    import time
+
+    import httpx
+    from conftest import running
+
+    config = ServerConfig(engine, model_id="tiny", compression="snapkv:budget=64", max_queue=2, body_timeout=2.0)
+    with running(config) as url:
+        port = int(url.rsplit(":", 1)[1])
+        slow = []
+        for _ in range(4):  # more trickling sockets than queue places
+            s = socket.create_connection(("127.0.0.1", port))
+            s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 100000\r\n\r\n{")
+            slow.append(s)
+        time.sleep(0.3)  # the server has accepted them and is waiting for their bodies
+        response = httpx.post(url + "/v1/chat/completions", json=CHAT, timeout=60)
+        assert response.status_code == 200, response.text
+        for s in slow:
+            s.settimeout(10)
+            answer = s.recv(65536).decode("latin-1")
+            s.close()
+            assert answer.startswith("HTTP/1.1 408") and "request_timeout" in answer

@@ -26,7 +26,7 @@ from starlette.routing import Route
 
 from ..compression import as_policy
 from ..engine.results import kept_tokens_text
-from .defaults import DEFAULT_COMPRESSION, DEFAULT_MAX_QUEUE, DEFAULT_MAX_REQUEST_BYTES, DEFAULT_MAX_TOKENS, DEFAULT_SHUTDOWN_GRACE
+from .defaults import DEFAULT_BODY_TIMEOUT, DEFAULT_COMPRESSION, DEFAULT_MAX_QUEUE, DEFAULT_MAX_REQUEST_BYTES, DEFAULT_MAX_TOKENS, DEFAULT_SHUTDOWN_GRACE
 from .draining import Drain, shutting_down
 from .metrics import PieceClock, ServerMetrics
 from .protocol import (
@@ -52,7 +52,8 @@ class ServerConfig:
     room left in the context caps it too). ``embedder``: an :class:`~snapkv_rag.rag.Embedder`
     for ``/v1/embeddings`` (loaded on first use), or None to serve no embeddings.
     ``shutdown_grace``: seconds that generating requests get to finish at Ctrl+C or SIGTERM
-    (:mod:`.draining`). ``public_metrics``: serve ``/metrics`` without the API key."""
+    (:mod:`.draining`). ``public_metrics``: serve ``/metrics`` without the API key.
+    ``body_timeout``: seconds a request body may take to arrive (then 408)."""
 
     def __init__(
         self,
@@ -71,6 +72,7 @@ class ServerConfig:
         backend=None,
         shutdown_grace: float = DEFAULT_SHUTDOWN_GRACE,
         public_metrics: bool = False,
+        body_timeout: float = DEFAULT_BODY_TIMEOUT,
     ):
         if isinstance(default_max_tokens, bool) or not isinstance(default_max_tokens, int) or default_max_tokens < 1:
             raise ValueError(f"default_max_tokens must be a positive integer, got {default_max_tokens!r}")
@@ -95,6 +97,9 @@ class ServerConfig:
         self.max_queue = max_queue  # completion requests admitted at once (waiting or generating); more get 429
         self.shutdown_grace = shutdown_grace
         self.public_metrics = public_metrics  # /metrics without the API key (where one is set)
+        if isinstance(body_timeout, bool) or not isinstance(body_timeout, (int, float)) or not 0 < body_timeout < float("inf"):
+            raise ValueError(f"body_timeout must be a positive number of seconds, got {body_timeout!r}")
+        self.body_timeout = body_timeout  # seconds a request's body may take to arrive
         self.started = int(time.time())
 
 
@@ -108,7 +113,7 @@ def is_json_media_type(content_type: str) -> bool:
     return media == "application/json" or (media.startswith("application/") and media.endswith("+json"))
 
 
-async def _json_body(request: Request, limit: int) -> Any:
+async def _json_body(request: Request, limit: int, timeout: float = DEFAULT_BODY_TIMEOUT) -> Any:
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > limit:
         raise APIError(413, f"the request body has {int(declared)} bytes; this server takes at most {limit}", code="request_too_large")
@@ -121,11 +126,19 @@ async def _json_body(request: Request, limit: int) -> Any:
             f"the request body must be sent as Content-Type: application/json, not {content_type or 'without a Content-Type'}",
             code="unsupported_media_type",
         )
-    raw = bytearray()
-    async for piece in request.stream():
-        raw += piece
-        if len(raw) > limit:
-            raise APIError(413, f"the request body is over {limit} bytes, the most this server takes", code="request_too_large")
+
+    async def read() -> bytearray:
+        raw = bytearray()
+        async for piece in request.stream():
+            raw += piece
+            if len(raw) > limit:
+                raise APIError(413, f"the request body is over {limit} bytes, the most this server takes", code="request_too_large")
+        return raw
+
+    try:  # a client that trickles its body is cut off, and holds no place in the queue meanwhile
+        raw = await asyncio.wait_for(read(), timeout)
+    except TimeoutError:
+        raise APIError(408, f"the request body did not arrive within {timeout:g} s", code="request_timeout") from None
     try:
         body = json.loads(bytes(raw).decode("utf-8"))
         json.dumps(body, ensure_ascii=False).encode("utf-8")  # lone surrogate escapes ("\ud83d") fail here
@@ -309,13 +322,18 @@ def _completions(kind: str):
         if drain.begun:
             metrics.finished(kind, 503)
             return _error_response(shutting_down())
+        try:  # the whole body first: only a request that has arrived takes a place in the queue
+            body = await _json_body(request, config.max_request_bytes, config.body_timeout)
+        except APIError as exc:
+            metrics.finished(kind, exc.status)
+            return _error_response(exc)
         admission: Admission | None = Admission(request.app)
         assert admission is not None
         if not admission.enter():
             metrics.finished(kind, 429)
             return _queue_full(config)
         try:
-            parsed = parse(await _json_body(request, config.max_request_bytes))
+            parsed = parse(body)
             _check_model(parsed.model, config.model_id, config.aliases)
             request_id = new_id(kind)
             try:  # prompt errors (too long, bad tools) are found here, before a streamed 200 is sent
@@ -391,7 +409,7 @@ async def embeddings(request: Request):
             raise shutting_down()
         if config.embedder is None:
             raise APIError(404, "this server serves no embeddings (started with --embedder none)", code="model_not_found")
-        model, texts, encoding = parse_embedding_request(await _json_body(request, config.max_request_bytes))
+        model, texts, encoding = parse_embedding_request(await _json_body(request, config.max_request_bytes, config.body_timeout))
         _check_model(model, config.embedder_id, {config.embedder_id})
         embedder = config.embedder
 

@@ -13,7 +13,7 @@ from ..errors import SnapKVRagError
 
 
 def add_serve_parser(sub) -> None:
-    from .defaults import DEFAULT_COMPRESSION, DEFAULT_MAX_QUEUE, DEFAULT_MAX_REQUEST_BYTES, DEFAULT_MAX_TOKENS, DEFAULT_SHUTDOWN_GRACE
+    from .defaults import DEFAULT_BODY_TIMEOUT, DEFAULT_COMPRESSION, DEFAULT_MAX_QUEUE, DEFAULT_MAX_REQUEST_BYTES, DEFAULT_MAX_TOKENS, DEFAULT_SHUTDOWN_GRACE
 
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (chat, completions, embeddings)")
     add_model_args(p, json_output=False)
@@ -29,6 +29,12 @@ def add_serve_parser(sub) -> None:
     )
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (default: $SNAPKV_RAG_API_KEY, else no key)")
     p.add_argument("--public-metrics", action="store_true", help="serve /metrics without the API key (default: behind it, where a key is set)")
+    p.add_argument(
+        "--body-timeout",
+        type=float,
+        default=DEFAULT_BODY_TIMEOUT,
+        help=f"seconds a request body may take to arrive; slower clients get 408 and never hold a queue place (default {DEFAULT_BODY_TIMEOUT:g})",
+    )
     p.add_argument(
         "--default-max-tokens",
         type=int,

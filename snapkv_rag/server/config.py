@@ -8,6 +8,7 @@ import argparse
 import os
 
 from ..errors import SnapKVRagError
+from .defaults import DEFAULT_BODY_TIMEOUT
 
 
 def served_model_name(model: str) -> str:
@@ -47,6 +48,8 @@ def check_args(args: argparse.Namespace) -> None:
             raise SnapKVRagError(f"--{name.replace('_', '-')} must be at least {least}, got {value}")
     if args.prefill_chunk_tokens is not None and not (args.prefill_chunk_tokens == 0 or args.prefill_chunk_tokens >= 16):
         raise SnapKVRagError(f"--prefill-chunk-tokens must be 0 (whole prompts) or at least 16, got {args.prefill_chunk_tokens}")
+    if not 0 < getattr(args, "body_timeout", DEFAULT_BODY_TIMEOUT) <= 3600:  # NaN fails too
+        raise SnapKVRagError(f"--body-timeout must be more than 0 and at most 3600 seconds, got {args.body_timeout}")
     if not 0 <= args.shutdown_grace <= 3600:  # NaN fails too
         raise SnapKVRagError(f"--shutdown-grace must be 0-3600 seconds, got {args.shutdown_grace}")
 
@@ -108,4 +111,5 @@ def build_config(args: argparse.Namespace, engine=None, backend=None):
         backend=backend,
         shutdown_grace=args.shutdown_grace,
         public_metrics=getattr(args, "public_metrics", False),
+        body_timeout=getattr(args, "body_timeout", DEFAULT_BODY_TIMEOUT),
     )

@@ -8,3 +8,5 @@ DEFAULT_MAX_REQUEST_BYTES = 8 << 20  # a full 128K-token prompt is about 0.5 MB 
 DEFAULT_MAX_QUEUE = 64
 # Seconds that generating requests get to finish at Ctrl+C or SIGTERM; `docker stop` kills after 10.
 DEFAULT_SHUTDOWN_GRACE = 3.0
+# Seconds a request's body may take to arrive; a slower client gets 408 (it never held a queue place).
+DEFAULT_BODY_TIMEOUT = 30.0
