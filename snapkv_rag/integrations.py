@@ -22,7 +22,7 @@ Loaded on first use, so importing this module imports no torch.
   :func:`check_kv_reuse`, :func:`resolve_kv_reuse`, :func:`reuse_kwargs`, :func:`segment_store_at`.
 - **Agents**: :class:`AgentMemory` and :class:`RenderedHistory` (long tool logs kept on disk).
 - **Intake** (what the app's upload and folder panels use): :data:`SUPPORTED_SUFFIXES`,
-  :func:`save_uploads`, :func:`folder_files`, :func:`remove_skipped_uploads`, :class:`Upload`,
+  :func:`save_uploads`, :func:`folder_files`, :func:`remove_skipped_uploads`, :class:`Upload`, :data:`DEFAULT_MAX_FILE_BYTES` (the largest file read),
   :class:`IntakeError`, :class:`IngestReport`, :class:`Skipped`, :func:`validate_collection_name`,
   :func:`default_store_dir`, :func:`cache_root`.
 - **Adapters**: :func:`adapter_option` and :data:`AUTO` (the ``--adapter`` value every command takes).
@@ -80,6 +80,7 @@ _LAZY = {
     "RenderedHistory": "agents",
     # intake
     "SUPPORTED_SUFFIXES": "rag.loaders",
+    "DEFAULT_MAX_FILE_BYTES": "rag.loaders",
     "Skipped": "rag.loaders",
     "IntakeError": "rag.intake",
     "Upload": "rag.intake",
@@ -114,6 +115,7 @@ if TYPE_CHECKING:  # the same names for type checkers (a test keeps these and _L
     from .rag.intake import save_uploads as save_uploads
     from .rag.kept import DocumentKept as DocumentKept
     from .rag.kept import kept_per_document as kept_per_document
+    from .rag.loaders import DEFAULT_MAX_FILE_BYTES as DEFAULT_MAX_FILE_BYTES
     from .rag.loaders import SUPPORTED_SUFFIXES as SUPPORTED_SUFFIXES
     from .rag.loaders import Skipped as Skipped
     from .rag.packing import pack_greedy as pack_greedy

@@ -348,6 +348,13 @@ def test_cli_app_command_line():
     assert command[1:4] == ["-m", "streamlit", "run"] and command[4] == str(APP_SCRIPT)
     assert command[command.index("--server.port") + 1] == "9000"
     assert command[command.index("--server.address") + 1] == "127.0.0.1"
+    from snapkv_rag.integrations import DEFAULT_MAX_FILE_BYTES
+
+    assert int(command[command.index("--server.maxUploadSize") + 1]) * (1 << 20) == DEFAULT_MAX_FILE_BYTES  # not Streamlit's 200 MB
+    import tomllib
+
+    streamlit_config = tomllib.loads((Path(APP).parents[2] / ".streamlit" / "config.toml").read_text())
+    assert streamlit_config["server"]["maxUploadSize"] * (1 << 20) == DEFAULT_MAX_FILE_BYTES  # streamlit run apps/docqa/app.py
     after = command[command.index("--") + 1 :]
     assert after == ["--model", "/models/x", "--store", "/tmp/s"]
     bare = app_command(build_parser().parse_args(["app", "--base-model"]))

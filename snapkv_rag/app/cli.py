@@ -40,6 +40,13 @@ def add_app_parser(sub) -> None:
     p.set_defaults(func=cmd_app)
 
 
+def max_upload_mb() -> int:
+    """Streamlit's upload limit in MB: the largest file the loader reads (Streamlit's own default is 200)."""
+    from ..integrations import DEFAULT_MAX_FILE_BYTES
+
+    return max(1, DEFAULT_MAX_FILE_BYTES // (1 << 20))
+
+
 def app_command(args: argparse.Namespace) -> list[str]:
     """The ``streamlit run`` command line for ``args``."""
     command = [
@@ -58,6 +65,8 @@ def app_command(args: argparse.Namespace) -> list[str]:
         "false",
         "--client.toolbarMode",
         "minimal",
+        "--server.maxUploadSize",  # MB: no larger than the loader reads, so nothing bigger is written to disk first
+        str(max_upload_mb()),
         "--",
     ]
     if args.model != "default":  # else the app's own default (SNAPKV_RAG_APP_MODEL, or the embedded model)
