@@ -471,3 +471,33 @@ def test_killing_the_app_command_stops_streamlit(tmp_path):
         if proc.poll() is None:
             proc.kill()
         subprocess.run(["pkill", "-f", f"server.port {port}"], check=False)
+
+
+# ----------------------------------------------------------------------------- issue 64: untrusted text in the page
+PLANTED = [
+    "![pixel](http://attacker.example/p.png?leak=1)",
+    "[click here](http://attacker.example/x)",
+    "<img src=http://attacker.example/p.png>",
+    "\\![pixel](http://attacker.example/p.png)",  # a backslash meant to undo the escape
+    "<http://attacker.example/autolink>",
+]
+
+
+@pytest.mark.parametrize("planted", PLANTED)
+def test_answers_and_source_labels_render_no_link_image_or_tag(planted):
+    """A document can make the model repeat its text, and names its own title: neither may put an
+    image (a tracking pixel) or a link into the page."""
+    from types import SimpleNamespace as NS
+
+    from markdown_it import MarkdownIt
+
+    from snapkv_rag.app.views import answer_markdown, source_label
+
+    render = MarkdownIt("commonmark").render
+    answer = f"The ferry leaves at 6:40 [1]. {planted} It costs $5."
+    html = render(answer_markdown(answer))
+    assert "<img" not in html and "<a " not in html and "attacker.example" in html  # shown, as text
+    assert "[1]" in html and "$5" in html
+    chunk = NS(file=f"/docs/{planted[:20]}.md", title=planted, position=0)
+    html = render(source_label(1, chunk))
+    assert "<img" not in html and "<a " not in html

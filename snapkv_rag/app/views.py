@@ -36,8 +36,18 @@ def md_escape(text: str) -> str:
 
 
 def answer_markdown(text: str) -> str:
-    """Model text as markdown, with ``$`` kept literal (no LaTeX)."""
-    return text.replace("$", r"\$")
+    """Model text as markdown (emphasis and lists render), with ``$`` kept literal (no LaTeX) and
+    no link, image or tag: an answer repeats its documents, and a document must not plant a
+    tracking pixel or an exfiltration link in it. Brackets (``[1]``), angle brackets and the
+    backslash that could undo those escapes are shown as written."""
+    return re.sub(r"([\\\[\]<>$])", r"\\\1", text)
+
+
+def source_label(number: int, chunk) -> str:
+    """A source's expander label, ``[n] title · file · chunk k``, its document parts escaped."""
+    name = Path(chunk.file).name
+    title = chunk.title if chunk.title and chunk.title != Path(name).stem else ""
+    return md_escape(f"[{number}] {short(title, 40) + ' · ' if title else ''}{name} · chunk {chunk.position + 1}")
 
 
 def short(text: str, width: int = 48) -> str:
@@ -129,10 +139,7 @@ def render_sources(answer: Answer) -> None:
     st.markdown("**Sources**")
     routes = routes_of(answer)
     for number, chunk in sources:
-        name = Path(chunk.file).name
-        title = chunk.title if chunk.title and chunk.title != Path(name).stem else ""
-        label = f"[{number}] {short(title, 40) + ' · ' if title else ''}{name} · chunk {chunk.position + 1}"
-        with st.expander(label):
+        with st.expander(source_label(number, chunk)):
             cites = routes[number]
             how = ["cited by the model"] if any(c.route == "generated" for c in cites) else []
             scores = [c.score for c in cites if c.route == "attributed" and c.score is not None]
