@@ -47,7 +47,8 @@ def embedder():
 
 @pytest.fixture(scope="module")
 def base_url(engine, embedder):
-    with running(ServerConfig(engine, model_id="tiny", compression="snapkv:budget=64", embedder=embedder)) as url:
+    # max_prompt_tokens: rolled prompts past the tiny model's 512-token context are read (the default bound is the context)
+    with running(ServerConfig(engine, model_id="tiny", compression="snapkv:budget=64", embedder=embedder, max_prompt_tokens=20_000)) as url:
         yield url
 
 

@@ -147,3 +147,16 @@ def test_slow_clients_hold_no_queue_place_and_are_cut_off(engine):
             answer = s.recv(65536).decode("latin-1")
             s.close()
             assert answer.startswith("HTTP/1.1 408") and "request_timeout" in answer
+
+
+def test_rolling_cannot_take_a_prompt_past_the_servers_bound(engine):
+    """``rolling=`` in a request read prompts of any length (a 56K-token prompt was a 400 alone and a
+    200 rolled). Now a rolled prompt is held to --max-prompt-tokens, the model's context by default."""
+    words = " ".join(f"w{i % 97}" for i in range(1500))  # well past the tiny model's 512-token context
+    rolled = {**CHAT, "messages": [{"role": "user", "content": words}], "compression": "snapkv:budget=64,window=16,rolling=128"}
+    with TestClient(create_app(ServerConfig(engine, model_id="tiny"))) as client:
+        response = client.post("/v1/chat/completions", json=rolled)
+        assert response.status_code == 400 and response.json()["error"]["code"] == "context_length_exceeded"
+        assert "--max-prompt-tokens" in response.json()["error"]["message"]
+    with TestClient(create_app(ServerConfig(engine, model_id="tiny", max_prompt_tokens=100_000))) as client:
+        assert client.post("/v1/chat/completions", json=rolled).status_code == 200  # the operator raised it

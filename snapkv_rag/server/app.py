@@ -53,7 +53,8 @@ class ServerConfig:
     for ``/v1/embeddings`` (loaded on first use), or None to serve no embeddings.
     ``shutdown_grace``: seconds that generating requests get to finish at Ctrl+C or SIGTERM
     (:mod:`.draining`). ``public_metrics``: serve ``/metrics`` without the API key.
-    ``body_timeout``: seconds a request body may take to arrive (then 408)."""
+    ``body_timeout``: seconds a request body may take to arrive (then 408). ``max_prompt_tokens``:
+    the most prompt tokens a request read with a rolling prefill may have (None: the model's context)."""
 
     def __init__(
         self,
@@ -73,6 +74,7 @@ class ServerConfig:
         shutdown_grace: float = DEFAULT_SHUTDOWN_GRACE,
         public_metrics: bool = False,
         body_timeout: float = DEFAULT_BODY_TIMEOUT,
+        max_prompt_tokens: int | None = None,
     ):
         if isinstance(default_max_tokens, bool) or not isinstance(default_max_tokens, int) or default_max_tokens < 1:
             raise ValueError(f"default_max_tokens must be a positive integer, got {default_max_tokens!r}")
@@ -100,6 +102,9 @@ class ServerConfig:
         if isinstance(body_timeout, bool) or not isinstance(body_timeout, (int, float)) or not 0 < body_timeout < float("inf"):
             raise ValueError(f"body_timeout must be a positive number of seconds, got {body_timeout!r}")
         self.body_timeout = body_timeout  # seconds a request's body may take to arrive
+        if max_prompt_tokens is not None and (isinstance(max_prompt_tokens, bool) or not isinstance(max_prompt_tokens, int) or max_prompt_tokens < 1):
+            raise ValueError(f"max_prompt_tokens must be a positive integer or None, got {max_prompt_tokens!r}")
+        self.max_prompt_tokens = max_prompt_tokens  # the most prompt tokens a rolling prefill reads (None: the model's context)
         self.started = int(time.time())
 
 
@@ -182,17 +187,29 @@ def _check_model(model: str, served: str, accepted: set[str]) -> None:
         raise APIError(404, f"the model {model!r} does not exist on this server; it serves {served!r}", param="model", code="model_not_found")
 
 
-def open_engine_stream(engine, request: ParsedRequest, compression, default_max_tokens: int):
+def open_engine_stream(engine, request: ParsedRequest, compression, default_max_tokens: int, max_prompt_tokens: int | None = None):
     """The engine's stream for ``request``, with the request's compression or ``compression``
     (the server's policy) and ``max_new_tokens`` (the request's, else the room left in the
-    context up to ``default_max_tokens``). Blocking: rendering and tokenizing a long prompt
-    takes a while, so callers run it off the event loop."""
+    context up to ``default_max_tokens``). A rolling prefill reads past the context, so a prompt
+    under one is held to ``max_prompt_tokens`` (default: the model's context; the operator's
+    ``--max-prompt-tokens`` raises it). Blocking: rendering and tokenizing a long prompt takes a
+    while, so callers run it off the event loop."""
     if request.compression is not None:
         compression = as_policy(request.compression)
     max_new = request.max_tokens
-    if max_new is None:
+    rolling = compression is not None and getattr(compression, "rolling", None) is not None
+    if max_new is None or rolling:
         tools = request.constraints.get("tools") if request.constraints.get("tool_choice") != "none" else None
         prompt_tokens = engine.count_tokens(request.prompt, chat=False if request.kind == "completion" else None, tools=tools)
+        limit = max_prompt_tokens or engine.context_length
+        if rolling and limit and prompt_tokens > limit:
+            raise invalid(
+                f"the prompt has {prompt_tokens} tokens; this server reads at most {limit} prompt tokens, rolling prefill or not "
+                "(its operator sets --max-prompt-tokens)",
+                "messages" if request.kind == "chat" else "prompt",
+                "context_length_exceeded",
+            )
+    if max_new is None:
         context = engine.context_length
         positions = compression.prompt_positions(prompt_tokens) if compression is not None else prompt_tokens  # fewer under rolling=
         room = (context - positions) if context else default_max_tokens
@@ -219,7 +236,9 @@ class InProcess:
     async def open(self, config: ServerConfig, request: ParsedRequest):
         """The request's stream; prompt errors (too long, bad tools) raise here, before a streamed 200."""
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(None, open_engine_stream, self.engine, request, config.compression, config.default_max_tokens)
+        return await loop.run_in_executor(
+            None, open_engine_stream, self.engine, request, config.compression, config.default_max_tokens, config.max_prompt_tokens
+        )
 
     async def health(self) -> dict[str, Any]:
         info = self.engine.info()

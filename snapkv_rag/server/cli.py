@@ -30,6 +30,12 @@ def add_serve_parser(sub) -> None:
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (default: $SNAPKV_RAG_API_KEY, else no key)")
     p.add_argument("--public-metrics", action="store_true", help="serve /metrics without the API key (default: behind it, where a key is set)")
     p.add_argument(
+        "--max-prompt-tokens",
+        type=int,
+        default=None,
+        help="the most prompt tokens a request may have when a rolling prefill (rolling=) reads it past the context (default: the model's context length)",
+    )
+    p.add_argument(
         "--body-timeout",
         type=float,
         default=DEFAULT_BODY_TIMEOUT,

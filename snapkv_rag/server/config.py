@@ -48,6 +48,8 @@ def check_args(args: argparse.Namespace) -> None:
             raise SnapKVRagError(f"--{name.replace('_', '-')} must be at least {least}, got {value}")
     if args.prefill_chunk_tokens is not None and not (args.prefill_chunk_tokens == 0 or args.prefill_chunk_tokens >= 16):
         raise SnapKVRagError(f"--prefill-chunk-tokens must be 0 (whole prompts) or at least 16, got {args.prefill_chunk_tokens}")
+    if getattr(args, "max_prompt_tokens", None) is not None and args.max_prompt_tokens < 1:
+        raise SnapKVRagError(f"--max-prompt-tokens must be a positive number of tokens, got {args.max_prompt_tokens}")
     if not 0 < getattr(args, "body_timeout", DEFAULT_BODY_TIMEOUT) <= 3600:  # NaN fails too
         raise SnapKVRagError(f"--body-timeout must be more than 0 and at most 3600 seconds, got {args.body_timeout}")
     if not 0 <= args.shutdown_grace <= 3600:  # NaN fails too
@@ -112,4 +114,5 @@ def build_config(args: argparse.Namespace, engine=None, backend=None):
         shutdown_grace=args.shutdown_grace,
         public_metrics=getattr(args, "public_metrics", False),
         body_timeout=getattr(args, "body_timeout", DEFAULT_BODY_TIMEOUT),
+        max_prompt_tokens=getattr(args, "max_prompt_tokens", None),
     )

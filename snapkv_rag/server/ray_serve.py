@@ -154,6 +154,7 @@ class EngineReplica:
         self.engine = load_served_engine(args)
         self.compression = as_policy(args.compression)
         self.default_max_tokens = args.default_max_tokens
+        self.max_prompt_tokens = getattr(args, "max_prompt_tokens", None)
         self.id = serve.get_replica_context().replica_id.unique_id
 
     async def generate(self, request: ParsedRequest):
@@ -164,7 +165,9 @@ class EngineReplica:
 
         loop = asyncio.get_running_loop()
         try:
-            stream = await loop.run_in_executor(None, open_engine_stream, self.engine, request, self.compression, self.default_max_tokens)
+            stream = await loop.run_in_executor(
+                None, open_engine_stream, self.engine, request, self.compression, self.default_max_tokens, self.max_prompt_tokens
+            )
         except Exception as exc:
             yield ("error", _error_fields(from_engine_error(exc, request.kind)))
             return
