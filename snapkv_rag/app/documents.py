@@ -52,6 +52,21 @@ def ingest_paths(store: DocumentStore, paths: list[Path | Skipped], lock: thread
     return report
 
 
+def remove_unheld_uploads(saved: list[Path | Skipped], store: DocumentStore | None) -> None:
+    """After an ingest that stopped (a store error, an unexpected exception), delete this batch's
+    saved uploads that the collection does not hold; when what it holds cannot be read, delete none
+    (an upload may replace a file the collection holds an older version of)."""
+    if not saved:
+        return
+    try:
+        held = {f["file"] for f in store.files()} if store is not None else None
+    except Exception:  # the store itself is failing: leave the files
+        held = None
+    if held is None:
+        return
+    remove_skipped_uploads(saved, [Skipped(str(p), "not ingested") for p in saved if isinstance(p, Path) and str(p) not in held])
+
+
 def render_report(report: dict[str, Any]) -> None:
     rep: IngestReport = report["report"]
     text = f"**{report['what']}** → `{report['collection']}`: {rep.summary()}."
@@ -106,16 +121,21 @@ def documents_panel(cfg: AppConfig, client, embedder: Embedder, collection: str)
             st.error(str(exc))
             what = None
         if what is not None:
+            report = None
             try:
                 store = store or open_store(client, embedder, cfg, collection, create=True)
                 report = ingest_paths(store, paths, ingest_lock(cfg.store, collection))
+            except SnapKVRagError as exc:
+                st.error(str(exc))
+            finally:
+                if report is None:  # the ingest stopped part-way: the uploads folder keeps only what the collection holds
+                    remove_unheld_uploads(saved, store)
+            if report is not None:
                 remove_skipped_uploads(saved, report.skipped)
                 st.session_state["ingest_report"] = {"what": what, "collection": collection, "report": report}
                 st.session_state["ingest_fresh"] = True
                 st.session_state["select_collection"] = collection
                 st.rerun()
-            except SnapKVRagError as exc:
-                st.error(str(exc))
         last = st.session_state.get("ingest_report")
         if last and last["collection"] == collection:
             render_report(last)

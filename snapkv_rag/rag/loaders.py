@@ -3,7 +3,8 @@
 Supported: ``.txt``, ``.md``/``.markdown``, ``.html``/``.htm`` (scripts and styles dropped),
 ``.pdf`` (pypdf), ``.json`` (an object or a list of objects) and ``.jsonl`` (one object a
 line) with a text field. Every bad file (empty, binary, unreadable, undecodable, too large,
-unsupported) becomes one :class:`Skipped` with its reason; it never stops the others.
+unsupported, JSON nested deeper than :data:`MAX_JSON_DEPTH`) becomes one :class:`Skipped` with its
+reason; it never stops the others.
 """
 
 from __future__ import annotations
@@ -22,6 +23,10 @@ TEXT_SUFFIXES = {".txt", ".md", ".markdown"}
 HTML_SUFFIXES = {".html", ".htm"}
 SUPPORTED_SUFFIXES = TEXT_SUFFIXES | HTML_SUFFIXES | {".pdf", ".json", ".jsonl"}
 DEFAULT_MAX_FILE_BYTES = 50 * 1024 * 1024
+# Arrays and objects nested deeper than this are refused before parsing: Python's JSON parser
+# recurses once per level and a 100,000-deep "[[[..." raised RecursionError out of the whole ingest.
+# Records are flat in practice (a text field, a title, some metadata); serde_json's default is 128 too.
+MAX_JSON_DEPTH = 128
 
 
 @dataclass(frozen=True)
@@ -181,18 +186,47 @@ def _first_line_title(text: str) -> str:
     return ""
 
 
+# A JSON string (an unterminated one runs to the end, so every match succeeds and the scan stays linear)
+_JSON_STRING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*(?:"|\\?\Z)', re.DOTALL)
+_NOT_BRACKETS = re.compile(r"[^\[\]{}]+")
+_TOO_DEEP = f"nested deeper than {MAX_JSON_DEPTH} levels of arrays and objects (the most a JSON record may nest)"
+
+
+def json_too_deep(text: str, limit: int = MAX_JSON_DEPTH) -> bool:
+    """Whether JSON ``text`` nests arrays and objects deeper than ``limit`` (brackets inside strings
+    do not count). Counted without parsing or recursion, in linear time."""
+    if text.count("[") + text.count("{") <= limit:  # too few openers to get there
+        return False
+    import numpy as np
+
+    brackets = _NOT_BRACKETS.sub("", _JSON_STRING.sub("", text)).encode("ascii")
+    depth = 0
+    step = 1 << 20
+    for lo in range(0, len(brackets), step):
+        codes = np.frombuffer(brackets, dtype=np.uint8, count=min(step, len(brackets) - lo), offset=lo)
+        levels = np.cumsum(np.where((codes == ord("[")) | (codes == ord("{")), 1, -1), dtype=np.int64) + depth
+        if int(levels.max()) > limit:
+            return True
+        depth = int(levels[-1])
+    return False
+
+
 def _json_records(path: Path, text: str, text_field: str, dropped: list[Skipped] | None) -> list[SourceText]:
     jsonl = path.suffix.lower() == ".jsonl"
     if jsonl:
         records, lines = [], []
         for number, line in enumerate(text.splitlines(), start=1):
             if line.strip():
+                if json_too_deep(line):
+                    raise _SkipFile(f"line {number} is {_TOO_DEEP}")
                 try:
                     records.append(json.loads(line))
                     lines.append(number)
                 except json.JSONDecodeError as exc:
                     raise _SkipFile(f"invalid JSON on line {number}: {exc.msg}") from None
     else:
+        if json_too_deep(text):
+            raise _SkipFile(_TOO_DEEP)
         try:
             data = json.loads(text)
         except json.JSONDecodeError as exc:
@@ -247,3 +281,5 @@ def load_file(
         return Skipped(source, str(exc))
     except OSError as exc:
         return Skipped(source, f"unreadable ({exc.strerror or exc})")
+    except RecursionError:  # the last resort (depth is checked before parsing): a file nested too deeply to read
+        return Skipped(source, "nested too deeply to read (a parser ran out of stack)")
