@@ -28,8 +28,7 @@ precision unchanged (0.988), so 0.2 is hybrid's default.
 
 from __future__ import annotations
 
-import ast
-import operator
+import math
 import re
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -207,30 +206,78 @@ def absent_subjects(sentence: str, question: str, chunk_texts: Sequence[str]) ->
 
 
 # "7,699 * 10 = 76,990", "12 x 3 = 36", "3.5 + 1.25 = 4.75": numbers and operators, then "=" and the result
-_CALCULATION = re.compile(r"(?<![\w.,])(\d[\d,.]*(?:\s*[-+*/×x−÷]\s*\d[\d,.]*)+)\s*=\s*(\d[\d,]*(?:\.\d+)?)")
-_OPERATORS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv}
+# (found as a whole run of numbers and operators, then "=" looked for after it: one pattern with
+# both backtracked over every later start of a long run without "=", quadratic in its length)
+_EXPRESSION = re.compile(r"(?<![\w.,])\d[\d,.]*((?:\s*[-+*/×x−÷]\s*\d[\d,.]*)*)")
+_RESULT = re.compile(r"\s*=\s*(\d[\d,]*(?:\.\d+)?)")
+# What the check evaluates: a sentence's arithmetic is short. Anything longer (a 400-digit operand,
+# a 3,000-term sum) is not checked at all rather than evaluated: float() of a huge int overflows and
+# a parsed expression tree that deep overflows the stack.
+MAX_CALCULATION_TERMS = 32
+MAX_NUMBER_DIGITS = 30
+_ARITHMETIC_TOKEN = re.compile(r"\s*(?:(\d+(?:\.\d*)?)|([-+*/]))")
 
 
-def _value(node: ast.AST) -> float:
-    if isinstance(node, ast.Constant) and isinstance(node.value, (int, float)):
-        return float(node.value)
-    if isinstance(node, ast.BinOp) and type(node.op) in _OPERATORS:
-        return _OPERATORS[type(node.op)](_value(node.left), _value(node.right))
-    raise ValueError("not arithmetic")
+def _arithmetic(expression: str) -> float | None:
+    """The value of ``expression`` (numbers joined by + - * /, the usual precedence, left to
+    right), or None when it is not such an expression, is too long (more than
+    :data:`MAX_CALCULATION_TERMS` numbers, or a number of more than :data:`MAX_NUMBER_DIGITS`
+    digits), divides by zero or leaves the finite floats. Iterative: never recurses, never raises."""
+    numbers: list[float] = []
+    operators: list[str] = []
+    position, end = 0, len(expression.rstrip())
+    while position < end:
+        m = _ARITHMETIC_TOKEN.match(expression, position)
+        if m is None:
+            return None
+        number, op = m.group(1), m.group(2)
+        if (number is None) != (len(numbers) > len(operators)):  # numbers and operators must alternate
+            return None
+        if number is not None:
+            if len(number) - number.count(".") > MAX_NUMBER_DIGITS or len(numbers) == MAX_CALCULATION_TERMS:
+                return None
+            numbers.append(float(number))
+        else:
+            operators.append(op)
+        position = m.end()
+    if not numbers or len(numbers) != len(operators) + 1:
+        return None
+    total, term, sign = 0.0, numbers[0], 1.0
+    for op, number in zip(operators, numbers[1:]):
+        if op == "*":
+            term *= number
+        elif op == "/":
+            if number == 0:
+                return None
+            term /= number
+        else:
+            total += sign * term
+            term, sign = number, (1.0 if op == "+" else -1.0)
+    total += sign * term
+    return total if math.isfinite(total) else None
 
 
 def calculations(sentence: str) -> list[tuple[set[str], str, bool]]:
     """Each calculation the sentence writes out: its operands and result (normalised as
-    :func:`key_facts` has them), and whether the result is right (to the digits written)."""
+    :func:`key_facts` has them), and whether the result is right (to the digits written).
+    Arithmetic it cannot check (malformed, too long, dividing by zero) is left out: not checked."""
     found = []
-    for m in _CALCULATION.finditer(sentence):
-        left, result = m.group(1), m.group(2)
+    position = 0
+    while (m := _EXPRESSION.search(sentence, position)) is not None:
+        equals = _RESULT.match(sentence, m.end()) if m.group(1) else None  # operators, then "="
+        if equals is None:
+            position = m.end()
+            continue
+        position = equals.end()
+        left, result = m.group(0), equals.group(1)
         expression = _THOUSANDS.sub("", left).replace("×", "*").replace("x", "*").replace("−", "-").replace("÷", "/")
         written = _THOUSANDS.sub("", result)
+        value = _arithmetic(expression)
+        if value is None or len(written) - written.count(",") - written.count(".") > MAX_NUMBER_DIGITS:
+            continue
         try:
-            value = _value(ast.parse(expression, mode="eval").body)
             shown = float(written)
-        except (SyntaxError, ValueError, ZeroDivisionError):
+        except ValueError:  # "1,2" (a comma that is not a thousands separator)
             continue
         decimals = len(written.partition(".")[2])
         right = abs(value - shown) <= 0.5 * 10**-decimals + 1e-9 * abs(value)
