@@ -109,7 +109,7 @@ def test_training_on_several_prompt_lengths(engine, tmp_path):
     assert header["data"]["sequences_per_prompt_length"] == {"40": 6, "56": 5} and header["data"]["sequences"] == 11
     assert header["training"]["prompt_tokens"] == [40, 56] and header["distill"]["windows"] == {"train": 5, "val": 4}
     for n, count in ((40, 6), (56, 5)):
-        keys = torch.cat([torch.load(p)["k"] for p in sorted((tmp_path / "work" / "capture" / f"p{n}" / "layer000").glob("shard*.pt"))])
+        keys = torch.cat([torch.load(p, weights_only=True)["k"] for p in sorted((tmp_path / "work" / "capture" / f"p{n}" / "layer000").glob("shard*.pt"))])
         assert keys.shape[0] == count and keys.shape[-2] == n + 8
     for stats in header["validation"].values():
         assert stats["val_mse_less"] < stats["val_mse_base"]
@@ -248,7 +248,7 @@ def test_distillation_trains_on_the_inference_computation(engine, tmp_path):
 
     train_paths, val_paths = collect(engine, BASE_SPEC, [16], 48, 8, 3, 1, tmp_path, progress=False)
     assert len(train_paths) == 3 and len(val_paths) == 1
-    sample = torch.load(train_paths[1])
+    sample = torch.load(train_paths[1], weights_only=True)
     tokens = sample["tokens"].tolist()
     kernels = LessKernels.initial(model_signature(engine.model), rank=4, hidden=8, seed=0, scale=1.0)
     policy = LESS(base=SnapKV(window_size=4, kernel_size=3, max_capacity_prompt=16), kernels=kernels)

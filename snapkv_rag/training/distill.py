@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import pickle
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -180,6 +181,19 @@ def collection_seconds(directory: Path) -> float:
     return json.loads(path.read_text())["seconds"] if path.exists() else 0.0
 
 
+def load_work_file(path: Path) -> Any:
+    """A file of a training work folder (capture shards, their metadata, recorded windows): tensors,
+    numbers and strings in dicts and lists only, loaded with ``weights_only=True`` so that a
+    tampered work folder cannot run code (torch before 2.6 unpickled anything by default)."""
+    try:
+        return torch.load(path, weights_only=True)
+    except pickle.UnpicklingError as exc:
+        raise LessTrainingError(
+            f"{path} holds more than tensors and numbers, so it is not loaded (a file from another program, or tampered with): "
+            f"delete it, or the work folder, to record it again ({str(exc).splitlines()[0]})"
+        ) from None
+
+
 def less_log_probs(engine, policy: LESS, kernels: LessKernels, sample: dict[str, torch.Tensor], budget: int, state: LowRankState | None = None) -> torch.Tensor:
     """Log-probabilities ``[c-1, vocab]`` of the continuation under LESS, differentiable in the kernels.
 
@@ -267,7 +281,7 @@ def distill(
 
 
 def _distill(engine, kernels: LessKernels, train_paths, val_paths, budget: int, config: DistillConfig, progress: bool) -> tuple[LessKernels, dict[str, Any]]:
-    val = [torch.load(p) for p in val_paths]  # training windows are read one at a time (several GB in all)
+    val = [load_work_file(p) for p in val_paths]  # training windows are read one at a time (several GB in all)
     policy = LESS(base=parse_compression(kernels.header["base_spec"]).with_budget(budget), kernels=kernels)
     base_policy = policy.base
     base_kl = evaluate(engine, policy, LessKernels.zeros(kernels.header["model"], rank=kernels.rank, hidden=1), val, budget)
@@ -283,7 +297,7 @@ def _distill(engine, kernels: LessKernels, train_paths, val_paths, budget: int, 
         total = 0.0
         for i in tqdm(order, desc=f"distill b={budget} epoch {epoch}", disable=not progress, leave=False):
             _apply_scales(trained, log_scales)
-            sample = torch.load(train_paths[i])
+            sample = load_work_file(train_paths[i])
             loss = _kl(sample["log_probs"], less_log_probs(engine, policy, trained, sample, budget))
             optim.zero_grad()
             loss.backward()

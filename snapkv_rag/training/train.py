@@ -41,7 +41,7 @@ from ..compression.less.state import merge
 from ..compression.runtime import select_for_prompt
 from ..errors import LessTrainingError
 from .corpus import TEXTS, corpus_tokens, manifest, overlapping_windows, validation_tail
-from .distill import DistillConfig, collect_lengths, collection_seconds, distill
+from .distill import DistillConfig, collect_lengths, collection_seconds, distill, load_work_file
 
 
 @dataclass
@@ -164,7 +164,9 @@ class Capture:
             o_proj = getattr(module, "o_proj", None)
             if o_proj is None:
                 raise LessTrainingError("LESS training needs the attention module's output projection (o_proj)")
-            self.meta[module.layer_idx] = {"scaling": scaling, "o_proj": o_proj.weight.detach().float().cpu().clone()}
+            # plain numbers and tensors only: the work folder is read back with torch.load(weights_only=True)
+            scale = None if scaling is None else float(scaling)
+            self.meta[module.layer_idx] = {"scaling": scale, "o_proj": o_proj.weight.detach().float().cpu().clone()}
 
     def save(self, directory: Path, shard: int) -> None:
         for layer_idx, data in self.layers.items():
@@ -191,6 +193,7 @@ def capture(engine, config: TrainConfig, work: Path, progress: bool = True) -> d
     layers = engine.info().num_layers
     counts = {}
     meta = None
+    meta_saved = (root / "meta.pt").exists()
     for n, count in zip(config.prompt_tokens, config.sequence_counts):
         length = n + config.continuation_tokens
         train_seqs, val_seqs = overlapping_windows(tokens, length, count - config.val_sequences, config.val_sequences, config.validation_tail)
@@ -202,7 +205,8 @@ def capture(engine, config: TrainConfig, work: Path, progress: bool = True) -> d
         bar = tqdm(total=len(seqs), desc=f"capture {n}", disable=not progress)
         for s, lo in enumerate(range(0, len(seqs), config.shard)):
             chunk = seqs[lo : lo + config.shard]
-            if all((directory / f"layer{i:03d}" / f"shard{s:04d}.pt").exists() for i in range(layers)):
+            have_meta = meta_saved or meta or grab.meta  # a missing meta.pt is written again from one captured shard
+            if have_meta and all((directory / f"layer{i:03d}" / f"shard{s:04d}.pt").exists() for i in range(layers)):
                 bar.update(len(chunk))
                 continue
             start = time.perf_counter()
@@ -230,7 +234,7 @@ def capture(engine, config: TrainConfig, work: Path, progress: bool = True) -> d
 
 def _load_layer(work: Path, layer_idx: int, prompt_tokens: int) -> dict[str, torch.Tensor]:
     shards = sorted((work / "capture" / f"p{prompt_tokens}" / f"layer{layer_idx:03d}").glob("shard*.pt"))
-    parts = [torch.load(p) for p in shards]
+    parts = [load_work_file(p) for p in shards]
     return {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
 
 
@@ -366,7 +370,7 @@ def train(engine, config: TrainConfig, work: Path, out_dir: Path, *, model_tag: 
     settings_path.write_text(json.dumps(settings, indent=2))
     data_info = {**manifest(config.text, "train"), **capture(engine, config, work, progress)}
     capture_seconds = data_info.pop("capture_seconds")
-    meta = torch.load(work / "capture" / "meta.pt")
+    meta = load_work_file(work / "capture" / "meta.pt")
     signature = model_signature(engine.model)
     base_name = parse_compression(config.base).name
     if config.distill_epochs:
