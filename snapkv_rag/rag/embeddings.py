@@ -7,6 +7,7 @@ hub) can be named instead.
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Callable
 from functools import cached_property
@@ -79,12 +80,18 @@ class Embedder:
         if not texts:
             return []
 
-        def encode():
+        def encode(batch: list[str]):
             with self._lock:
-                return self.model.encode(texts, batch_size=self.batch_size, normalize_embeddings=True, convert_to_numpy=True, show_progress_bar=False)
+                return self.model.encode(batch, batch_size=self.batch_size, normalize_embeddings=True, convert_to_numpy=True, show_progress_bar=False)
 
-        vectors = self.runner(encode) if self.runner is not None else encode()
-        return vectors.tolist()
+        if self.runner is None:
+            return encode(texts).tolist()
+        # One batch per call on the runner (the engine's thread, between decode steps), so a long
+        # list of inputs lets the requests being decoded take their steps in between.
+        out: list[list[float]] = []
+        for start in range(0, len(texts), self.batch_size):
+            out += self.runner(functools.partial(encode, texts[start : start + self.batch_size])).tolist()
+        return out
 
     def embed_query(self, text: str) -> list[float]:
         return self.embed([text])[0]

@@ -423,12 +423,17 @@ async def _stream(config: ServerConfig, request_id: str, parsed: ParsedRequest, 
 
 async def embeddings(request: Request):
     config: ServerConfig = request.app.state.config
+    admission = Admission(request.app)  # embeddings run on the engine's thread: they queue like completions
     try:
         if request.app.state.drain.begun:
             raise shutting_down()
         if config.embedder is None:
             raise APIError(404, "this server serves no embeddings (started with --embedder none)", code="model_not_found")
-        model, texts, encoding = parse_embedding_request(await _json_body(request, config.max_request_bytes, config.body_timeout))
+        body = await _json_body(request, config.max_request_bytes, config.body_timeout)
+        if not admission.enter():
+            request.app.state.metrics.finished("embeddings", 429)
+            return _queue_full(config)
+        model, texts, encoding = parse_embedding_request(body)
         _check_model(model, config.embedder_id, {config.embedder_id})
         embedder = config.embedder
 
@@ -452,6 +457,8 @@ async def embeddings(request: Request):
         error = from_engine_error(exc)
         request.app.state.metrics.finished("embeddings", error.status)
         return _error_response(error)
+    finally:
+        admission.release()
 
 
 def _model_card(config: ServerConfig, model: str) -> dict[str, Any]:

@@ -427,6 +427,9 @@ def parse_completion_request(body: Any) -> ParsedRequest:
     return request
 
 
+MAX_EMBEDDING_INPUTS = 2048  # OpenAI's bound on an embeddings request's list
+
+
 def parse_embedding_request(body: Any) -> tuple[str, list[str], str]:
     """``(model, texts, encoding_format)``."""
     if not isinstance(body, Mapping):
@@ -442,6 +445,8 @@ def parse_embedding_request(body: Any) -> tuple[str, list[str], str]:
         raise invalid("input must be a string or a non-empty list of strings (token-id input is not supported)", "input")
     if any(not t.strip() for t in texts):
         raise invalid("input must not contain empty strings", "input")
+    if len(texts) > MAX_EMBEDDING_INPUTS:
+        raise invalid(f"input has {len(texts)} texts; send at most {MAX_EMBEDDING_INPUTS} per request (as OpenAI)", "input", "too_many_inputs")
     encoding = body.get("encoding_format") or "float"
     if encoding not in ("float", "base64"):
         raise invalid(f"encoding_format must be 'float' or 'base64', got {encoding!r}", "encoding_format")
