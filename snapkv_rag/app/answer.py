@@ -57,7 +57,7 @@ def answer_question(question: str, engine: Engine | None, engine_error: str | No
     with st.chat_message("assistant"):
         problem = None
         if engine is None:
-            problem = f"{engine_error or 'No model is loaded.'} Fix the model path in the sidebar."
+            problem = engine_error or "No model is loaded."
         elif not question.strip():
             problem = "The question is empty."
         elif len(question) > MAX_QUESTION_CHARS:

@@ -19,7 +19,14 @@ APP_SCRIPT = Path(__file__).resolve().parent / "page.py"
 
 def add_app_parser(sub) -> None:
     p = sub.add_parser("app", help="start the Streamlit document-QA app in the browser")
-    add_model_args(p, json_output=False)
+    add_model_args(p, json_output=False)  # --model: the model the app starts with (users cannot name another)
+    p.add_argument(
+        "--allow-model",
+        action="append",
+        default=None,
+        metavar="NAME_OR_PATH",
+        help="another model users may choose in the sidebar (repeat for more; env SNAPKV_RAG_APP_MODELS, comma-separated); default: only --model",
+    )
     p.add_argument("--store", default=None, help="embedded Chroma directory (default ~/.cache/snapkv-rag/chroma)")
     p.add_argument("--chroma-url", default=None, help="a Chroma server instead of the embedded store, e.g. http://chroma:8000 (env SNAPKV_RAG_APP_CHROMA_URL)")
     p.add_argument("--uploads", default=None, help="where uploaded files are kept (default ~/.cache/snapkv-rag/uploads)")
@@ -79,6 +86,8 @@ def app_command(args: argparse.Namespace) -> list[str]:
         value = getattr(args, option, None)
         if value is not None:
             command += [f"--{option.replace('_', '-')}", str(value)]
+    for model in getattr(args, "allow_model", None) or ():  # else the app's own default (SNAPKV_RAG_APP_MODELS, or none)
+        command += ["--allow-model", model]
     return command
 
 

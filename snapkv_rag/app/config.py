@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import threading
 from dataclasses import dataclass
@@ -54,6 +55,38 @@ class AppConfig:
     password: str | None = None  # asked for before anything is shown; None: no gate
     chroma_url: str | None = None  # a Chroma server instead of the embedded store (shared with other processes)
     adapter: str | None = AUTO  # a LoRA adapter directory; "auto": the shipped one where it passed its gates; None: bare model
+    allowed_models: tuple[str, ...] = ()  # more models the operator offers (--allow-model); users choose only among these
+
+    @property
+    def models(self) -> tuple[str, ...]:
+        """The models a user may choose, the start-up one (``--model``) first; nothing else is ever loaded."""
+        return tuple(dict.fromkeys((self.model, *self.allowed_models)))
+
+    def adapter_for(self, model: str) -> str | None:
+        """The adapter for ``model``: an ``--adapter`` directory goes with the start-up model only (it
+        was trained for one model); the others get the shipped one where it applies, and none under
+        ``--base-model``."""
+        if model == self.model or self.adapter in (None, AUTO):
+            return self.adapter
+        return AUTO
+
+
+def model_names(models: tuple[str, ...]) -> dict[str, str]:
+    """A short name for each offered model, shown in the page instead of its path: the embedded
+    model's name, else the last part of the path or hub id; names that clash get a number."""
+    names: dict[str, str] = {}
+    for model in models:
+        short = "SmolLM2-135M-Instruct (embedded)" if model == "default" else Path(model).name or model
+        name, n = short, 1
+        while name in names.values():
+            n += 1
+            name = f"{short} ({n})"
+        names[model] = name
+    return names
+
+
+class ModelNotOffered(ValueError):
+    """A model the operator did not offer (``--model``, ``--allow-model``) was asked for."""
 
 
 def app_config(argv: list[str] | None = None) -> AppConfig:
@@ -73,9 +106,11 @@ def app_config(argv: list[str] | None = None) -> AppConfig:
     p.add_argument("--collection", default=env("SNAPKV_RAG_APP_COLLECTION", "documents"))
     p.add_argument("--allow-folder-root", default=env("SNAPKV_RAG_APP_FOLDER_ROOT") or None)
     p.add_argument("--chroma-url", default=env("SNAPKV_RAG_APP_CHROMA_URL") or None)
+    p.add_argument("--allow-model", action="append", default=None)  # repeatable; else SNAPKV_RAG_APP_MODELS, comma-separated
     args, _ = p.parse_known_args(argv)
+    allowed = args.allow_model if args.allow_model is not None else env("SNAPKV_RAG_APP_MODELS", "").split(",")
     return AppConfig(
-        args.model,
+        args.model.strip() or "default",
         args.device,
         args.dtype,
         args.weights,
@@ -86,12 +121,26 @@ def app_config(argv: list[str] | None = None) -> AppConfig:
         password=env("SNAPKV_RAG_APP_PASSWORD") or None,
         chroma_url=args.chroma_url,
         adapter=adapter_option(args.adapter, base_model=args.base_model),
+        allowed_models=tuple(m.strip() for m in allowed if m.strip()),
     )
 
 
-@st.cache_resource(show_spinner=False)
-def load_engine(model: str, device: str | None, dtype: str | None, weights: str | None = None, adapter: str | None = AUTO) -> Engine:
-    """The engine, loaded once per process and shared by every session (concurrent calls decode in one batch)."""
+def load_engine(cfg: AppConfig, model: str) -> Engine:
+    """The engine of ``model``, one of the models the operator offers, loaded once per process and
+    shared by every session (concurrent calls decode in one batch). The cache is keyed by the
+    offered name and holds at most one engine per offered model; any other name is refused
+    before anything is looked up (ModelNotOffered)."""
+    if model not in cfg.models:
+        raise ModelNotOffered("this model is not one the app offers")
+    return _engine_cache(len(cfg.models))(model, cfg.device, cfg.dtype, cfg.weights, cfg.adapter_for(model))
+
+
+@functools.cache
+def _engine_cache(max_entries: int):
+    return st.cache_resource(show_spinner=False, max_entries=max_entries)(_load_engine)
+
+
+def _load_engine(model: str, device: str | None, dtype: str | None, weights: str | None, adapter: str | None) -> Engine:
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import streamlit as st
@@ -9,34 +10,43 @@ import streamlit as st
 from snapkv_rag import Engine
 
 from ..errors import SnapKVRagError
-from .config import KV_REUSE, KV_WIDTHS, METHODS, NEW_COLLECTION, AppConfig, Settings, checked_policy, load_engine, reads_past_window
-from .views import fmt_bytes
+from .config import KV_REUSE, KV_WIDTHS, METHODS, NEW_COLLECTION, AppConfig, Settings, checked_policy, load_engine, model_names, reads_past_window
+from .views import fmt_bytes, md_escape
+
+log = logging.getLogger(__name__)
 
 
 def sidebar_model(cfg: AppConfig) -> tuple[Engine | None, str | None]:
+    """The model: one of those the operator offers (``--model``, ``--allow-model``), chosen in a
+    select box when there are several; a user can never name a path or hub id of their own."""
     st.sidebar.subheader("Model")
-    model = (
-        st.sidebar.text_input(
-            "Model path",
-            value=cfg.model,
+    models = cfg.models
+    names = model_names(models)
+    model = models[0]
+    if len(models) > 1:
+        choice = st.sidebar.selectbox(
+            "Model",
+            models,
+            format_func=names.__getitem__,
             key="model",
-            help="'default' is the embedded SmolLM2-135M-Instruct. Or a model directory, a .gguf file or a hub id.",
-        ).strip()
-        or "default"
-    )
+            label_visibility="collapsed",
+            help="The models this app offers (its operator chooses them: --model, --allow-model). Each loads once per process.",
+        )
+        model = choice if choice in models else models[0]
+    name = names[model]
     try:
-        with st.spinner(f"Loading model {model}… (once per process)"):
-            engine = load_engine(model, cfg.device, cfg.dtype, cfg.weights, cfg.adapter)
-    except Exception as exc:  # any loading failure is shown in the page; the app keeps running
-        message = f"Model {model!r} failed to load: {exc}"
+        with st.spinner(f"Loading {md_escape(name)}… (once per process)"):
+            engine = load_engine(cfg, model)
+    except Exception:  # any loading failure: the detail goes to the log, the page says only that it failed
+        log.exception("the app could not load the model %r", model)
+        message = f"The model {md_escape(name)} could not be loaded; the app's log says why."
         st.sidebar.error(message)
         return None, message
     info = engine.info()
-    name = "SmolLM2-135M-Instruct (embedded)" if model == "default" else Path(model).name or model
     st.sidebar.caption(
-        f"{name} · {info.parameters / 1e6:.0f}M parameters · {info.num_layers} layers · {info.num_kv_heads} KV heads · "
+        f"{md_escape(name)} · {info.parameters / 1e6:.0f}M parameters · {info.num_layers} layers · {info.num_kv_heads} KV heads · "
         f"context {info.context_length or 0:,} · KV {fmt_bytes(info.kv_bytes_per_token)}/token · {info.device}"
-        + (f" · adapter {Path(info.adapter).name}" if info.adapter else "")
+        + (f" · adapter {md_escape(Path(info.adapter).name)}" if info.adapter else "")
     )
     return engine, None
 
