@@ -20,25 +20,17 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import socket
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import httpx
 
+from eval.common.processes import start_serve
 from eval.common.results_io import write_records, write_table
 
 RESULTS = Path(__file__).resolve().parent / "results"
 CHAT = {"model": "default", "messages": [{"role": "user", "content": "Name three colours."}], "max_tokens": 8}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def chat_with(content: str, **extra) -> dict:
@@ -175,23 +167,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    port = free_port()
-    base = f"http://127.0.0.1:{port}"
-    command = [sys.executable, "-m", "snapkv_rag.cli", "serve", "--model", args.model, "--port", str(port), "--max-queue", str(args.max_queue), *args.serve_arg]
-    command += ["--api-key", args.api_key] if args.api_key else []
-    args.out.mkdir(parents=True, exist_ok=True)
-    with open(args.out / "serve.log", "wb") as log:
-        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "HF_HUB_OFFLINE": "1"})
-    while process.poll() is None:
-        try:
-            if httpx.get(base + "/health", timeout=5).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        time.sleep(1)
+    serve_args = ["--model", args.model, "--max-queue", str(args.max_queue), *args.serve_arg]
+    serve_args += ["--api-key", args.api_key] if args.api_key else []
+    process, base = start_serve(serve_args, args.out / "serve.log")
+    port = int(base.rsplit(":", 1)[1])
     try:
-        if process.poll() is not None:
-            raise SystemExit(f"serve exited with {process.returncode}: see {args.out / 'serve.log'}")
         rows = run_cases(base, port, {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}, args.max_queue)
     finally:
         process.terminate()

@@ -26,14 +26,13 @@ import os
 import random
 import re
 import signal
-import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import httpx
 
+from eval.common.processes import start_serve
 from eval.common.results_io import write_records, write_table
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -53,12 +52,6 @@ METRICS = (
     "snapkv_malloc_trims_total",
     "snapkv_malloc_trim_seconds_total",
 )
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def rss_bytes(pid: int) -> int:
@@ -204,24 +197,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    port = free_port()
-    base = f"http://127.0.0.1:{port}"
     env = {**os.environ, "HF_HUB_OFFLINE": "1", **dict(item.split("=", 1) for item in args.serve_env)}
-    command = [sys.executable, "-m", "snapkv_rag.cli", "serve", "--model", args.model, "--port", str(port), *args.serve_arg]
-    args.out.mkdir(parents=True, exist_ok=True)
-    log_path = args.out / "serve.log"
-    with open(log_path, "wb") as log:
-        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
+    process, base = start_serve(["--model", args.model, *args.serve_arg], args.out / "serve.log", env)
     try:
-        while True:
-            if process.poll() is not None:
-                raise SystemExit(f"serve exited with {process.returncode}: see {log_path}")
-            try:
-                if httpx.get(base + "/health", timeout=5).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(1)
         samples: list[dict] = []
         outcomes: dict[str, int] = {}
         started = time.monotonic()
