@@ -18,18 +18,13 @@ def add_model_args(p: argparse.ArgumentParser, *, json_output: bool = True, adap
         p.add_argument(
             "--weights", default=None, help="native (default) or int8: weight-only int8 linear layers on the CPU, faster decode, slightly less exact"
         )
-    if not adapters:
-        return _add_json(p, json_output)
-    p.add_argument(
-        "--adapter",
-        default="auto",
-        help="a LoRA adapter directory to merge (snapkv-rag tune); default 'auto': the embedded model's shipped adapter where it passed its gates",
-    )
-    p.add_argument("--base-model", action="store_true", help="load the bare model, without any adapter")
-    _add_json(p, json_output)
-
-
-def _add_json(p: argparse.ArgumentParser, json_output: bool) -> None:
+    if adapters:
+        p.add_argument(
+            "--adapter",
+            default="auto",
+            help="a LoRA adapter directory to merge (snapkv-rag tune); default 'auto': the embedded model's shipped adapter where it passed its gates",
+        )
+        p.add_argument("--base-model", action="store_true", help="load the bare model, without any adapter")
     if json_output:
         p.add_argument("--json", action="store_true", help="print machine-readable JSON")
 
