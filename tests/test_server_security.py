@@ -163,15 +163,17 @@ def test_rolling_cannot_take_a_prompt_past_the_servers_bound(engine):
 
 
 class FakeEmbedder:
-    """What /v1/embeddings uses of an embedder: a tokenizer, its limit, embed()."""
+    """What /v1/embeddings uses of an embedder: its limit, token_counts(), embed_array()."""
 
     max_tokens = 256
 
-    def tokenizer(self, text, add_special_tokens=True):
-        return {"input_ids": text.split()}
+    def token_counts(self, texts):
+        return [len(t.split()) for t in texts]
 
-    def embed(self, texts):
-        return [[1.0, 0.0] for _ in texts]
+    def embed_array(self, texts):
+        import numpy as np
+
+        return np.tile(np.array([[1.0, 0.0]], dtype=np.float32), (len(texts), 1))
 
 
 def test_embeddings_are_capped_and_queue_like_completions(engine):
@@ -203,3 +205,61 @@ def test_a_long_embedding_list_yields_the_engines_thread_between_batches():
     batched = embedder.embed(texts)
     assert len(calls) == 4  # 30 inputs in batches of at most 8
     assert len(batched) == 30 and all(a == pytest.approx(b, abs=1e-5) for a, b in zip(batched, alone))
+
+
+def test_embeddings_take_smaller_batches_while_requests_decode():
+    """Beside decoding requests a runner call holds BUSY_BATCH_SIZE texts (a chat beside a flood
+    of 2,048-input requests took 3.4x its time alone with 32 a call)."""
+    from snapkv_rag.rag import Embedder
+    from snapkv_rag.rag.embeddings import BUSY_BATCH_SIZE
+
+    embedder = Embedder(batch_size=32)
+    assert embedder.dimension  # loaded before the runner is set
+    sizes: list[int] = []
+    embedder.runner = lambda fn: sizes.append(len(fn.args[0])) or fn()
+    embedder.embed_array([f"t{i}" for i in range(64)])
+    assert sizes == [32, 32]
+    sizes.clear()
+    embedder.busy = lambda: True
+    out = embedder.embed_array([f"t{i}" for i in range(20)])
+    assert sizes == [BUSY_BATCH_SIZE, BUSY_BATCH_SIZE, 20 - 2 * BUSY_BATCH_SIZE] and out.shape == (20, embedder.dimension)
+
+
+def test_the_embeddings_body_is_the_openai_shape_in_floats_and_base64():
+    import base64
+    import json
+
+    import numpy as np
+
+    from snapkv_rag.server.protocol import embedding_response, json_bytes
+
+    vectors = np.array([[0.1, -2.5, 3.0], [1e-8, 0.0, 1.0]], dtype=np.float32)
+    floats = json.loads(json_bytes(embedding_response("e", vectors, "float", 7)))
+    assert floats["data"][1] == {"object": "embedding", "index": 1, "embedding": pytest.approx([1e-8, 0.0, 1.0])}
+    assert np.array(floats["data"][0]["embedding"], dtype=np.float32).tolist() == vectors[0].tolist()  # float32 round-trips
+    assert floats["usage"] == {"prompt_tokens": 7, "total_tokens": 7}
+    packed = json.loads(json_bytes(embedding_response("e", vectors, "base64", 7)))["data"][0]["embedding"]
+    assert np.frombuffer(base64.b64decode(packed), dtype="<f4").tolist() == vectors[0].tolist()
+
+
+def test_background_work_goes_last_and_within_its_share_while_requests_decode():
+    """Embeddings run as background tasks: a prefill queued after them goes first, and beside
+    decoding requests they take at most BACKGROUND_SHARE of the decode steps' time."""
+    import contextvars
+    from types import SimpleNamespace
+
+    from snapkv_rag.engine.scheduler import BACKGROUND_SHARE, Scheduler, _Task
+
+    scheduler = Scheduler(model=None, max_batch_size=4)
+    context = contextvars.copy_context()
+    background, prefill = _Task(lambda: 1, 0, context, background=True), _Task(lambda: 2, 1, context)
+    scheduler._tasks.extend([background, prefill])
+    assert scheduler._next_task() is prefill
+    scheduler._groups = [SimpleNamespace(rows=1)]  # a request decoding
+    scheduler._decode_seconds, scheduler._background_seconds = 1.0, BACKGROUND_SHARE + 0.01
+    assert scheduler._next_task() is None  # over its share: the decode step runs instead
+    scheduler._background_seconds = BACKGROUND_SHARE - 0.01
+    assert scheduler._next_task() is background
+    scheduler._tasks.append(background)
+    scheduler._groups, scheduler._background_seconds = [], 5.0  # nobody decoding: no share to keep
+    assert scheduler._next_task() is background

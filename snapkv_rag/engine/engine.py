@@ -204,12 +204,19 @@ class Engine:
         """Running requests and rows, waiting prefills, decode steps and rows so far, K/V bytes in use."""
         return self._scheduler.stats()
 
-    def run_on_model(self, fn: Callable[[], Any]) -> Any:
+    def run_on_model(self, fn: Callable[[], Any], *, background: bool = False) -> Any:
         """Run ``fn()`` where the model runs (the scheduler's worker, between decode steps); its result.
 
         For code that calls the model outside ``generate``/``stream`` (computing chunk K/V, say):
-        it then never runs at the same time as a decode step."""
-        return self._scheduler.call(fn)
+        it then never runs at the same time as a decode step. ``background=True``: work no
+        request waits for (a server's embeddings), run after other work and, while requests
+        decode, within a share of the time (:data:`~snapkv_rag.engine.scheduler.BACKGROUND_SHARE`)."""
+        return self._scheduler.call(fn, background=background)
+
+    @property
+    def decoding(self) -> bool:
+        """Whether requests are being decoded now (work given to :meth:`run_on_model` then delays their tokens)."""
+        return self._scheduler.decoding
 
     @property
     def signature(self) -> str:
@@ -260,6 +267,7 @@ class Engine:
                 eos_ids=self._eos_ids,
                 attention_spans=request.attention_spans,
                 protected_spans=request.protected_spans,
+                cache_namespace=request.cache_salt or "",
             )
             member = Member(run, request, self.tokenizer, self._eos_ids, cancel)
             steps = run.prefill_steps(self._prefill_chunk(rows))
@@ -353,7 +361,10 @@ class Engine:
         ``stats.tool_call_tail_dropped``). Text pieces
         are ``str``; tool calls stream as :class:`~snapkv_rag.tools.ToolCallDelta`.
         ``prefix_cache=False``: this call neither reuses nor stores prompt K/V in the prefix
-        cache (segment reuse below is separate: it follows ``reuse_segments``).
+        cache (segment reuse below is separate: it follows ``reuse_segments``). ``cache_salt``
+        (a string, as vLLM's): the call reuses, and stores, prefix and segment K/V only under
+        that salt, so callers with different salts learn nothing of each other's prompts from
+        reuse counts or timings.
         ``keep_texts``: texts that appear in the prompt (document labels, titles) whose tokens
         every compressed layer and head keeps whatever the policy's scores, as many as fit beside
         its window (one prompt; decode-time cuts may still drop them later).

@@ -181,6 +181,7 @@ class DecodeRun:
         eos_ids: frozenset[int] = frozenset(),
         attention_spans: Sequence[tuple[int, int]] | None = None,
         protected_spans: Sequence[tuple[int, int]] | None = None,
+        cache_namespace: str = "",
     ):
         from transformers import DynamicCache
 
@@ -211,6 +212,7 @@ class DecodeRun:
         # Prefix reuse needs plain (non-sliding) layers: a sliding layer keeps only its window.
         sliding_cache = any(self.sliding) or any(getattr(self.cache, "is_sliding", []))
         self.prefix_cache = prefix_cache if prefix_cache is not None and prefix_cache.max_bytes > 0 and not sliding_cache else None
+        self.cache_namespace = cache_namespace  # prompts reuse and store prefix K/V only within it
         self.reused_tokens = [0] * len(rows)  # per row: prompt tokens whose K/V came from a cache, not recomputed
         # Rolling prefill (rolling=N): one prompt at a time, no prefix reuse or segments (their K/V sit at other positions)
         first = self._row_policy(0)
@@ -286,7 +288,7 @@ class DecodeRun:
 
     def _plan_reuse(self) -> ReusePlan:
         assert self.prefix_cache is not None
-        return plan_reuse(self.prefix_cache, self.rows, [self._row_policy(i) for i in range(len(self.rows))])
+        return plan_reuse(self.prefix_cache, self.rows, [self._row_policy(i) for i in range(len(self.rows))], self.cache_namespace)
 
     def _layout_with_reuse(self, plan: ReusePlan) -> None:
         """Keep the left-padded layout of width ``W``; its first ``P`` columns come from the
@@ -368,7 +370,7 @@ class DecodeRun:
             else:
                 layers: list = list(self.cache.layers)  # DynamicLayer: keys and values set by the forward
                 full_kv = {i: (layer.keys, layer.values) for i, layer in enumerate(layers)}
-            store_prompts(self.prefix_cache, self.rows, full_kv)
+            store_prompts(self.prefix_cache, self.rows, full_kv, self.cache_namespace)
             if self.session is not None:
                 self.session.full_kv = None  # the stored copies are the prefix cache's now
         return self._finish_prefill(seconds + time.perf_counter() - start, mask)

@@ -8,6 +8,7 @@ grammars, segment reuse, attention spans and protected texts.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
 from typing import Any, Protocol
 
@@ -23,7 +24,7 @@ from ..reuse.segment_store import SegmentKVStore
 from ..tools.call_gate import CallGate, gated
 from ..tools.calls import TEXT, OutputSpec
 from .prompts import PromptLike, question_tail_tokens, render_prompt, segment_spans, text_token_spans
-from .requests import Request, length_buckets, output_specs
+from .requests import Request, checked_cache_salt, length_buckets, output_specs
 from .sampling import GenerationParams
 
 Compression = CompressionPolicy | str | None  # a policy, a spec string, or None for the full cache
@@ -31,6 +32,14 @@ OUTPUT_KEYS = ("tools", "tool_choice", "response_format", "parallel_tool_calls",
 SEGMENT_KEYS = ("reuse_segments", "segment_store", "recompute")
 ATTEND_KEY = "attend_to"
 KEEP_KEY = "keep_texts"
+SALT_KEY = "cache_salt"
+
+
+def salted_signature(signature: str, salt: str | None) -> str:
+    """The chunk store's namespace for ``salt``: the model's signature, or a folder of its own per salt."""
+    if salt is None:
+        return signature
+    return f"{signature}-{hashlib.sha256(salt.encode()).hexdigest()[:16]}"
 
 
 class EngineLike(Protocol):
@@ -123,6 +132,7 @@ def prepare_request(
     """
     if not isinstance(prefix_cache, bool):
         raise InvalidGenerationParameterError(f"prefix_cache must be True or False, got {prefix_cache!r}", param="prefix_cache")
+    salt = checked_cache_salt(sampling.pop(SALT_KEY, None))
     reuse = {k: sampling.pop(k) for k in SEGMENT_KEYS if k in sampling}
     attend_to = sampling.pop(ATTEND_KEY, None)
     keep_texts = sampling.pop(KEEP_KEY, None)
@@ -146,19 +156,21 @@ def prepare_request(
             raise InvalidGenerationParameterError("keep_texts does not combine with rolling= (kept texts would move with every chunk)", param=KEEP_KEY)
     row_policies = resolve_policy(engine, policy, prompts, chat, questions, specs)
     row_policy = row_policies[0] if isinstance(row_policies, list) else row_policies
-    segments, note = segment_request(engine, prompts[0], rows[0], chat, specs[0], row_policy, reuse) if reuse else (None, None)
+    segments, note = segment_request(engine, prompts[0], rows[0], chat, specs[0], row_policy, reuse, salt) if reuse else (None, None)
     attention, attention_note = attention_spans(engine, prompts[0], rows[0], chat, specs[0], attend_to)
     protected = protected_spans(engine, prompts[0], rows[0], chat, specs[0], keep_texts)
     constraint = grammar(engine, specs, params.max_new_tokens)
     redo = None
     if engine.call_gate is not None and not per_row and len(prompts) == 1 and gated(specs[0]):
         # sampling has lost the segment and attention keys above; put them back for the second preparation
-        again = {**sampling, **reuse, **{k: v for k, v in ((ATTEND_KEY, attend_to), (KEEP_KEY, keep_texts)) if v is not None}}
+        again = {**sampling, **reuse, **{k: v for k, v in ((ATTEND_KEY, attend_to), (KEEP_KEY, keep_texts), (SALT_KEY, salt)) if v is not None}}
 
         def redo(tool_choice: Any) -> Request:
             return prepare_request(engine, prompts, compression, chat, {**again, "tool_choice": tool_choice}, questions, prefix_cache=prefix_cache)
 
-    return Request(rows, params, policy, row_policies, tuple(specs), constraint, prefix_cache, segments, note, redo, None, attention, attention_note, protected)
+    return Request(
+        rows, params, policy, row_policies, tuple(specs), constraint, prefix_cache, segments, note, redo, None, attention, attention_note, protected, salt
+    )
 
 
 def prepare_batch(
@@ -252,7 +264,14 @@ def attention_spans(
 
 
 def segment_request(
-    engine: EngineLike, prompt: PromptLike, row: list[int], chat: bool | None, spec: OutputSpec, policy: CompressionPolicy | None, options: dict[str, Any]
+    engine: EngineLike,
+    prompt: PromptLike,
+    row: list[int],
+    chat: bool | None,
+    spec: OutputSpec,
+    policy: CompressionPolicy | None,
+    options: dict[str, Any],
+    salt: str | None = None,
 ) -> tuple[SegmentRequest | None, str | None]:
     """Validate ``reuse_segments``/``segment_store``/``recompute``; the request for the
     blended prefill, or None and the reason it will not run."""
@@ -278,7 +297,8 @@ def segment_request(
     spans = segment_spans(engine.tokenizer, prompt, chosen, len(row), chat=chat, tools=tools)
     if not spans:
         return None, "no segment found in the rendered prompt"
-    return SegmentRequest(spans, segment_anchor(row), store if store is not None else engine.segment_store, engine.signature, float(recompute), shift), None
+    signature = salted_signature(engine.signature, salt)
+    return SegmentRequest(spans, segment_anchor(row), store if store is not None else engine.segment_store, signature, float(recompute), shift), None
 
 
 def check_continuation(engine: EngineLike, continuation: Any) -> list[int]:

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..compression import CompressionPolicy
-from ..errors import StructuredOutputError
+from ..errors import InvalidGenerationParameterError, StructuredOutputError
 from ..reuse.blending import SegmentRequest
 from ..tools.calls import TEXT, OutputSpec, build_output_spec
 from .sampling import GenerationParams
@@ -45,6 +45,21 @@ def output_specs(n: int, options: dict[str, Any], *, per_row: bool = False) -> l
     return specs
 
 
+MAX_CACHE_SALT_CHARS = 1024
+
+
+def checked_cache_salt(value: Any) -> str | None:
+    """``cache_salt``: None, or a non-empty string (at most 1,024 characters) naming the prefix
+    cache's and the chunk store's namespace: a prompt reuses K/V stored under its own salt only."""
+    if value is None:
+        return None
+    if not isinstance(value, str) or not 0 < len(value) <= MAX_CACHE_SALT_CHARS:
+        raise InvalidGenerationParameterError(
+            f"cache_salt must be a non-empty string of at most {MAX_CACHE_SALT_CHARS} characters, or None", param="cache_salt"
+        )
+    return value
+
+
 @dataclass(frozen=True)
 class Request:
     """A validated call: token ids per prompt, sampling parameters and the policy.
@@ -73,6 +88,7 @@ class Request:
     attention_note: str | None = None  # why attend_to records nothing (no text found)
     # single-prompt calls with keep_texts: the token spans every compressed layer keeps
     protected_spans: tuple[tuple[int, int], ...] | None = None
+    cache_salt: str | None = None  # the prefix cache's namespace: reuse only K/V stored under the same salt
 
     def spec(self, row: int) -> OutputSpec:
         return self.specs[row] if self.specs else TEXT
@@ -82,7 +98,7 @@ class Request:
         row_policies = [self.row_policies[i] for i in indices] if isinstance(self.row_policies, list) else self.row_policies
         specs = tuple(self.specs[i] for i in indices) if self.specs else ()
         constraint = self.constraint.subset(indices) if self.constraint is not None else None
-        return Request(rows, self.params, self.policy, row_policies, specs, constraint, self.use_prefix_cache)
+        return Request(rows, self.params, self.policy, row_policies, specs, constraint, self.use_prefix_cache, cache_salt=self.cache_salt)
 
 
 def length_buckets(lengths: Sequence[int], max_batch_size: int | None = None, *, slack: float = 0.25, min_slack: int = 16) -> list[list[int]]:

@@ -61,6 +61,10 @@ if TYPE_CHECKING:
     from .streams import StreamPiece
 
 DONE = object()  # the last event of a member's outbox
+#: While requests decode, background tasks (Engine.run_on_model(..., background=True): a server's
+#: embeddings) get at most this share of the decode steps' time: a chat beside a flood of
+#: 2,048-input embedding requests took 2.6x its time alone with one batch of 8 texts per step.
+BACKGROUND_SHARE = 0.25
 IDLE_SECONDS = 10.0  # the worker thread exits after this long with nothing to do (a new call starts another)
 # Every scheduler, so the interpreter's exit can stop their workers first: a daemon worker still
 # inside torch while C++ static destructors run aborted the process ("terminate called without
@@ -385,6 +389,7 @@ class _Task:
     fn: Callable[[], Any]  # returns the result, or a generator that yields between chunks and returns it
     rows: int  # decode rows the task adds (a prefill); 0 for other model work
     context: contextvars.Context
+    background: bool = False  # work nobody decoding waits for (a server's embeddings): see Scheduler._next_task
     done: threading.Event = field(default_factory=threading.Event)
     result: Any = None
     error: BaseException | None = None
@@ -435,6 +440,9 @@ class Scheduler:
         self._stopping = False
         self._decode_steps = 0
         self._decoded_rows = 0
+        # seconds of background tasks and of decode steps since requests began decoding (the share's books)
+        self._background_seconds = 0.0
+        self._decode_seconds = 0.0
         _SCHEDULERS.add(self)
 
     def stop(self, timeout: float = 5.0) -> None:
@@ -449,13 +457,15 @@ class Scheduler:
             worker.join(timeout)
 
     # ----------------------------------------------------------------- callers' side
-    def call(self, fn: Callable[[], Any], *, rows: int = 0) -> Any:
+    def call(self, fn: Callable[[], Any], *, rows: int = 0, background: bool = False) -> Any:
         """Run ``fn()`` in the worker, between decode steps, in the caller's context; its result.
 
         ``fn`` may return a generator instead: the worker then advances it once per iteration
         (a chunk of a prefill), with a decode step between, and its return value is the result.
         ``rows``: decode rows ``fn`` will add (a prefill that joins); it waits until the running
-        rows plus these fit in ``max_batch_size`` (or nothing runs).
+        rows plus these fit in ``max_batch_size`` (or nothing runs). ``background``: other tasks
+        go first, and while requests decode, background work takes at most
+        :data:`BACKGROUND_SHARE` of the worker's time beside their steps.
         """
         if self.on_worker():  # model work inside a task: run it now, whole
             task = _Task(fn, rows, contextvars.copy_context())
@@ -464,7 +474,7 @@ class Scheduler:
             if task.error is not None:
                 raise task.error
             return task.result
-        task = _Task(fn, rows, contextvars.copy_context())
+        task = _Task(fn, rows, contextvars.copy_context(), background=background)
         with self._cv:
             self._tasks.append(task)
             if self._worker is None:
@@ -519,14 +529,22 @@ class Scheduler:
         return sum(g.rows for g in self._groups)
 
     def _next_task(self) -> _Task | None:
-        """FIFO, except that model work adding no rows never waits behind a prefill that does not fit."""
+        """FIFO, except that model work adding no rows never waits behind a prefill that does not fit,
+        and background tasks come last and, while requests decode, only within their share."""
         running = self._running_rows()
         blocked = False  # a prefill waits for room: later prefills wait behind it (FIFO)
+        waiting_background = None
         for task in self._tasks:
+            if task.background:
+                waiting_background = waiting_background or task
+                continue
             if task.rows == 0 or (not blocked and (running == 0 or running + task.rows <= self.max_batch_size)):
                 self._tasks.remove(task)
                 return task
             blocked = True
+        if waiting_background is not None and (not self._groups or self._background_seconds <= BACKGROUND_SHARE * self._decode_seconds):
+            self._tasks.remove(waiting_background)
+            return waiting_background
         return None
 
     def _loop(self) -> None:
@@ -550,10 +568,16 @@ class Scheduler:
                 self._worker = None
                 return False
             task = self._active or self._next_task()
+        if not self._groups:
+            self._background_seconds = self._decode_seconds = 0.0
         if task is not None:
+            started = time.perf_counter()
             self._active = None if task.advance() else task
+            if task.background and self._groups:
+                self._background_seconds += time.perf_counter() - started
             task = None  # hold no finished task (its closure, its member) through an idle wait
         if self._groups:
+            started = time.perf_counter()
             try:
                 self._step()
             except BaseException as exc:  # a bug: every running request gets it, none hangs
@@ -561,6 +585,7 @@ class Scheduler:
                 for group in groups:
                     for member in group.members:
                         member.finish(exc)
+            self._decode_seconds += time.perf_counter() - started
         return True
 
     def _fail_everything(self, exc: BaseException) -> None:

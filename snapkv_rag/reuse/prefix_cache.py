@@ -12,6 +12,10 @@ queries of its observation window, and a reused token has no queries. So the las
 they are stored; each layer's selection then runs over the reused keys plus the new keys
 with the window's queries, exactly as in a full prefill. Policies that need *all* prompt
 queries (``query_window is None``: H2O) never reuse; their prompts are still stored.
+
+Entries live in namespaces (a request's ``cache_salt``; the server adds its API key's tenant):
+a prompt reuses, and subsumes, only entries stored under its own namespace, so one tenant's
+reuse statistics and first-token times say nothing about another's prompts.
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ class PrefixEntry:
     keys: list[torch.Tensor]
     values: list[torch.Tensor]
     nbytes: int = 0
+    namespace: str = ""  # only prompts of the same namespace reuse it
 
     def __len__(self) -> int:
         return int(self.tokens.numel())
@@ -101,13 +106,15 @@ class PrefixCache:
         differs = (stored[:m] != query[:m]).nonzero()
         return int(differs[0, 0]) if differs.numel() else m
 
-    def lookup(self, tokens: list[int]) -> tuple[PrefixEntry | None, int]:
-        """The entry sharing the longest token prefix with ``tokens`` and that length, or
-        ``(None, 0)``. Recency changes only when the entry is used (:meth:`record_reuse`)."""
+    def lookup(self, tokens: list[int], namespace: str = "") -> tuple[PrefixEntry | None, int]:
+        """The entry of ``namespace`` sharing the longest token prefix with ``tokens`` and that
+        length, or ``(None, 0)``. Recency changes only when the entry is used (:meth:`record_reuse`)."""
         self.lookups += 1
         query = torch.tensor(tokens, dtype=torch.long)
         best, best_len = None, 0
         for entry in self._entries.values():
+            if entry.namespace != namespace:
+                continue
             n = self._common_prefix(entry.tokens, query)
             if n > best_len:
                 best, best_len = entry, n
@@ -124,16 +131,17 @@ class PrefixCache:
                 self._entries.move_to_end(key)
                 break
 
-    def insert(self, tokens: list[int], keys: list[torch.Tensor], values: list[torch.Tensor]) -> bool:
-        """Store a prompt's full K/V; returns False when it alone exceeds the bound."""
+    def insert(self, tokens: list[int], keys: list[torch.Tensor], values: list[torch.Tensor], namespace: str = "") -> bool:
+        """Store a prompt's full K/V under ``namespace``; returns False when it alone exceeds the bound."""
         nbytes = sum(t.numel() * t.element_size() for t in (*keys, *values))
         if self.max_bytes <= 0 or nbytes > self.max_bytes:
             return False
         ids = torch.tensor(tokens, dtype=torch.long)
-        # Entries that are a prefix of the new prompt (or equal to it) are subsumed by it.
-        for key in [k for k, e in self._entries.items() if len(e) <= ids.numel() and self._common_prefix(e.tokens, ids) == len(e)]:
+        # Entries of the namespace that are a prefix of the new prompt (or equal to it) are subsumed by it.
+        subsumed = [k for k, e in self._entries.items() if e.namespace == namespace and len(e) <= ids.numel() and self._common_prefix(e.tokens, ids) == len(e)]
+        for key in subsumed:
             self._bytes -= self._entries.pop(key).nbytes
-        self._entries[self._next_id] = PrefixEntry(ids, keys, values, nbytes)
+        self._entries[self._next_id] = PrefixEntry(ids, keys, values, nbytes, namespace)
         self._next_id += 1
         self._bytes += nbytes
         while self._bytes > self.max_bytes:
@@ -183,7 +191,7 @@ def reusable_tokens(prefix_length: int, prompt_length: int, policy: CompressionP
 ReusePlan = list[tuple["PrefixEntry | None", int]]  # per row: the stored entry and how many leading tokens to take
 
 
-def plan_reuse(cache: PrefixCache, rows: list[list[int]], policies: list[CompressionPolicy | None]) -> ReusePlan:
+def plan_reuse(cache: PrefixCache, rows: list[list[int]], policies: list[CompressionPolicy | None], namespace: str = "") -> ReusePlan:
     """Per row: the stored entry to reuse and how many leading tokens to take from it.
 
     In a batch every row that reuses anything prefills the same number ``T`` of new
@@ -193,7 +201,7 @@ def plan_reuse(cache: PrefixCache, rows: list[list[int]], policies: list[Compres
     """
     plan: ReusePlan = []
     for row, policy in zip(rows, policies):
-        entry, common = cache.lookup(row)
+        entry, common = cache.lookup(row, namespace)
         plan.append((entry, reusable_tokens(common, len(row), policy, entry.keys[0].dtype) if entry is not None else 0))
     new_tokens = max(len(row) - take for row, (_, take) in zip(rows, plan))
     return [(entry, max(0, len(row) - new_tokens) if take else 0) for row, (entry, take) in zip(rows, plan)]
@@ -224,9 +232,9 @@ def reused_layer(plan: ReusePlan, layer_idx: int, width_p: int) -> tuple[torch.T
     return out[0], out[1]
 
 
-def store_prompts(cache: PrefixCache, rows: list[list[int]], full_kv: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> None:
+def store_prompts(cache: PrefixCache, rows: list[list[int]], full_kv: dict[int, tuple[torch.Tensor, torch.Tensor]], namespace: str = "") -> None:
     """Put each row's full (uncompressed) prompt K/V, from the batch's left-padded ``full_kv``
-    (layer -> ``[batch, kv_heads, width, d]`` K and V), into ``cache``."""
+    (layer -> ``[batch, kv_heads, width, d]`` K and V), into ``cache`` under ``namespace``."""
     width = max(len(row) for row in rows)
     layers = sorted(full_kv)
     for i, row in enumerate(rows):
@@ -239,4 +247,4 @@ def store_prompts(cache: PrefixCache, rows: list[list[int]], full_kv: dict[int, 
             else:
                 keys.append(k[i : i + 1, :, width - len(row) :].clone())
                 values.append(v[i : i + 1, :, width - len(row) :].clone())
-        cache.insert(row, keys, values)
+        cache.insert(row, keys, values, namespace)

@@ -11,10 +11,12 @@ prefill, with its own compression); a client that disconnects stops its generati
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import hmac
 import json
 import logging
 import time
+from collections.abc import Sequence
 from typing import Any
 
 from starlette.applications import Starlette
@@ -37,6 +39,7 @@ from .protocol import (
     embedding_response,
     from_engine_error,
     invalid,
+    json_bytes,
     new_id,
     parse_chat_request,
     parse_completion_request,
@@ -47,8 +50,9 @@ log = logging.getLogger("snapkv_rag.server")
 
 
 class ServerConfig:
-    """What the server serves and how. ``api_key``: required as ``Authorization: Bearer ...``
-    when set. ``default_max_tokens``: the cap when a request gives no ``max_tokens`` (the
+    """What the server serves and how. ``api_key``: one key or several, one of which is required
+    as ``Authorization: Bearer ...`` when set; each key is a tenant whose prompts reuse only
+    K/V its own requests stored. ``default_max_tokens``: the cap when a request gives no ``max_tokens`` (the
     room left in the context caps it too). ``embedder``: an :class:`~snapkv_rag.rag.Embedder`
     for ``/v1/embeddings`` (loaded on first use), or None to serve no embeddings.
     ``shutdown_grace``: seconds that generating requests get to finish at Ctrl+C or SIGTERM
@@ -64,7 +68,7 @@ class ServerConfig:
         aliases: tuple[str, ...] = (),
         compression: str | None = DEFAULT_COMPRESSION,
         default_max_tokens: int = DEFAULT_MAX_TOKENS,
-        api_key: str | None = None,
+        api_key: str | Sequence[str] | None = None,
         embedder=None,
         embedder_id: str = "all-MiniLM-L6-v2",
         max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
@@ -91,7 +95,11 @@ class ServerConfig:
         self.compression_spec = compression or "full"
         self.compression = as_policy(compression)  # an invalid spec fails at start, not on the first request
         self.default_max_tokens = default_max_tokens
-        self.api_key = api_key or None
+        keys = [api_key] if isinstance(api_key, str) else list(api_key or ())
+        if not all(isinstance(k, str) and k.strip() == k and k for k in keys):
+            raise ValueError("API keys must be non-empty strings without surrounding spaces")
+        self.api_keys = tuple(dict.fromkeys(keys))  # each key a tenant: its prompts reuse only its own K/V
+        self.api_key = self.api_keys[0] if self.api_keys else None
         self.embedder = embedder
         self.embedder_id = embedder_id
         self.max_request_bytes = max_request_bytes
@@ -160,26 +168,51 @@ async def _json_body(request: Request, limit: int, timeout: float = DEFAULT_BODY
 
 class APIKeyMiddleware:
     """Every ``/v1/`` request, and ``/metrics`` unless ``public_metrics``, must carry
-    ``Authorization: Bearer <api_key>`` (``/health`` and CORS preflights need none); one 401 in
-    OpenAI's error shape otherwise."""
+    ``Authorization: Bearer <key>`` with one of ``api_keys`` (``/health`` and CORS preflights
+    need none); one 401 in OpenAI's error shape otherwise. Each key is a tenant: the request's
+    ``state.tenant`` names it (a digest, never the key), and its prompts reuse only its own K/V."""
 
-    def __init__(self, app, api_key: str, public_metrics: bool = False):
+    def __init__(self, app, api_keys: Sequence[str], public_metrics: bool = False):
         self.app = app
-        self.key = api_key.encode()
+        self.keys = [(key.encode(), tenant_of(key)) for key in api_keys]
+        if not self.keys:
+            raise ValueError("APIKeyMiddleware needs at least one key")
         self.public_metrics = public_metrics
 
     def guarded(self, path: str) -> bool:
         return path.startswith("/v1/") or (path.rstrip("/") == "/metrics" and not self.public_metrics)
 
+    def tenant(self, token: bytes) -> str | None:
+        found = None
+        for key, tenant in self.keys:  # every key compared, in constant time: no early exit to time
+            if hmac.compare_digest(token, key):
+                found = tenant
+        return found
+
     async def __call__(self, scope, receive, send):
         if scope["type"] == "http" and self.guarded(scope["path"]) and scope["method"] != "OPTIONS":
             header = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
             scheme, _, token = header.partition(" ")
-            if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.key):
+            tenant = self.tenant(token.strip().encode()) if scheme.lower() == "bearer" else None
+            if tenant is None:
                 error = APIError(401, "invalid or missing API key: send 'Authorization: Bearer <key>'", type="authentication_error", code="invalid_api_key")
                 await _error_response(error)(scope, receive, send)
                 return
+            scope.setdefault("state", {})["tenant"] = tenant
         await self.app(scope, receive, send)
+
+
+def tenant_of(api_key: str) -> str:
+    """A tenant's name for its API key: a digest that neither logs nor keys give back."""
+    return hashlib.sha256(b"snapkv-rag tenant\0" + api_key.encode()).hexdigest()[:16]
+
+
+def cache_namespace(tenant: str | None, salt: str | None) -> str | None:
+    """The engine's ``cache_salt`` for a request: its tenant (API key) and its own ``cache_salt``
+    together, or None (the shared namespace of a keyless server's unsalted requests)."""
+    if tenant is None and salt is None:
+        return None
+    return hashlib.sha256(f"{tenant or ''}\0{salt or ''}".encode()).hexdigest()
 
 
 def _check_model(model: str, served: str, accepted: set[str]) -> None:
@@ -354,6 +387,9 @@ def _completions(kind: str):
         try:
             parsed = parse(body)
             _check_model(parsed.model, config.model_id, config.aliases)
+            namespace = cache_namespace(getattr(request.state, "tenant", None), parsed.sampling.pop("cache_salt", None))
+            if namespace is not None:
+                parsed.sampling["cache_salt"] = namespace
             request_id = new_id(kind)
             try:  # prompt errors (too long, bad tools) are found here, before a streamed 200 is sent
                 stream = await config.backend.open(config, parsed)
@@ -437,19 +473,20 @@ async def embeddings(request: Request):
         _check_model(model, config.embedder_id, {config.embedder_id})
         embedder = config.embedder
 
-        def work() -> tuple[list[list[float]], int]:
-            tokenizer, limit = embedder.tokenizer, embedder.max_tokens
-            counts = [len(tokenizer(t, add_special_tokens=True)["input_ids"]) for t in texts]
+        def work() -> bytes:
+            limit = embedder.max_tokens
+            counts = embedder.token_counts(texts)
             for i, n in enumerate(counts):
                 if n > limit:
                     raise invalid(
                         f"input[{i}] has {n} tokens; the embedder reads at most {limit}, so it would be cut: split it first", "input", "input_too_long"
                     )
-            return embedder.embed(texts), sum(counts)
+            # the body is written here too: off the event loop, which would otherwise stall every client meanwhile
+            return json_bytes(embedding_response(model, embedder.embed_array(texts), encoding, sum(counts)))
 
-        vectors, tokens = await asyncio.get_running_loop().run_in_executor(None, work)
+        body_bytes = await asyncio.get_running_loop().run_in_executor(None, work)
         request.app.state.metrics.finished("embeddings", 200)
-        return JSONResponse(embedding_response(model, vectors, encoding, tokens))
+        return Response(body_bytes, media_type="application/json")
     except APIError as exc:
         request.app.state.metrics.finished("embeddings", exc.status)
         return _error_response(exc)
@@ -516,8 +553,8 @@ def create_app(config: ServerConfig) -> Starlette:
     middleware = []  # outermost first: CORS answers preflights before the key is checked
     if config.allow_origins:
         middleware.append(Middleware(CORSMiddleware, allow_origins=list(config.allow_origins), allow_methods=["GET", "POST"], allow_headers=["*"]))
-    if config.api_key is not None:
-        middleware.append(Middleware(APIKeyMiddleware, api_key=config.api_key, public_metrics=config.public_metrics))
+    if config.api_keys:
+        middleware.append(Middleware(APIKeyMiddleware, api_keys=config.api_keys, public_metrics=config.public_metrics))
     app = Starlette(
         routes=[
             Route("/v1/chat/completions", _completions("chat"), methods=["POST"]),

@@ -27,7 +27,14 @@ def add_serve_parser(sub) -> None:
         default=None,
         help="the model id clients send (default: the model's name, e.g. SmolLM2-135M-Instruct; the --model value is accepted too)",
     )
-    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (default: $SNAPKV_RAG_API_KEY, else no key)")
+    p.add_argument(
+        "--api-key",
+        action="append",
+        default=None,
+        help="require 'Authorization: Bearer KEY'; give it once per tenant (each key's prompts reuse only its own cached K/V) "
+        "(default: $SNAPKV_RAG_API_KEY, comma-separated for several, else no key)",
+    )
+    p.add_argument("--api-keys-file", default=None, help="a file of API keys, one per line (blank lines and # comments skipped), added to --api-key")
     p.add_argument("--public-metrics", action="store_true", help="serve /metrics without the API key (default: behind it, where a key is set)")
     p.add_argument(
         "--max-prompt-tokens",
@@ -137,9 +144,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     config = build_config(args)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     models = config.model_id + (f", {config.embedder_id}" if config.embedder is not None else "")
+    keys = len(config.api_keys)
+    access = "; API key required" if keys == 1 else f"; {keys} API keys (tenants)" if keys else ""
     print(
         f"snapkv-rag: OpenAI-compatible API at http://{args.host}:{args.port}/v1 (models: {models}; "
-        f"compression: {config.compression_spec}{'; API key required' if config.api_key else ''}). Ctrl+C stops it.",
+        f"compression: {config.compression_spec}{access}). Ctrl+C stops it.",
         file=sys.stderr,
     )
     # Requests stop within the grace and a step (DrainingServer); uvicorn's own bound cuts connections only past that.

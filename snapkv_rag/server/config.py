@@ -5,6 +5,7 @@ Serve replicas (:mod:`.ray_serve`)."""
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 
 from ..errors import SnapKVRagError
@@ -56,6 +57,27 @@ def check_args(args: argparse.Namespace) -> None:
         raise SnapKVRagError(f"--shutdown-grace must be 0-3600 seconds, got {args.shutdown_grace}")
 
 
+def api_keys(args: argparse.Namespace) -> list[str]:
+    """The API keys the options give: each ``--api-key``, the lines of ``--api-keys-file``, else
+    ``$SNAPKV_RAG_API_KEY`` (comma-separated); empty: no key is needed."""
+    keys = [k.strip() for k in (getattr(args, "api_key", None) or [])]
+    path = getattr(args, "api_keys_file", None)
+    if path is not None:
+        try:
+            with open(path, encoding="utf-8") as handle:
+                lines = handle.read().splitlines()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise SnapKVRagError(f"--api-keys-file {path}: cannot read it ({exc.__class__.__name__})") from None
+        keys += [line.strip() for line in lines if line.strip() and not line.lstrip().startswith("#")]
+        if not keys:
+            raise SnapKVRagError(f"--api-keys-file {path} holds no key")
+    if not keys:
+        keys = [k.strip() for k in os.environ.get("SNAPKV_RAG_API_KEY", "").split(",") if k.strip()]
+    if any(not k or any(c.isspace() for c in k) for k in keys):
+        raise SnapKVRagError("an API key must be non-empty and hold no spaces")
+    return keys
+
+
 def load_served_engine(args: argparse.Namespace):
     """The engine the options name, with its serving settings (batch size, chunked prefill, chunk store)."""
     from ..engine.shared import load_engine_quietly
@@ -97,14 +119,16 @@ def build_config(args: argparse.Namespace, engine=None, backend=None):
     if engine is None and backend is None:
         engine = load_served_engine(args)
     if embedder is not None and engine is not None:
-        embedder.runner = engine.run_on_model  # the engine's thread: a second torch thread slows its decode
+        # the engine's thread (a second torch thread slows its decode), behind the completions
+        embedder.runner = functools.partial(engine.run_on_model, background=True)
+        embedder.busy = lambda: engine.decoding  # smaller batches while requests decode
     return ServerConfig(
         engine,
         model_id=args.served_model_name or served_model_name(args.model),
         aliases=(args.model,),
         compression=args.compression,
         default_max_tokens=args.default_max_tokens,
-        api_key=args.api_key or os.environ.get("SNAPKV_RAG_API_KEY"),
+        api_key=api_keys(args),
         embedder=embedder,
         embedder_id=embedder_id,
         max_request_bytes=args.max_request_bytes,

@@ -10,7 +10,8 @@ prompt (the documents a client stuffed) whose K/V the server stores once and reu
 position later, with ``recompute`` (0-1) the share recomputed (see :mod:`snapkv_rag.reuse.blending`);
 ``keep_texts``, texts of the prompt (document labels) that the compression never evicts;
 ``prompt_lookup_num_tokens``, draft tokens looked up in the prompt per decode forward (exact,
-greedy only; :mod:`snapkv_rag.engine.lookup`); vLLM's ``ignore_eos`` and ``min_tokens``. Field types and ranges are declared as pydantic
+greedy only; :mod:`snapkv_rag.engine.lookup`); vLLM's ``ignore_eos``, ``min_tokens`` and
+``cache_salt`` (prompt K/V reused only between requests of one salt and one API key). Field types and ranges are declared as pydantic
 models (:class:`CompletionFields`, :class:`ChatFields`); the first violation is one 400 naming
 its field. Every response carries the engine's stats for it under ``snapkv``.
 """
@@ -23,12 +24,13 @@ import logging
 import math
 import time
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, ValidationError, field_validator, model_validator
 
+from ..engine.requests import MAX_CACHE_SALT_CHARS
 from ..engine.sampling import MAX_DRAFT_TOKENS
 from ..errors import (
     EmptyPromptError,
@@ -177,6 +179,7 @@ _COMMON = {
     "ignore_eos",
     "min_tokens",  # vLLM's extensions, which benchmark clients send
     "prompt_lookup_num_tokens",
+    "cache_salt",  # vLLM's: prompt K/V reused only between requests with the same salt (and API key)
 }
 MAX_REUSE_SEGMENTS = 1024
 CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "tools", "tool_choice", "parallel_tool_calls", "response_format"}
@@ -217,6 +220,7 @@ class CompletionFields(BaseModel):
     ignore_eos: StrictBool | None = None
     min_tokens: StrictInt | None = Field(default=None, ge=0)
     prompt_lookup_num_tokens: StrictInt | None = Field(default=None, ge=0, le=MAX_DRAFT_TOKENS)
+    cache_salt: StrictStr | None = Field(default=None, min_length=1, max_length=MAX_CACHE_SALT_CHARS)  # vLLM's: reuse only within the salt
 
     @field_validator("temperature", "top_p", "recompute", mode="before")
     @classmethod
@@ -252,7 +256,7 @@ class CompletionFields(BaseModel):
         for key in ("temperature", "top_p", "recompute"):
             if getattr(self, key) is not None:
                 out[key] = float(getattr(self, key))
-        for key in ("stop", "seed", "reuse_segments", "keep_texts"):
+        for key in ("stop", "seed", "reuse_segments", "keep_texts", "cache_salt"):
             if getattr(self, key) is not None:
                 out[key] = getattr(self, key)
         if self.ignore_eos:
@@ -553,14 +557,21 @@ class ChunkWriter:
         return f"data: {json.dumps(exc.body())}\n\n"
 
 
-def embedding_response(model: str, vectors: Sequence[Sequence[float]], encoding: str, prompt_tokens: int) -> dict[str, Any]:
+def embedding_response(model: str, vectors: Any, encoding: str, prompt_tokens: int) -> dict[str, Any]:
+    """The response body; ``vectors`` ``[n, d]`` (an array or lists). Float vectors stay numpy
+    rows: :func:`json_bytes` writes them ~15x faster than ``json`` writes lists of floats."""
     import numpy as np
 
+    array = np.asarray(vectors, dtype=np.float32)
     data = []
-    for i, vector in enumerate(vectors):
-        if encoding == "base64":
-            value: Any = base64.b64encode(np.asarray(vector, dtype="<f4").tobytes()).decode("ascii")
-        else:
-            value = [float(x) for x in vector]
+    for i, vector in enumerate(array):
+        value: Any = base64.b64encode(vector.astype("<f4").tobytes()).decode("ascii") if encoding == "base64" else vector
         data.append({"object": "embedding", "index": i, "embedding": value})
     return {"object": "list", "data": data, "model": model, "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens}}
+
+
+def json_bytes(content: Any) -> bytes:
+    """``content`` as compact JSON, numpy arrays as lists (float32 at its shortest round-trip digits)."""
+    import orjson
+
+    return orjson.dumps(content, option=orjson.OPT_SERIALIZE_NUMPY)

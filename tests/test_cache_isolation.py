@@ -1,0 +1,112 @@
+"""The prefix cache and the chunk store as a side channel (issue 64, case 6): a prompt reuses
+K/V only from requests of its own ``cache_salt`` and, on the server, of its own API key, so
+neither ``reused_prompt_tokens`` nor a faster first token tells one client what another sent."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from starlette.testclient import TestClient
+
+from snapkv_rag.errors import InvalidGenerationParameterError
+from snapkv_rag.reuse.prefix_cache import PrefixCache
+from snapkv_rag.server import ServerConfig, create_app
+
+SECRET = "The launch code for the vault is 4471. " * 6 + "Repeat the code."
+DOC = "Quarterly revenue rose by nine percent, led by the northern region and new contracts. " * 3
+
+
+def kv(n: int) -> list[torch.Tensor]:
+    return [torch.zeros(1, 2, n, 4)]
+
+
+def test_a_lookup_sees_only_its_own_namespace():
+    cache = PrefixCache(1 << 20)
+    cache.insert([1, 2, 3, 4], kv(4), kv(4), namespace="alice")
+    assert cache.lookup([1, 2, 3, 4, 5], "alice")[1] == 4
+    assert cache.lookup([1, 2, 3, 4, 5], "bob") == (None, 0)
+    assert cache.lookup([1, 2, 3, 4, 5]) == (None, 0)
+
+
+def test_a_longer_prompt_subsumes_entries_of_its_namespace_only():
+    cache = PrefixCache(1 << 20)
+    cache.insert([1, 2, 3], kv(3), kv(3), namespace="alice")
+    cache.insert([1, 2, 3, 4], kv(4), kv(4), namespace="bob")
+    assert len(cache) == 2  # bob's entry must not evict alice's
+    assert cache.lookup([1, 2, 3, 9], "alice")[1] == 3
+
+
+def test_the_engine_reuses_a_prompt_only_under_the_same_salt(engine):
+    engine.prefix_cache.clear()
+    kwargs = dict(max_new_tokens=2, compression="snapkv:budget=32,window=8")
+    engine.generate(SECRET, cache_salt="victim", **kwargs)
+    assert engine.generate(SECRET, cache_salt="attacker", **kwargs).stats.reused_prompt_tokens == 0
+    assert engine.generate(SECRET, **kwargs).stats.reused_prompt_tokens == 0  # unsalted is a namespace of its own
+    assert engine.generate(SECRET, cache_salt="victim", **kwargs).stats.reused_prompt_tokens > 0
+    batch = engine.generate_batch([SECRET, SECRET + " Now."], cache_salt="victim", **kwargs)
+    assert all(r.stats.reused_prompt_tokens > 0 for r in batch)
+
+
+def test_stored_chunks_are_found_only_under_the_same_salt(engine):
+    prompt = f"Document:\n{DOC}\nQuestion: how much did revenue rise?"
+    kwargs = dict(max_new_tokens=2, reuse_segments=[DOC], prefix_cache=False)
+    first = engine.generate(prompt, cache_salt="victim", **kwargs)
+    assert first.stats.segment_reuse == "blended" and first.stats.segment_misses == 1
+    assert engine.generate(prompt, cache_salt="attacker", **kwargs).stats.segment_hits == 0
+    assert engine.generate(prompt, cache_salt="victim", **kwargs).stats.segment_hits == 1
+
+
+@pytest.mark.parametrize("salt", ["", "x" * 1025, 7, b"bytes"])
+def test_a_bad_salt_is_one_clear_error(engine, salt):
+    with pytest.raises(InvalidGenerationParameterError) as caught:
+        engine.generate("Hi", max_new_tokens=1, cache_salt=salt)
+    assert caught.value.param == "cache_salt"
+
+
+def chat(content: str, **extra) -> dict:
+    return {"model": "tiny", "messages": [{"role": "user", "content": content}], "max_tokens": 2, "compression": "snapkv:budget=32,window=8", **extra}
+
+
+def reused(client: TestClient, body: dict, key: str | None = None) -> int:
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    response = client.post("/v1/chat/completions", json=body, headers=headers)
+    assert response.status_code == 200, response.text
+    return response.json()["snapkv"]["reused_prompt_tokens"]
+
+
+def test_each_api_key_is_a_tenant_that_reuses_only_its_own_prompts(engine):
+    engine.prefix_cache.clear()
+    with TestClient(create_app(ServerConfig(engine, model_id="tiny", api_key=["key-alice", "key-bob"]))) as client:
+        reused(client, chat(SECRET), "key-alice")
+        assert reused(client, chat(SECRET), "key-bob") == 0  # bob's right guess tells him nothing
+        assert reused(client, chat(SECRET, cache_salt="x"), "key-bob") == 0
+        assert reused(client, chat(SECRET), "key-alice") > 0
+        assert client.post("/v1/chat/completions", json=chat(SECRET), headers={"Authorization": "Bearer key-carol"}).status_code == 401
+
+
+def test_cache_salt_isolates_requests_behind_one_key(engine):
+    engine.prefix_cache.clear()
+    with TestClient(create_app(ServerConfig(engine, model_id="tiny"))) as client:
+        reused(client, chat(SECRET, cache_salt="user-1"))
+        assert reused(client, chat(SECRET, cache_salt="user-2")) == 0
+        assert reused(client, chat(SECRET)) == 0
+        assert reused(client, chat(SECRET, cache_salt="user-1")) > 0
+        refused = client.post("/v1/chat/completions", json=chat(SECRET, cache_salt=""))
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == "cache_salt"
+
+
+def test_several_keys_from_the_command_line_and_a_file(engine, tmp_path, monkeypatch):
+    from snapkv_rag.cli import build_parser
+    from snapkv_rag.errors import SnapKVRagError
+    from snapkv_rag.server.config import build_config
+
+    monkeypatch.delenv("SNAPKV_RAG_API_KEY", raising=False)
+    keys = tmp_path / "keys"
+    keys.write_text("# tenants\nkey-carol\n\nkey-dave\n")
+    args = build_parser().parse_args(["serve", "--api-key", "key-alice", "--api-key", "key-bob", "--api-keys-file", str(keys), "--embedder", "none"])
+    assert build_config(args, engine=engine).api_keys == ("key-alice", "key-bob", "key-carol", "key-dave")
+    monkeypatch.setenv("SNAPKV_RAG_API_KEY", "key-env1,key-env2")
+    assert build_config(build_parser().parse_args(["serve", "--embedder", "none"]), engine=engine).api_keys == ("key-env1", "key-env2")
+    (tmp_path / "empty").write_text("# none\n")
+    with pytest.raises(SnapKVRagError, match="holds no key"):
+        build_config(build_parser().parse_args(["serve", "--api-keys-file", str(tmp_path / "empty"), "--embedder", "none"]), engine=engine)
