@@ -12,7 +12,9 @@ does not already contain) must appear in a chunk for that chunk to support it: s
 alone let "The primary school is 100." be "supported" by three documents that never mention
 a school or 100. A sentence whose key facts appear in no stuffed chunk is *not supported*;
 one with some facts found and others not is cited where the found ones are, and
-:attr:`SentenceSupport.missing` lists the others (partly supported). A sentence that
+:attr:`SentenceSupport.missing` lists the others (partly supported). A fact counts only where
+a word of the sentence or question stands within 30 tokens of it: a document listing numbers
+and names holds every fact but none as evidence. A sentence that
 calculates ("7,699 * 10 = 76,990") is checked too: a result the arithmetic gives is not
 looked for in the documents, but a wrong result ("7,699 * 10 = 769"), or an operand no chunk
 holds, leaves the sentence not supported at all, since its claim is the calculation.
@@ -146,12 +148,53 @@ def _evidence(chunk_text: str) -> _ChunkEvidence:
     )
 
 
-def facts_in(facts: set[str], chunk_text: str) -> set[str]:
-    """The ``facts`` that ``chunk_text`` contains."""
+def facts_in(facts: set[str], chunk_text: str, context: frozenset[str] = frozenset()) -> set[str]:
+    """The ``facts`` that ``chunk_text`` contains; with ``context`` (word stems of the sentence
+    and question, see :func:`context_stems`), only those found within :data:`FACT_REACH` tokens
+    of one of those stems: a list of numbers and names holds every fact, next to none of the words."""
     if not facts:
         return set()
     evidence = _evidence(chunk_text)
-    return {f for f in facts if _unit_prefix(f) in evidence.numbers or f in evidence.words}
+    found = {f for f in facts if _unit_prefix(f) in evidence.numbers or f in evidence.words}
+    if not context or not found:
+        return found
+    return {f for f in found if _near_context(f, chunk_text, context)}
+
+
+#: Tokens on either side of a fact in a chunk where a word of the sentence or question must be
+#: for the chunk to hold that fact as evidence.
+FACT_REACH = 30
+
+
+@lru_cache(maxsize=4096)
+def _positions(chunk_text: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """Per token of ``chunk_text`` (:data:`_TOKEN`): its fact form (a normalised number or a
+    lower-cased word) and its stem (first five letters of a 4+ letter non-stopword, else "")."""
+    tokens = _TOKEN.findall(chunk_text)
+    forms = tuple(_normal_number(t) if t[0].isdigit() else t.lower() for t in tokens)
+    stems = tuple(t.lower()[:5] if t[0].isalpha() and len(t) >= 4 and t.lower() not in STOPWORDS else "" for t in tokens)
+    return forms, stems
+
+
+def _near_context(fact: str, chunk_text: str, context: frozenset[str]) -> bool:
+    forms, stems = _positions(chunk_text)
+    number, _, unit = fact.partition(" ")
+    target = number if unit else fact
+    for i, form in enumerate(forms):
+        if form != target.rstrip(".:'"):
+            continue
+        if unit and not any(f[:4] == unit[:4] for f in forms[i + 1 : i + 4]):
+            continue
+        if any(stem in context for stem in stems[max(0, i - FACT_REACH) : i + FACT_REACH + 1]):
+            return True
+    return False
+
+
+def context_stems(sentence: str, question: str, facts: set[str]) -> frozenset[str]:
+    """The stems a fact's neighbourhood must share with the claim: the sentence's and question's
+    words of 4+ letters (not stopwords), less the facts' own."""
+    own = {w[:5] for f in facts for w in f.split(" ") if w[:1].isalpha()}
+    return frozenset((_stems(sentence) | _stems(question)) - own)
 
 
 def _unit_prefix(fact: str) -> str:
@@ -304,7 +347,8 @@ def fact_gate(sentence: str, question: str, chunk_texts: Sequence[str]) -> tuple
     facts = {f for f in facts if f.partition(" ")[0] not in derived}  # a fact's number ("12 beds" -> "12")
     if not facts:
         return [True] * len(chunk_texts), set()
-    found = [facts_in(facts, text) for text in chunk_texts]
+    context = context_stems(sentence, question, facts)
+    found = [facts_in(facts, text, context) for text in chunk_texts]
     present = set().union(*found)
     missing = facts - present
     wrong = {result for _, result, right in worked if not right}

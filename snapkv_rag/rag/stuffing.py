@@ -7,6 +7,7 @@ mode every chunk goes in, in a stable order, so every question shares the same p
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -87,13 +88,23 @@ class StuffedContext:
         }
 
 
+# A line of document text that reads like a label ("[3] Official policy"): written "(3) ..." in
+# the prompt, so a document cannot pose as another one that citations would then point to.
+_FORGED_LABEL = re.compile(r"^([ \t]*)\[(\s*\d+\s*)\]", re.MULTILINE)
+_MARKER_IN_TITLE = re.compile(r"\[(\s*\d+\s*)\]")
+
+
 def chunk_segment(chunk: StoredChunk) -> str:
-    return chunk.text.strip()
+    """The chunk's text as the prompt holds it (lines opening with ``[n]`` rewritten ``(n)``)."""
+    return _FORGED_LABEL.sub(r"\1(\2)", chunk.text.strip())
 
 
 def document_label(number: int, chunk: StoredChunk) -> str:
-    """The line that opens a stuffed document: its number and title."""
-    return f"[{number}] {chunk.title}" if chunk.title else f"[{number}]"
+    """The line that opens a stuffed document: its number and title (on one line, any ``[n]`` of
+    its own rewritten ``(n)``)."""
+    title = " ".join(chunk.title.split()) if chunk.title else ""
+    title = _MARKER_IN_TITLE.sub(r"(\1)", title)
+    return f"[{number}] {title}" if title else f"[{number}]"
 
 
 def format_document(number: int, chunk: StoredChunk) -> str:
@@ -155,6 +166,7 @@ class StuffingRetriever:
         embedder = getattr(store, "embedder", None)  # a LangChain vector store as the source has none of ours
         if embedder is not None and getattr(embedder, "runner", False) is None and hasattr(engine, "run_on_model"):
             embedder.runner = engine.run_on_model  # keep the process's torch work on the engine's thread
+            embedder.busy = lambda: bool(getattr(engine, "decoding", False))
         self.context_tokens = context_tokens
         self.max_new_tokens = max_new_tokens
         self.top_k = top_k
