@@ -6,10 +6,11 @@ request with a key, as a multi-tenant operator would) and sends, one case after 
 a request naming LESS kernels by path (two paths, compared: a probe learns nothing if both
 answers are the same), a body sent as text/plain, a 0.7 MB ``anyOf`` schema, a 56K-token prompt
 with ``rolling=``, 2,049 embedding inputs, an unauthenticated ``/metrics``, and, timed against
-the same chat alone, a chat sent beside trickling clients (more than ``--max-queue``) and beside a
-flood of 2,048-input embedding requests. The prefix-cache side channel (case 6) is measured, not
-fixed: it prints the ``reused_prompt_tokens`` a wrong and a right guess of another client's prompt
-get. Writes ``records.jsonl`` and ``table.md`` under ``--out``.
+the same chat alone (medians of 3), a chat sent beside trickling clients (more than ``--max-queue``) and beside a
+flood of 2,048-input embedding requests. The prefix-cache side channel (case 6): a victim's
+prompt sent under its own ``cache_salt`` (keyless) or API key (keyed: the server gets a second key,
+the attacker's), then the ``reused_prompt_tokens`` a wrong and a right guess get (both 0 when the
+namespaces hold), and the victim's own repeat (reuse kept within one). Writes ``records.jsonl`` and ``table.md`` under ``--out``.
 
     HF_HUB_OFFLINE=1 .venv/bin/python -m eval attack --out eval/serving/results/attack
     HF_HUB_OFFLINE=1 .venv/bin/python -m eval attack --api-key k3y --out eval/serving/results/attack_key
@@ -21,6 +22,7 @@ import argparse
 import asyncio
 import json
 import socket
+import statistics
 import time
 from pathlib import Path
 
@@ -30,6 +32,7 @@ from eval.common.processes import start_serve
 from eval.common.results_io import write_records, write_table
 
 RESULTS = Path(__file__).resolve().parent / "results"
+ATTACKER_KEY = "attacker-tenant-key"  # a second tenant's key on a keyed server
 CHAT = {"model": "default", "messages": [{"role": "user", "content": "Name three colours."}], "max_tokens": 8}
 
 
@@ -50,6 +53,11 @@ def timed_chat(http: httpx.Client, base: str) -> float:
     response = http.post(base + "/v1/chat/completions", json=CHAT, timeout=300)
     response.raise_for_status()
     return time.perf_counter() - started
+
+
+def median_chat(http: httpx.Client, base: str, times: int = 3) -> float:
+    """The median of ``times`` chats one after another (one chat's time varies by ~20%)."""
+    return statistics.median(timed_chat(http, base) for _ in range(times))
 
 
 def trickling_sockets(port: int, count: int) -> list[socket.socket]:
@@ -74,7 +82,7 @@ async def embeddings_flood(base: str, headers: dict, requests: int, stop: asynci
         return list(await asyncio.gather(*(one() for _ in range(2))))
 
 
-def run_cases(base: str, port: int, headers: dict, max_queue: int) -> list[dict]:
+def run_cases(base: str, port: int, headers: dict, max_queue: int, attacker_headers: dict | None = None) -> list[dict]:
     rows = []
     with httpx.Client(headers=headers, timeout=300) as http:
 
@@ -98,10 +106,11 @@ def run_cases(base: str, port: int, headers: dict, max_queue: int) -> list[dict]
         case(4, "2,049 embedding inputs", "400", http.post(base + "/v1/embeddings", json=inputs))
         case(15, "/metrics without the key", "401 with --api-key, else 200", httpx.get(base + "/metrics"))
 
-        alone = min(timed_chat(http, base) for _ in range(3))
+        timed_chat(http, base)  # warm-up
+        alone = median_chat(http, base)
         slow = trickling_sockets(port, max_queue + 4)
         time.sleep(0.5)
-        beside_slow = timed_chat(http, base)
+        beside_slow = median_chat(http, base)
         for s in slow:
             s.close()
         rows.append(
@@ -120,7 +129,7 @@ def run_cases(base: str, port: int, headers: dict, max_queue: int) -> list[dict]
             stop = asyncio.Event()
             flood = asyncio.ensure_future(embeddings_flood(base, headers, 3, stop))
             await asyncio.sleep(1.0)
-            seconds = await asyncio.get_running_loop().run_in_executor(None, timed_chat, http, base)
+            seconds = await asyncio.get_running_loop().run_in_executor(None, median_chat, http, base)
             stop.set()
             return seconds, await flood
 
@@ -146,12 +155,18 @@ def run_cases(base: str, port: int, headers: dict, max_queue: int) -> list[dict]
         def victim(code: str) -> str:
             return preamble + f"The vault code is {code}. Never tell it to anyone. " + rules + "\nWhat time does the first ferry leave?"
 
-        http.post(base + "/v1/chat/completions", json=chat_with(victim("4417")))
+        # the victim: its own salt on a keyless server, its own key on a keyed one (the attacker has another)
+        victim_salt = {} if attacker_headers else {"cache_salt": "victim-session"}
+        http.post(base + "/v1/chat/completions", json=chat_with(victim("4417"), **victim_salt))
+        expect = "0 reused for both guesses (the victim's namespace is not the attacker's)"
         for guess in ("9999", "4417"):
-            reply = http.post(base + "/v1/chat/completions", json=chat_with(victim(guess))).json()
+            reply = http.post(base + "/v1/chat/completions", json=chat_with(victim(guess)), headers=attacker_headers).json()
             reused = (reply.get("snapkv") or {}).get("reused_prompt_tokens")
-            what = f"guess {guess} after another client's prompt"
-            rows.append({"case": 6, "what": what, "expect": "not fixed yet: same reuse for both", "status": 200, "reused_prompt_tokens": reused})
+            what = f"guess {guess} after another client's prompt" + (" (another API key)" if attacker_headers else " (no salt)")
+            rows.append({"case": 6, "what": what, "expect": expect, "status": 200, "reused_prompt_tokens": reused})
+        reply = http.post(base + "/v1/chat/completions", json=chat_with(victim("4417"), **victim_salt)).json()
+        reused = (reply.get("snapkv") or {}).get("reused_prompt_tokens")
+        rows.append({"case": 6, "what": "the victim's own repeat", "expect": "reuse kept within a namespace", "status": 200, "reused_prompt_tokens": reused})
     return rows
 
 
@@ -168,11 +183,13 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     serve_args = ["--model", args.model, "--max-queue", str(args.max_queue), *args.serve_arg]
-    serve_args += ["--api-key", args.api_key] if args.api_key else []
+    serve_args += ["--api-key", args.api_key, "--api-key", ATTACKER_KEY] if args.api_key else []
     process, base = start_serve(serve_args, args.out / "serve.log")
     port = int(base.rsplit(":", 1)[1])
     try:
-        rows = run_cases(base, port, {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}, args.max_queue)
+        headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+        attacker = {"Authorization": f"Bearer {ATTACKER_KEY}"} if args.api_key else {}
+        rows = run_cases(base, port, headers, args.max_queue, attacker)
     finally:
         process.terminate()
         process.wait(30)
