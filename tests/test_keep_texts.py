@@ -63,7 +63,8 @@ def test_every_layer_and_head_keeps_the_texts(policy, tokenizer):
 def test_the_prefix_cache_and_a_second_call_keep_them_too(tokenizer):
     engine = tiny_engine("llama", tokenizer)
     first = engine.generate(LONG, max_new_tokens=4, compression=POLICIES[0], chat=False, keep_texts=[TEXT])
-    with recording_kept_indices() as kept:
+    engine.generate(LONG, max_new_tokens=4, compression=POLICIES[0], chat=False, keep_texts=[TEXT])  # a repeat is stored ...
+    with recording_kept_indices() as kept:  # ... and reused from the third read
         again = engine.generate(LONG, max_new_tokens=4, compression=POLICIES[0], chat=False, keep_texts=[TEXT])
     assert again.stats.reused_prompt_tokens > 0
     assert again.token_ids == first.token_ids

@@ -100,7 +100,7 @@ def test_prefix_cache_reuse_folds_the_same_state(less_engine):
     less = LESS(base=BASE, kernels=active_kernels(less_engine, seed=2))
     row = less_engine.tokenizer(PROMPT)["input_ids"]
     cont = [5, 6, 7, 8]
-    cache = PrefixCache(max_bytes=1 << 26)
+    cache = PrefixCache(max_bytes=1 << 26, admission="always")
     cold = DecodeRun(less_engine.model, [row], GenerationParams(max_new_tokens=4), less, less_engine._pad_id, prefix_cache=cache)
     first = cold.teacher_force(cont)
     warm = DecodeRun(less_engine.model, [row + [9]], GenerationParams(max_new_tokens=4), less, less_engine._pad_id, prefix_cache=cache)

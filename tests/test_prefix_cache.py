@@ -40,7 +40,10 @@ def any_prefix_share(monkeypatch):
 
 @pytest.fixture(scope="module")
 def eng(tokenizer):
-    return tiny_engine("llama", tokenizer)
+    """Reuse's mechanics, so every prompt is stored ("always"); the default admission has its own tests."""
+    engine = tiny_engine("llama", tokenizer)
+    engine.prefix_cache.admission = "always"
+    return engine
 
 
 def ids(engine, text):
@@ -70,7 +73,7 @@ def assert_same_prefill(reused: DecodeRun, fresh: DecodeRun):
 @pytest.mark.parametrize("name", list(POLICIES))
 def test_reuse_equals_fresh_prefill(eng, name):
     policy = POLICIES[name]
-    cache = PrefixCache(1 << 30)
+    cache = PrefixCache(1 << 30, admission="always")
     first = DOC + "\n\nWhat number appears in the text?"
     second = DOC + "\n\nWhich animal is lazy?"
     prefill(eng, first, policy, cache)
@@ -96,7 +99,7 @@ def test_reuse_equals_fresh_prefill(eng, name):
 def test_window_tail_is_always_recomputed(eng):
     """The stored prompt covers the whole new prompt: its window's queries are recomputed."""
     policy = POLICIES["snapkv"]
-    cache = PrefixCache(1 << 30)
+    cache = PrefixCache(1 << 30, admission="always")
     text = DOC + "\n\nWhat number appears?"
     prefill(eng, text, policy, cache)
     again = prefill(eng, text, policy, cache)
@@ -112,7 +115,7 @@ def test_window_tail_is_always_recomputed(eng):
 
 def test_prefix_ending_at_an_odd_token(eng):
     """Reuse is token-exact, not rounded to blocks: a stored prompt of 37 tokens gives 37."""
-    cache = PrefixCache(1 << 30)
+    cache = PrefixCache(1 << 30, admission="always")
     base = ids(eng, DOC)
     stored = base[:37]
     run = DecodeRun(eng.model, [stored], GenerationParams(max_new_tokens=1), None, eng._pad_id, prefix_cache=cache)
@@ -127,7 +130,7 @@ def test_prefix_ending_at_an_odd_token(eng):
 
 
 def test_divergence_at_the_first_token_reuses_nothing(eng):
-    cache = PrefixCache(1 << 30)
+    cache = PrefixCache(1 << 30, admission="always")
     a, b = ids(eng, "Alpha " + DOC), ids(eng, "Numbers " + DOC)
     assert a[0] != b[0]
     DecodeRun(eng.model, [a], GenerationParams(max_new_tokens=1), None, eng._pad_id, prefix_cache=cache)._prefill()
@@ -165,7 +168,7 @@ def test_batched_and_padded_reuse(eng, name):
 
 def test_batched_reuse_logits_match(eng):
     policy = POLICIES["snapkv"]
-    cache = PrefixCache(1 << 30)
+    cache = PrefixCache(1 << 30, admission="always")
     prefill(eng, DOC + "\n\nWhat number appears in the text?", policy, cache)
     rows = [ids(eng, DOC + "\n\nWhich animal is lazy?"), ids(eng, "Hello world, hello engine! Numbers like 1234")]
     run = DecodeRun(eng.model, rows, GenerationParams(max_new_tokens=1), policy, eng._pad_id, prefix_cache=cache)
@@ -194,7 +197,7 @@ def test_lru_honours_the_byte_bound(eng):
     assert len({ids(eng, t)[0] for t in texts}) == 4  # no shared prefix: reuse does not reorder
     sizes = [len(ids(eng, t)) * per_token for t in texts]
     bound = sizes[2] + sizes[3] + per_token  # room for the last two only
-    cache = PrefixCache(bound)
+    cache = PrefixCache(bound, admission="always")
     for t in texts:
         DecodeRun(eng.model, [ids(eng, t)], GenerationParams(max_new_tokens=1), None, eng._pad_id, prefix_cache=cache)._prefill()
         assert cache.nbytes <= bound
@@ -218,7 +221,7 @@ def test_lru_honours_the_byte_bound(eng):
 
 
 def test_a_stored_prefix_is_subsumed_by_its_extension(eng):
-    cache = PrefixCache(1 << 30)
+    cache = PrefixCache(1 << 30, admission="always")
     turn1 = ids(eng, DOC)
     turn2 = turn1 + ids(eng, " Tool log: all good.")
     for row in (turn1, turn2):
@@ -268,7 +271,7 @@ def test_a_prefix_under_the_minimum_share_is_not_reused(eng, monkeypatch):
     """Reusing a tiny share costs more than it saves (the fixed cost of reusing), so a stored
     prefix shorter than MIN_REUSE_SHARE of the prompt is left unused (set to a half here)."""
     monkeypatch.setattr("snapkv_rag.reuse.prefix_cache.MIN_REUSE_SHARE", 0.5)
-    cache = PrefixCache(1 << 30)
+    cache = PrefixCache(1 << 30, admission="always")
     base = ids(eng, DOC)
     other = ids(eng, "Hello world, hello engine! " * 8)
     DecodeRun(eng.model, [base], GenerationParams(max_new_tokens=1), None, eng._pad_id, prefix_cache=cache)._prefill()
@@ -321,3 +324,44 @@ def test_chat_turns_reuse_the_whole_earlier_prompt_or_all_before_a_rewritten_tai
     engine.prefix_cache.clear()
     fresh = engine.generate(rewritten, max_new_tokens=2)
     assert fresh.stats.reused_prompt_tokens == 0 and fresh.token_ids == again.token_ids
+
+
+def test_a_compressed_prompt_is_stored_when_it_repeats_and_reused_after(tokenizer):
+    """The default admission ("repeat"): a one-off compressed prefill collects no full K/V (it
+    would peak like a full prefill, issue 63), a repeated one is stored and then reused."""
+    engine = tiny_engine("llama", tokenizer)
+    assert engine.prefix_cache.admission == "repeat"
+    prompt = DOC + "\n\nWhat number appears in the text?"
+    policy = "snapkv:budget=24,window=8"
+    first = engine.generate(prompt, chat=False, compression=policy, max_new_tokens=3)
+    assert len(engine.prefix_cache) == 0 and first.stats.reused_prompt_tokens == 0
+    second = engine.generate(prompt, chat=False, compression=policy, max_new_tokens=3)
+    assert len(engine.prefix_cache) == 1 and second.stats.reused_prompt_tokens == 0
+    other_question = DOC + "\n\nWhich animal is lazy?"  # the stored documents serve another question
+    third = engine.generate(other_question, chat=False, compression=policy, max_new_tokens=3)
+    assert third.stats.reused_prompt_tokens > 0
+    assert third.token_ids == engine.generate(other_question, chat=False, compression=policy, max_new_tokens=3, prefix_cache=False).token_ids
+
+
+def test_a_full_cache_prompt_is_stored_at_once_and_a_too_big_one_never(tokenizer):
+    engine = tiny_engine("llama", tokenizer)
+    engine.generate(DOC, chat=False, max_new_tokens=2)  # its full K/V exists anyway: no extra peak to store it
+    assert len(engine.prefix_cache) == 1
+    assert engine.generate(DOC + " More.", chat=False, max_new_tokens=2).stats.reused_prompt_tokens > 0
+    small = PrefixCache(1000, admission="always")
+    assert not small.admits([1, 2, 3], "", 1001, None, torch.float32)  # over the whole bound: not collected
+    assert small.admits([1, 2, 3], "", 999, None, torch.float32)
+
+
+def test_the_admission_is_checked_and_remembers_prompts_per_namespace():
+    from snapkv_rag.compression import as_policy
+
+    policy = as_policy("snapkv:budget=8,window=4")
+    cache = PrefixCache(1 << 20)
+    row = list(range(100))
+    assert not cache.admits(row, "a", 100, policy, torch.float32)  # first sight
+    assert not cache.admits(row, "b", 100, policy, torch.float32)  # another namespace's first sight
+    assert cache.admits(row[:90] + [7] * 10, "a", 100, policy, torch.float32)  # 90% shared with a seen prompt
+    cache.admission = "sometimes"
+    with pytest.raises(ValueError, match="admission"):
+        cache.admits(row, "a", 100, policy, torch.float32)

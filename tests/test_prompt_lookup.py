@@ -70,6 +70,7 @@ def test_short_answers_and_max_new_tokens_are_kept_exactly(lookup_engine):
 
 def test_drafts_over_a_reused_prefix_and_a_rolled_prefill(lookup_engine, tokenizer):
     first = greedy(lookup_engine, PROMPTS[0], 4, compression=SNAP)
+    greedy(lookup_engine, PROMPTS[0], 4, compression=SNAP)  # a compressed prompt is stored when it repeats
     again = greedy(lookup_engine, PROMPTS[0], 4, compression=SNAP)
     assert again.stats.reused_prompt_tokens > 0 and again.token_ids == first.token_ids
     short = tiny_engine("llama", tokenizer, context=256)

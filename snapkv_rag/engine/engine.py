@@ -16,7 +16,7 @@ from ..model.loading import DEFAULT_MODEL, RECOMMENDED_CONTEXT_TOKENS, RECOMMEND
 from ..model.peak_memory import PeakMemory
 from ..model.quantization import parameter_count
 from ..reuse.blending import RopeShift, model_rope_shift
-from ..reuse.prefix_cache import PrefixCache, default_prefix_cache_bytes
+from ..reuse.prefix_cache import ADMISSIONS, PrefixCache, default_prefix_cache_bytes
 from ..reuse.segment_store import SegmentKVStore, model_signature
 from ..tools.call_gate import CallGate, CallScores
 from ..tools.calls import TEXT, OutputSpec, build_output_spec
@@ -61,6 +61,7 @@ class Engine:
         segment_store: SegmentKVStore | None = None,
         max_batch_size: int | None = None,
         prefill_chunk_tokens: int | None = None,
+        prefix_cache_admission: str = "repeat",
     ):
         """``prefix_cache_bytes``: bound of the prefix cache (uncompressed K/V of recent
         prompts, reused by later prompts that start with the same tokens); None for the
@@ -70,7 +71,13 @@ class Engine:
         the most rows decoded together by the continuous batcher (None: 16 on a CPU, 64 on a GPU;
         see :attr:`max_batch_size`). ``prefill_chunk_tokens``: a prompt that arrives while others
         decode is prefilled in chunks of this many tokens, a decode step between two (default 512
-        on a CPU, 2048 on a GPU; 0: whole prompts, which stalls running streams for as long)."""
+        on a CPU, 2048 on a GPU; 0: whole prompts, which stalls running streams for as long).
+        ``prefix_cache_admission``: which compressed prefills keep their full K/V for the prefix
+        cache: ``"repeat"`` (those whose opening a recent prompt shared: a one-off long prompt then
+        peaks as compressed) or ``"always"`` (every one peaks like a full prefill; the second read
+        of a prompt reuses, not the third); see :mod:`snapkv_rag.reuse.prefix_cache`."""
+        if prefix_cache_admission not in ADMISSIONS:
+            raise ValueError(f"prefix_cache_admission must be one of {ADMISSIONS}, got {prefix_cache_admission!r}")
         register_attention_functions()
         base = model.config._attn_implementation
         if base not in WRAPPED_IMPLEMENTATIONS and base not in {wrapped_name(b) for b in WRAPPED_IMPLEMENTATIONS}:
@@ -99,7 +106,7 @@ class Engine:
         self._pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else next(iter(self._eos_ids), 0)
         self._grammar_tokenizer: Any = None  # a GrammarTokenizer, built on the first constrained call
         prefix_cache_bytes = checked_prefix_cache_bytes(prefix_cache_bytes, self.device)
-        self.prefix_cache = PrefixCache(prefix_cache_bytes)
+        self.prefix_cache = PrefixCache(prefix_cache_bytes, admission=prefix_cache_admission)
         self.segment_store = segment_store if segment_store is not None else SegmentKVStore(max_bytes=max(prefix_cache_bytes, 1 << 20))
         self._signature: str | None = None
 
@@ -121,6 +128,7 @@ class Engine:
         prefix_cache_bytes: int | None = None,
         max_batch_size: int | None = None,
         prefill_chunk_tokens: int | None = None,
+        prefix_cache_admission: str = "repeat",
         weights: str | None = None,
         pack_weights: bool | None = None,
         adapter: str | None = "auto",
@@ -136,8 +144,8 @@ class Engine:
         faster decode, slightly less exact (eval/decoding/RESULTS.md, "Weight-only int8"). ``pack_weights``:
         None packs the CPU's linear weights for oneDNN once (:mod:`snapkv_rag.model.packed_linear`),
         False keeps PyTorch's plain layout.
-        ``prefix_cache_bytes``, ``max_batch_size`` and ``prefill_chunk_tokens`` as in :class:`Engine`
-        (None: their defaults)."""
+        ``prefix_cache_bytes``, ``max_batch_size``, ``prefill_chunk_tokens`` and
+        ``prefix_cache_admission`` as in :class:`Engine` (None: their defaults)."""
         if attn_implementation not in WRAPPED_IMPLEMENTATIONS:
             raise ValueError(f"attn_implementation must be one of {WRAPPED_IMPLEMENTATIONS}, got {attn_implementation!r}")
         model, tokenizer, _ = load_model_and_tokenizer(
@@ -151,7 +159,13 @@ class Engine:
             adapter=adapter,
         )
         return cls(
-            model, tokenizer, name=name_or_path, prefix_cache_bytes=prefix_cache_bytes, max_batch_size=max_batch_size, prefill_chunk_tokens=prefill_chunk_tokens
+            model,
+            tokenizer,
+            name=name_or_path,
+            prefix_cache_bytes=prefix_cache_bytes,
+            max_batch_size=max_batch_size,
+            prefill_chunk_tokens=prefill_chunk_tokens,
+            prefix_cache_admission=prefix_cache_admission,
         )
 
     # ----------------------------------------------------------------- introspection

@@ -11,7 +11,6 @@ generation continues from the last prompt token's packed position.
 from __future__ import annotations
 
 import statistics
-import time
 from collections.abc import Generator, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -26,7 +25,8 @@ from ..compression.ragged import is_ragged
 from ..compression.runtime import PrefillCompression, compressing, plain_causal, policy_attention, sliding_layers
 from ..compression.span_attention import SpanAttention, observing
 from ..errors import InvalidCompressionError
-from ..reuse.blending import SegmentRequest, assemble, blended_mask, blending_cache, model_rope_shift, recompute_positions
+from ..model.device_clock import device_clock
+from ..reuse.blending import SegmentRequest, assemble, blended_mask, blending_cache, kv_shape, model_rope_shift, recompute_positions
 from ..reuse.prefix_cache import PrefixCache, ReusePlan, plan_reuse, reuse_tail, reused_columns, reused_layer, store_prompts
 from .lookup import drop_last
 from .rolling import RollingPlan, RollingStats, rolling_plan, rolling_prefill
@@ -334,14 +334,14 @@ class DecodeRun:
         """
         if self.rolling_plan is not None:
             return (yield from self._rolling_prefill(self.rolling_plan))
-        start = time.perf_counter()
+        start = device_clock(self.device)
         plan = self._plan_reuse() if self.prefix_cache is not None else None
         if self.segments is not None and plan is not None and self._exact_prefix_covers_more(plan[0][1]):
             self.segments = None
             self.segment_note = "an exact stored prefix covered more of the prompt than the segments"
         if self.segments is not None:
             self._blended_prefill()
-            return self._finish_prefill(time.perf_counter() - start, self.attention_mask)
+            return self._finish_prefill(device_clock(self.device) - start, self.attention_mask)
         if plan is not None and any(take for _, take in plan):
             self._layout_with_reuse(plan)
         mask = self.attention_mask
@@ -349,47 +349,59 @@ class DecodeRun:
         self._last_position = positions[:, -1:]
         padding_mask = mask if self.has_padding else None
         self.session = None
+        keep = self._rows_to_store()
         if self.policy is not None:
             self.session = PrefillCompression(self.policy, self.cache, padding_mask, self.sliding, self.policy_state, self._protected_mask())
-            if self.prefix_cache is not None:
+            if any(keep):
                 self.session.full_kv = {}
         seconds = 0.0
         starts = self._chunk_starts(chunk_tokens)
         for a, b in zip(starts, starts[1:]):
             # the policy's decode-time state must not hear the prompt's chunks (it would record their queries)
             model_forward(self.model, self.cache, self.input_ids[:, a:b], None, positions[:, a:b])
-            seconds += time.perf_counter() - start
+            seconds += device_clock(self.device) - start
             yield
-            start = time.perf_counter()
+            start = device_clock(self.device)
         last = starts[-1]
         with compressing(self.session):
             self._forward(self.input_ids[:, last:], padding_mask, positions[:, last:])
-        if self.prefix_cache is not None:
-            if self.session is not None and self.session.full_kv is not None:
+        if self.prefix_cache is not None and any(keep):
+            if self.session is not None:
+                assert self.session.full_kv is not None
                 full_kv = self.session.full_kv
             else:
                 layers: list = list(self.cache.layers)  # DynamicLayer: keys and values set by the forward
                 full_kv = {i: (layer.keys, layer.values) for i, layer in enumerate(layers)}
-            store_prompts(self.prefix_cache, self.rows, full_kv, self.cache_namespace)
+            store_prompts(self.prefix_cache, self.rows, full_kv, self.cache_namespace, keep)
             if self.session is not None:
                 self.session.full_kv = None  # the stored copies are the prefix cache's now
-        return self._finish_prefill(seconds + time.perf_counter() - start, mask)
+        return self._finish_prefill(seconds + device_clock(self.device) - start, mask)
+
+    def _rows_to_store(self) -> list[bool]:
+        """Per row: whether its full prompt K/V goes to the prefix cache (its admission rule, see
+        :mod:`snapkv_rag.reuse.prefix_cache`); every row is remembered as seen."""
+        if self.prefix_cache is None:
+            return [False] * len(self.rows)
+        layers, kv_heads, head_dim = kv_shape(self.model)
+        per_token = 2 * layers * kv_heads * head_dim * self.model.dtype.itemsize
+        cache = self.prefix_cache
+        return [cache.admits(row, self.cache_namespace, len(row) * per_token, self._row_policy(i), self.model.dtype) for i, row in enumerate(self.rows)]
 
     def _rolling_prefill(self, plan: RollingPlan) -> Generator[None, None, torch.Tensor]:
         """The prompt read a chunk at a time into the budget (:mod:`snapkv_rag.engine.rolling`)."""
         policy = self._row_policy(0)
         assert policy is not None
-        start, seconds = time.perf_counter(), 0.0
+        start, seconds = device_clock(self.device), 0.0
         steps = rolling_prefill(self, policy, plan, model_rope_shift(self.model, sliding=True))
         while True:
             try:
                 next(steps)
             except StopIteration:
                 break
-            seconds += time.perf_counter() - start
+            seconds += device_clock(self.device) - start
             yield
-            start = time.perf_counter()
-        return self._finish_prefill(seconds + time.perf_counter() - start, self.attention_mask)
+            start = device_clock(self.device)
+        return self._finish_prefill(seconds + device_clock(self.device) - start, self.attention_mask)
 
     def _chunk_starts(self, chunk_tokens: int | None) -> list[int]:
         """Where the prefill's chunks start in ``input_ids`` (``[0]``: one forward).
@@ -526,9 +538,9 @@ class DecodeRun:
             yield tokens
             if step + 1 == self.params.max_new_tokens:
                 return
-            start = time.perf_counter()
+            start = device_clock(self.device)
             logits = self.decode_step(tokens)
-            self.timings.step_seconds.append(time.perf_counter() - start)
+            self.timings.step_seconds.append(device_clock(self.device) - start)
 
     def hand_over(self):
         """Give the prefilled cache to a running batch: ``(cache, mask [batch, entries] or None,

@@ -13,6 +13,14 @@ they are stored; each layer's selection then runs over the reused keys plus the 
 with the window's queries, exactly as in a full prefill. Policies that need *all* prompt
 queries (``query_window is None``: H2O) never reuse; their prompts are still stored.
 
+What is stored (``PrefixCache.admission``): a full-cache prefill's K/V always (it exists
+anyway). A compressed prefill's full K/V is what layer-wise compression exists not to hold, so
+with ``"repeat"`` (the default) it is kept only when a prompt seen before shares enough of its
+opening to be reused (:func:`reusable_tokens`'s rule): a one-off long prompt then peaks as
+compressed; a repeated one is stored on its second read and reused from its third. ``"always"``
+stores every prompt (the second read reuses; every compressed prefill peaks like a full one).
+An entry larger than the whole bound is never collected.
+
 Entries live in namespaces (a request's ``cache_salt``; the server adds its API key's tenant):
 a prompt reuses, and subsumes, only entries stored under its own namespace, so one tenant's
 reuse statistics and first-token times say nothing about another's prompts.
@@ -20,6 +28,7 @@ reuse statistics and first-token times say nothing about another's prompts.
 
 from __future__ import annotations
 
+import hashlib
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
@@ -64,6 +73,11 @@ class PrefixCacheStats:
     evictions: int
 
 
+ADMISSIONS = ("repeat", "always")
+SEEN_PROMPTS = 256  # prompts remembered (token ids only) for the "repeat" admission ...
+SEEN_TOKENS = 1 << 20  # ... and at most this many of their tokens (8 MiB)
+
+
 @dataclass
 class PrefixCache:
     """LRU of :class:`PrefixEntry` under ``max_bytes`` (K and V bytes of all layers).
@@ -72,7 +86,9 @@ class PrefixCache:
     """
 
     max_bytes: int
+    admission: str = "repeat"  # which compressed prefills keep their full K/V (see the module doc)
     _entries: OrderedDict = field(default_factory=OrderedDict)  # id -> PrefixEntry
+    _seen: OrderedDict = field(default_factory=OrderedDict)  # (namespace, digest) -> token ids of a recent prompt
     _next_id: int = 0
     _bytes: int = 0
     lookups: int = 0
@@ -96,7 +112,25 @@ class PrefixCache:
 
     def clear(self) -> None:
         self._entries.clear()
+        self._seen.clear()
         self._bytes = 0
+
+    def admits(self, tokens: list[int], namespace: str, nbytes: int, policy: CompressionPolicy | None, dtype: torch.dtype) -> bool:
+        """Whether a prefill of ``tokens`` under ``policy`` should collect its full K/V
+        (``nbytes``) for this cache; then remembers the prompt as seen."""
+        if self.admission not in ADMISSIONS:
+            raise ValueError(f"prefix cache admission must be one of {ADMISSIONS}, got {self.admission!r}")
+        query = torch.tensor(tokens, dtype=torch.long)
+        admitted = 0 < nbytes <= self.max_bytes
+        if admitted and policy is not None and self.admission == "repeat":
+            shared = max((self._common_prefix(seen, query) for (space, _), seen in self._seen.items() if space == namespace), default=0)
+            admitted = reusable_tokens(shared, len(tokens), policy, dtype) > 0
+        key = (namespace, hashlib.sha1(query.numpy().tobytes()).digest())
+        self._seen.pop(key, None)
+        self._seen[key] = query
+        while len(self._seen) > SEEN_PROMPTS or sum(t.numel() for t in self._seen.values()) > SEEN_TOKENS:
+            self._seen.popitem(last=False)
+        return admitted
 
     @staticmethod
     def _common_prefix(stored: torch.Tensor, query: torch.Tensor) -> int:
@@ -232,12 +266,17 @@ def reused_layer(plan: ReusePlan, layer_idx: int, width_p: int) -> tuple[torch.T
     return out[0], out[1]
 
 
-def store_prompts(cache: PrefixCache, rows: list[list[int]], full_kv: dict[int, tuple[torch.Tensor, torch.Tensor]], namespace: str = "") -> None:
+def store_prompts(
+    cache: PrefixCache, rows: list[list[int]], full_kv: dict[int, tuple[torch.Tensor, torch.Tensor]], namespace: str = "", keep: list[bool] | None = None
+) -> None:
     """Put each row's full (uncompressed) prompt K/V, from the batch's left-padded ``full_kv``
-    (layer -> ``[batch, kv_heads, width, d]`` K and V), into ``cache`` under ``namespace``."""
+    (layer -> ``[batch, kv_heads, width, d]`` K and V), into ``cache`` under ``namespace``
+    (only the rows ``keep`` marks, when given)."""
     width = max(len(row) for row in rows)
     layers = sorted(full_kv)
     for i, row in enumerate(rows):
+        if keep is not None and not keep[i]:
+            continue
         keys, values = [], []
         for layer_idx in layers:
             k, v = full_kv[layer_idx]

@@ -63,6 +63,13 @@ def add_serve_parser(sub) -> None:
     )
     p.add_argument("--prefix-cache-bytes", type=int, default=None, help="bound of the prefix cache (default: 1 GiB on CPU; 0 disables)")
     p.add_argument(
+        "--prefix-cache-admission",
+        choices=("repeat", "always"),
+        default="repeat",
+        help="which compressed prompts the prefix cache stores: 'repeat' (default: those whose opening came before; "
+        "a one-off long prompt keeps compression's low peak) or 'always' (every one; its prefill peaks like a full one)",
+    )
+    p.add_argument(
         "--kv-dir", default=None, help="store the K/V of requests' reuse_segments here (shared with other processes, kept across restarts; default: in memory)"
     )
     p.add_argument("--kv-cache-bytes", type=int, default=None, help="bound of --kv-dir (default 2 GiB; least recently used first)")

@@ -90,7 +90,14 @@ def load_served_engine(args: argparse.Namespace):
 
     adapter = adapter_option(getattr(args, "adapter", AUTO), base_model=getattr(args, "base_model", False))
     engine = load_engine_quietly(
-        args.model, device=args.device, dtype=args.dtype, weights=args.weights, adapter=adapter, prefix_cache_bytes=args.prefix_cache_bytes
+        args.model,
+        device=args.device,
+        dtype=args.dtype,
+        weights=args.weights,
+        adapter=adapter,
+        prefix_cache_bytes=args.prefix_cache_bytes,
+        prefix_cache_admission=getattr(args, "prefix_cache_admission", "repeat"),
+        attn_implementation=getattr(args, "attn_implementation", "sdpa"),
     )
     if args.max_batch_size is not None:
         engine.max_batch_size = args.max_batch_size
