@@ -8,12 +8,20 @@ from __future__ import annotations
 
 import argparse
 
+ATTENTION_KERNELS = ("sdpa", "flash_attention_2")  # snapkv_rag.compression.runtime.WRAPPED_IMPLEMENTATIONS (a test keeps them equal)
+
 
 def add_model_args(p: argparse.ArgumentParser, *, json_output: bool = True, adapters: bool = True, weights: bool = True) -> None:
     """``--model --device --dtype`` and, unless turned off, ``--weights``, ``--adapter/--base-model`` and ``--json``."""
     p.add_argument("--model", default="default", help="'default' (embedded SmolLM2), a model dir, a .gguf file or a hub id")
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
-    p.add_argument("--dtype", default=None, help="float32, bfloat16, float16 (default: bf16 on GPU and on CPUs with native bf16, else fp32)")
+    p.add_argument("--dtype", default=None, help="float32, bfloat16, float16 (default: bf16 on GPUs and CPUs that compute it, fp16 on older GPUs, else fp32)")
+    p.add_argument(
+        "--attn-implementation",
+        default="sdpa",
+        choices=ATTENTION_KERNELS,
+        help="the attention kernel: sdpa (default; PyTorch's, any device) or flash_attention_2 (CUDA, needs the flash-attn package)",
+    )
     if weights:
         p.add_argument(
             "--weights", default=None, help="native (default) or int8: weight-only int8 linear layers on the CPU, faster decode, slightly less exact"
@@ -38,11 +46,17 @@ def chosen_adapter(args: argparse.Namespace) -> str | None:
 
 
 def load_engine(args: argparse.Namespace, **options):
-    """The engine named by ``--model/--device/--dtype/--weights/--adapter``, quietly (no progress bars or warnings)."""
+    """The engine named by ``--model/--device/--dtype/--attn-implementation/--weights/--adapter``, quietly (no progress bars or warnings)."""
     from .engine.shared import load_engine_quietly
 
     return load_engine_quietly(
-        args.model, device=args.device, dtype=args.dtype, weights=getattr(args, "weights", None), adapter=chosen_adapter(args), **options
+        args.model,
+        device=args.device,
+        dtype=args.dtype,
+        weights=getattr(args, "weights", None),
+        adapter=chosen_adapter(args),
+        attn_implementation=getattr(args, "attn_implementation", "sdpa"),
+        **options,
     )
 
 

@@ -547,3 +547,26 @@ def test_info_says_which_adapter_is_merged(trained_adapter, capsys):
     assert "adapter: none (--base-model)" in capsys.readouterr().out
     assert main(["info", "--model", str(base_dir), "--adapter", str(base_dir)]) == 2  # a model directory is no adapter
     assert "is not a LoRA adapter" in capsys.readouterr().err
+
+
+def test_gradient_checkpointing_trains_the_same_adapter(smollm_tok, tmp_path):
+    """An 8B model does not fit training without it (issue 63); on the CPU it is off by default,
+    and turned on it recomputes activations, so the adapter comes out the same."""
+    from snapkv_rag.tune.cli import config_from_args
+    from snapkv_rag.tune.train import tune
+
+    adapters = []
+    for checkpointing in (False, True):
+        torch.manual_seed(0)
+        model = tiny_model("llama", len(smollm_tok))
+        tune(_config(examples=2, gradient_checkpointing=checkpointing), tmp_path / str(checkpointing), model=model, tokenizer=smollm_tok, progress=False)
+        assert model.is_activation_checkpointing is checkpointing
+        adapters.append(_adapter_tensors(tmp_path / str(checkpointing) / "adapter"))
+    assert adapters[0].keys() == adapters[1].keys()
+    assert all(torch.allclose(adapters[0][k], adapters[1][k], atol=1e-6) for k in adapters[0])
+    from snapkv_rag.cli import build_parser
+
+    args = build_parser().parse_args(["tune", "train", "--gradient-checkpointing", "--attn-implementation", "sdpa"])
+    config = config_from_args(args)
+    assert config.gradient_checkpointing is True and config.attn_implementation == "sdpa"
+    assert config_from_args(build_parser().parse_args(["tune", "train"])).gradient_checkpointing is None

@@ -28,3 +28,11 @@ def write_table(out: Path, lines: list[str]) -> str:
     (out / "table.md").write_text(table + "\n")
     print(table)
     return table
+
+
+def peak_rss_bytes(stats) -> int:
+    """A result's peak memory as the process RSS this benchmark's tables show; on CUDA the engine
+    reports the allocator's peak instead (another quantity), so that is refused, not mislabelled."""
+    if stats.peak_memory_kind != "cpu_rss_sampled":
+        raise SystemExit(f"this benchmark reports process RSS, and the engine measured {stats.peak_memory_kind}: run it on the CPU")
+    return stats.peak_memory_bytes

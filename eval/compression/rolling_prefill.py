@@ -32,7 +32,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch
 
 from eval.common.processes import child_env, module_command
-from eval.common.results_io import read_records, write_records, write_table
+from eval.common.results_io import peak_rss_bytes, read_records, write_records, write_table
 from snapkv_rag import Engine
 from snapkv_rag.harness.metrics import needle_exact_match, next_token_kl
 from snapkv_rag.harness.needle import build_needle_case
@@ -79,7 +79,7 @@ def needle_part(args) -> None:
                     "answer": result.text,
                     "prefill_seconds": stats.prefill_seconds,
                     "seconds": seconds,
-                    "peak_rss_bytes": stats.peak_memory_bytes,
+                    "peak_rss_bytes": peak_rss_bytes(stats),
                     "rolled_chunks": stats.policy_stats.get("rolled_chunks", 0),
                     "peak_entries": stats.policy_stats.get("rolling_peak_entries", result.usage.prompt_tokens),
                     "max_position": stats.policy_stats.get("rolling_max_position", result.usage.prompt_tokens - 1),

@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from eval.common.results_io import peak_rss_bytes
 from snapkv_rag import Engine, __version__
 from snapkv_rag.compression import SnapKV
 from snapkv_rag.errors import PromptTooLongError
@@ -121,7 +122,7 @@ def measure(engine: Engine, messages: list, new_tokens: int, policy, reuse: bool
         "reused_prompt_tokens": s.reused_prompt_tokens,
         "prefilled_prompt_tokens": s.prefilled_prompt_tokens,
         "decode_ms_per_token": s.decode_ms_per_token,
-        "peak_rss_bytes": s.peak_memory_bytes,
+        "peak_rss_bytes": peak_rss_bytes(s),
         "text": result.text,
     }
 

@@ -56,6 +56,7 @@ class AppConfig:
     chroma_url: str | None = None  # a Chroma server instead of the embedded store (shared with other processes)
     adapter: str | None = AUTO  # a LoRA adapter directory; "auto": the shipped one where it passed its gates; None: bare model
     allowed_models: tuple[str, ...] = ()  # more models the operator offers (--allow-model); users choose only among these
+    attn_implementation: str = "sdpa"  # the attention kernel (--attn-implementation)
 
     @property
     def models(self) -> tuple[str, ...]:
@@ -98,6 +99,7 @@ def app_config(argv: list[str] | None = None) -> AppConfig:
         model=env("SNAPKV_RAG_APP_MODEL", "default"),
         device=env("SNAPKV_RAG_APP_DEVICE"),
         dtype=env("SNAPKV_RAG_APP_DTYPE"),
+        attn_implementation=env("SNAPKV_RAG_APP_ATTN_IMPLEMENTATION", "sdpa"),
         weights=env("SNAPKV_RAG_APP_WEIGHTS"),
         adapter=env("SNAPKV_RAG_APP_ADAPTER") or AUTO,
     )
@@ -122,6 +124,7 @@ def app_config(argv: list[str] | None = None) -> AppConfig:
         chroma_url=args.chroma_url,
         adapter=adapter_option(args.adapter, base_model=args.base_model),
         allowed_models=tuple(m.strip() for m in allowed if m.strip()),
+        attn_implementation=args.attn_implementation,
     )
 
 
@@ -132,7 +135,7 @@ def load_engine(cfg: AppConfig, model: str) -> Engine:
     before anything is looked up (ModelNotOffered)."""
     if model not in cfg.models:
         raise ModelNotOffered("this model is not one the app offers")
-    return _engine_cache(len(cfg.models))(model, cfg.device, cfg.dtype, cfg.weights, cfg.adapter_for(model))
+    return _engine_cache(len(cfg.models))(model, cfg.device, cfg.dtype, cfg.weights, cfg.adapter_for(model), cfg.attn_implementation)
 
 
 @functools.cache
@@ -140,12 +143,12 @@ def _engine_cache(max_entries: int):
     return st.cache_resource(show_spinner=False, max_entries=max_entries)(_load_engine)
 
 
-def _load_engine(model: str, device: str | None, dtype: str | None, weights: str | None, adapter: str | None) -> Engine:
+def _load_engine(model: str, device: str | None, dtype: str | None, weights: str | None, adapter: str | None, attn_implementation: str = "sdpa") -> Engine:
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
     hf_logging.set_verbosity_error()
-    return Engine.from_pretrained(model, device=device, dtype=dtype, weights=weights, adapter=adapter)
+    return Engine.from_pretrained(model, device=device, dtype=dtype, weights=weights, adapter=adapter, attn_implementation=attn_implementation)
 
 
 @st.cache_resource(show_spinner=False)

@@ -46,6 +46,12 @@ def wrapped_name(base: str) -> str:
     return f"snapkv_{base}"
 
 
+def attention_kernel(model) -> str:
+    """The attention implementation the model runs (``sdpa``, ``flash_attention_2``), unwrapped."""
+    name = str(model.config._attn_implementation)
+    return name.removeprefix(wrapped_name(""))
+
+
 # One query token on the CPU goes through decode_attention (matmul + softmax) instead of SDPA:
 # torch's CPU SDPA takes a slow path for a bf16 query with grouped KV heads and no mask (3.8 ms
 # per layer at 7,800 keys here, against 0.18 ms for the matmuls); fp32 costs the same either way.

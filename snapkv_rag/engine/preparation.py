@@ -15,7 +15,7 @@ from typing import Any, Protocol
 import torch
 
 from ..compression import CompressionPolicy, as_policy
-from ..compression.runtime import sliding_layers
+from ..compression.runtime import attention_kernel, sliding_layers
 from ..errors import EmptyPromptError, InvalidCompressionError, InvalidGenerationParameterError, InvalidPromptError, PromptTooLongError
 from ..reuse.blending import DEFAULT_RECOMPUTE, RopeShift, SegmentRequest, SegmentReuseUnsupported, segment_anchor
 from ..reuse.offered import OFFERED
@@ -288,6 +288,8 @@ def segment_request(
         raise InvalidGenerationParameterError('reuse_segments must be a list of strings (texts that appear in the prompt) or "offered"', param="reuse_segments")
     if policy is not None and reuse_tail(policy) is None:
         return None, f"{policy.name} needs every prompt query; prefilled whole"
+    if attention_kernel(engine.model) == "flash_attention_2":
+        return None, "refused: blended chunk reuse attends through a 4-D mask, which flash_attention_2 cannot take; prefilled whole"
     try:
         shift = engine.rope_shift()
     except SegmentReuseUnsupported as exc:

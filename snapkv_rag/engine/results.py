@@ -58,7 +58,7 @@ class GenerationStats:
     prompt_kv_bytes_kept: int  # this row's prompt K/V kept (real tokens only)
     batch_prompt_kv_bytes: int  # the batch's prompt cache after compression, padding slots included
     kv_bytes_final: int  # this call's cache at the end (all its rows), generated tokens included, other requests' rows and padding not
-    peak_memory_bytes: int
+    peak_memory_bytes: int  # the process's (CPU RSS) or the device allocator's (CUDA) peak during the call, weights included
     peak_memory_kind: str
     compression: dict[str, Any] | None
     batch_size: int
@@ -67,6 +67,8 @@ class GenerationStats:
     threads: int
     model: str
     version: str
+    peak_memory_added_bytes: int = 0  # that peak minus the memory in use when the call began: what the call added
+    peak_memory_shared: bool = False  # CUDA: another call overlapped this one, so the peak counts both
     constraint_ms_per_step: float | None = None  # tools/response_format: median grammar mask + advance per step
     constraint_closing_steps: int | None = None  # steps this row's unfinished JSON was steered to close near max_new_tokens
     # The policy's decode-time state, measured by itself: decode-time compression
@@ -168,6 +170,8 @@ def row_stats(
         kv_bytes_final=kv_final,
         peak_memory_bytes=peak.peak_bytes,
         peak_memory_kind=peak.kind,
+        peak_memory_added_bytes=peak.added_bytes,
+        peak_memory_shared=peak.shared,
         compression=settings,
         batch_size=run.batch_size,
         device=info.device,

@@ -48,6 +48,7 @@ import torch
 
 from ..compression.decoding import layer_entries
 from ..compression.quantized import cache_kv_bits
+from ..model.device_clock import device_clock
 from ..model.openmp import release_thread_pool
 from ..tools.calls import ToolCallStream
 from .detokenize import SequenceText
@@ -432,6 +433,7 @@ class Scheduler:
     def __init__(self, model, max_batch_size: int) -> None:
         self.max_batch_size = max_batch_size
         self._model = model
+        self._device = next(model.parameters()).device if model is not None else torch.device("cpu")
         self._cv = threading.Condition()
         self._tasks: deque[_Task] = deque()
         self._active: _Task | None = None  # a chunked task between two of its chunks
@@ -632,13 +634,13 @@ class Scheduler:
                 self._groups.remove(group)
 
     def _forward(self, group: Group, tokens: list[torch.Tensor]) -> None:
-        start = time.perf_counter()
+        start = device_clock(self._device)
         try:
             group.step(tokens)
         except Exception as exc:  # out of memory, say: this group's requests end with the error
             self._leave(group, list(group.members), exc)
             return
-        seconds = time.perf_counter() - start
+        seconds = device_clock(self._device) - start
         rows = group.rows
         self._decode_steps += 1
         self._decoded_rows += rows

@@ -259,6 +259,7 @@ def run_speed(
                         "prompt_kv_bytes_kept": s.prompt_kv_bytes_kept,
                         "peak_memory_bytes": s.peak_memory_bytes,
                         "peak_memory_kind": s.peak_memory_kind,
+                        "peak_memory_added_bytes": s.peak_memory_added_bytes,
                         "weight_bytes": weights,
                         "bandwidth_bytes_per_second": bandwidth,
                         "decode_floor_ms": floor_ms,

@@ -121,7 +121,7 @@ def cpu_bf16_support(cpuinfo: str | None = None) -> str | None:
 
 
 def choose_device(device: str | torch.device | None = None, dtype: str | torch.dtype | None = None) -> DeviceChoice:
-    """cuda when present, else cpu; bf16 on GPU and on a CPU that computes bf16 natively
+    """cuda when present, else cpu; bf16 on a GPU that supports it (fp16 on older GPUs) and on a CPU that computes bf16 natively
     (:func:`cpu_bf16_support`), fp32 on other CPUs. On the embedded model bf16 stays within a
     mean next-token KL of 0.002 of fp32 (eval/decoding/RESULTS.md, "bf16 against fp32").
 
@@ -136,7 +136,11 @@ def choose_device(device: str | torch.device | None = None, dtype: str | torch.d
             raise InvalidDeviceError(f"unknown device {device!r}; use cpu, cuda or cuda:N") from None
         _check_device(dev)
     if dtype is None:
-        dt = torch.bfloat16 if dev.type == "cuda" or cpu_bf16_support() else torch.float32
+        if dev.type == "cuda":
+            # bf16 where the GPU computes it (Ampere on); fp16 on older ones (V100, T4), whose bf16 is emulated or refused
+            dt = torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        else:
+            dt = torch.bfloat16 if cpu_bf16_support() else torch.float32
     elif isinstance(dtype, torch.dtype):
         if dtype not in _DTYPES.values():
             raise InvalidDeviceError(f"unsupported dtype {dtype}; choose one of {sorted(_DTYPES)}")
@@ -147,6 +151,21 @@ def choose_device(device: str | torch.device | None = None, dtype: str | torch.d
         except KeyError:
             raise InvalidDeviceError(f"unknown dtype {dtype!r}; choose one of {sorted(_DTYPES)}") from None
     return DeviceChoice(dev, dt)
+
+
+def check_attention_kernel(attn_implementation: str, choice: DeviceChoice) -> None:
+    """``flash_attention_2`` runs on CUDA in fp16/bf16 with the flash-attn package: anything else is
+    one clear error before loading (transformers would raise deep inside, after the download)."""
+    if attn_implementation != "flash_attention_2":
+        return
+    import importlib.util
+
+    if choice.device.type != "cuda":
+        raise InvalidDeviceError(f"attn_implementation flash_attention_2 runs on CUDA only, not {choice.device.type}; use sdpa")
+    if choice.dtype not in (torch.float16, torch.bfloat16):
+        raise InvalidDeviceError(f"attn_implementation flash_attention_2 needs fp16 or bf16 weights, not {choice.dtype}; use sdpa or --dtype bfloat16")
+    if importlib.util.find_spec("flash_attn") is None:
+        raise InvalidDeviceError("attn_implementation flash_attention_2 needs the flash-attn package (pip install flash-attn); use sdpa")
 
 
 def _file_fingerprint(path: Path) -> str:
@@ -255,6 +274,7 @@ def load_model_and_tokenizer(
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     choice = choose_device(device, dtype)  # before any conversion or download
+    check_attention_kernel(attn_implementation, choice)
     weight_format = choose_weights(weights, choice.device)
     source, is_local = resolve_model_source(name_or_path)
     kwargs = {"trust_remote_code": trust_remote_code}

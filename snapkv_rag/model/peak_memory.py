@@ -57,24 +57,50 @@ _SAMPLER = _RssSampler(0.005)
 
 
 class PeakMemory:
-    """Context manager; after exit ``peak_bytes`` and ``kind`` describe the block's peak."""
+    """Context manager; after exit ``peak_bytes`` and ``kind`` describe the block's peak, and
+    ``added_bytes`` what the block added over the memory in use when it began (on CUDA the
+    weights and the prefix cache's contents are in use before; on a CPU the process's RSS).
+
+    On CUDA the allocator's peak counter is process-wide: it is reset only when no other block
+    on the device is being measured (concurrent requests would reset each other's peaks), so a
+    block that overlaps another reports the peak of both (``shared`` says so)."""
+
+    _open_on_cuda: dict[torch.device, set[PeakMemory]] = {}
+    _lock = threading.Lock()
 
     def __init__(self, device: torch.device):
         self.device = device
         self.peak_bytes = 0
+        self.baseline_bytes = 0
+        self.shared = False
         self.kind = "cuda_max_allocated" if device.type == "cuda" else "cpu_rss_sampled"
+
+    @property
+    def added_bytes(self) -> int:
+        return max(0, self.peak_bytes - self.baseline_bytes)
 
     def __enter__(self) -> PeakMemory:
         if self.device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(self.device)
+            with PeakMemory._lock:
+                others = PeakMemory._open_on_cuda.setdefault(self.device, set())
+                if others:
+                    for other in others:
+                        other.shared = True
+                    self.shared = True
+                else:
+                    torch.cuda.reset_peak_memory_stats(self.device)
+                others.add(self)
+                self.baseline_bytes = int(torch.cuda.memory_allocated(self.device))
         else:
-            self.peak_bytes = current_rss_bytes()
+            self.peak_bytes = self.baseline_bytes = current_rss_bytes()
             _SAMPLER.add(self)
         return self
 
     def __exit__(self, *exc) -> None:
         if self.device.type == "cuda":
-            self.peak_bytes = int(torch.cuda.max_memory_allocated(self.device))
+            with PeakMemory._lock:
+                self.peak_bytes = int(torch.cuda.max_memory_allocated(self.device))
+                PeakMemory._open_on_cuda.get(self.device, set()).discard(self)
         else:
             _SAMPLER.remove(self)
             self.peak_bytes = max(self.peak_bytes, current_rss_bytes())

@@ -224,7 +224,9 @@ def less_log_probs(engine, policy: LESS, kernels: LessKernels, sample: dict[str,
 
 
 def _kl(full_log_probs: torch.Tensor, log_probs: torch.Tensor) -> torch.Tensor:
-    full = full_log_probs.float()
+    """KL(full || compressed) per position, averaged; the saved full-cache log-probs live on the
+    CPU (the work folder), the compressed ones on the model's device: computed on the latter."""
+    full = full_log_probs.to(log_probs.device).float()
     return (full.exp() * (full - log_probs)).sum(-1).mean()
 
 

@@ -38,6 +38,12 @@ def add_tune_parser(sub) -> None:
     train.add_argument("--qa-share", type=float, default=None, help="share of document-QA examples (default 0.6)")
     train.add_argument("--minutes", type=float, default=None, help="stop (with a checkpoint) after this long; run again to continue")
     train.add_argument("--save-every", type=int, default=None, help="checkpoint every N steps (default 20)")
+    train.add_argument(
+        "--gradient-checkpointing",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="recompute activations in the backward pass to fit large models (default: on for CUDA, off on a CPU)",
+    )
     train.add_argument("--no-progress", action="store_true", help="no progress bar")
     train.set_defaults(func=cmd_train)
 
@@ -91,7 +97,14 @@ def config_from_args(args: argparse.Namespace):
         "save_every": args.save_every,
     }
     return TuneConfig(
-        model=args.model, seed=args.seed, dtype=args.dtype, device=args.device, minutes=args.minutes, **{k: v for k, v in given.items() if v is not None}
+        model=args.model,
+        seed=args.seed,
+        dtype=args.dtype,
+        device=args.device,
+        minutes=args.minutes,
+        attn_implementation=args.attn_implementation,
+        gradient_checkpointing=args.gradient_checkpointing,
+        **{k: v for k, v in given.items() if v is not None},
     )
 
 

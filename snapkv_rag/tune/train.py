@@ -64,6 +64,10 @@ class TuneConfig:
     device: str | None = None
     # not part of what makes a run: may change between resumed invocations
     minutes: float | None = field(default=None, metadata={"resumable": True})
+    attn_implementation: str = field(default="sdpa", metadata={"resumable": True})
+    # recompute activations in the backward pass instead of holding them: an 8B model at ~4.5K-token
+    # examples needs an estimated 60-70 GB without; None: on for CUDA, off on a CPU (time there is the limit)
+    gradient_checkpointing: bool | None = field(default=None, metadata={"resumable": True})
     save_every: int = field(default=20, metadata={"resumable": True})
 
     def check(self) -> None:
@@ -297,7 +301,9 @@ def tune(
     if model is None:
         from ..model.loading import load_model_and_tokenizer
 
-        model, tokenizer, _ = load_model_and_tokenizer(config.model, device=config.device, dtype=config.dtype, pack_weights=False)
+        model, tokenizer, _ = load_model_and_tokenizer(
+            config.model, device=config.device, dtype=config.dtype, pack_weights=False, attn_implementation=config.attn_implementation
+        )
     count = token_counter(tokenizer)
     examples = build_examples(config.seed, config.examples, "train", count_tokens=count, qa_share=config.qa_share)
     probe = [encode(e, tokenizer) for e in build_examples(config.seed, config.eval_examples, "heldout", count_tokens=count, qa_share=config.qa_share)]
@@ -309,6 +315,17 @@ def tune(
     model.train()
     lora = LoraConfig(r=config.rank, lora_alpha=config.alpha, lora_dropout=0.0, target_modules=lora_targets, task_type="CAUSAL_LM")
     peft_model = get_peft_model(model, lora)
+    checkpointing = config.gradient_checkpointing
+    if checkpointing is None:
+        checkpointing = next(model.parameters()).device.type == "cuda"
+    if checkpointing:
+        # non-reentrant: the frozen embeddings' outputs need no requires_grad for LoRA's gradients to flow
+        enable = getattr(model, "activation_checkpointing_enable", None)  # transformers >= 5.2x; gradient_... before
+        if enable is not None:
+            enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.config.use_cache = False
     trainable = [p for p in peft_model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=config.learning_rate, weight_decay=0.0)
     fingerprint = data_fingerprint(examples)
