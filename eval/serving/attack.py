@@ -157,7 +157,8 @@ def run_cases(base: str, port: int, headers: dict, max_queue: int, attacker_head
 
         # the victim: its own salt on a keyless server, its own key on a keyed one (the attacker has another)
         victim_salt = {} if attacker_headers else {"cache_salt": "victim-session"}
-        http.post(base + "/v1/chat/completions", json=chat_with(victim("4417"), **victim_salt))
+        for _ in range(2):  # the server stores a compressed prompt when it repeats (prefix-cache admission "repeat")
+            http.post(base + "/v1/chat/completions", json=chat_with(victim("4417"), **victim_salt))
         expect = "0 reused for both guesses (the victim's namespace is not the attacker's)"
         for guess in ("9999", "4417"):
             reply = http.post(base + "/v1/chat/completions", json=chat_with(victim(guess)), headers=attacker_headers).json()

@@ -14,6 +14,7 @@ from ..compression.runtime import WRAPPED_IMPLEMENTATIONS, register_attention_fu
 from ..errors import InvalidGenerationParameterError
 from ..model.loading import DEFAULT_MODEL, RECOMMENDED_CONTEXT_TOKENS, RECOMMENDED_KV_REUSE, load_model_and_tokenizer
 from ..model.peak_memory import PeakMemory
+from ..model.portable import apply_environment
 from ..model.quantization import parameter_count
 from ..reuse.blending import RopeShift, model_rope_shift
 from ..reuse.prefix_cache import ADMISSIONS, PrefixCache, default_prefix_cache_bytes
@@ -76,6 +77,7 @@ class Engine:
         cache: ``"repeat"`` (those whose opening a recent prompt shared: a one-off long prompt then
         peaks as compressed) or ``"always"`` (every one peaks like a full prefill; the second read
         of a prompt reuses, not the third); see :mod:`snapkv_rag.reuse.prefix_cache`."""
+        apply_environment()  # SNAPKV_RAG_PORTABLE=1: the CUDA branch on the CPU
         if prefix_cache_admission not in ADMISSIONS:
             raise ValueError(f"prefix_cache_admission must be one of {ADMISSIONS}, got {prefix_cache_admission!r}")
         register_attention_functions()

@@ -23,6 +23,7 @@ import torch
 
 from ..errors import InvalidDeviceError, ModelNotFoundError
 from .packed_linear import pack_linear_weights
+from .portable import portable_enabled
 from .quantization import choose_weights, quantize_linear_weights
 
 log = logging.getLogger(__name__)
@@ -299,6 +300,8 @@ def load_model_and_tokenizer(
         quantize_linear_weights(model)
     if pack_weights and choice.device.type != "cpu":
         raise InvalidDeviceError(f"pack_weights is for the CPU; on {choice.device.type} the weights stay as loaded")
+    if pack_weights is None and portable_enabled():
+        pack_weights = False  # the portable path: the weights as a CUDA device holds them
     if pack_weights is not False and choice.device.type == "cpu":
         pack_linear_weights(model)
     return model, tokenizer, choice
