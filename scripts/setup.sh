@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Create .venv and install snapkv-rag with everything it needs, on a machine with only Python 3.10+.
-# CPU by default (torch==2.13.0). GPU users: TORCH_SPEC="torch" (or their CUDA build) bash scripts/setup.sh
+# torch==2.13.0 as your pip index serves it: on PyPI (Linux x86) that is the CUDA build, several GB;
+# for the CPU build: TORCH_INDEX=https://download.pytorch.org/whl/cpu bash scripts/setup.sh
+# (the machines this was developed on serve the CPU build from their own index). TORCH_SPEC picks another torch.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-$(command -v python3.11 || command -v python3)}
@@ -10,7 +12,11 @@ if [ ! -x .venv/bin/python ]; then
 fi
 PIP=".venv/bin/python -m pip"
 $PIP install --quiet --upgrade pip
-$PIP install --quiet "$TORCH_SPEC"
+if [ -n "${TORCH_INDEX:-}" ]; then
+  $PIP install --quiet --index-url "$TORCH_INDEX" "$TORCH_SPEC"
+else
+  $PIP install --quiet "$TORCH_SPEC"
+fi
 $PIP install --quiet -e ".[dev]"
 $PIP install --quiet -e connectors/llama-index-llms-snapkv  # LlamaIndex connector (llama-index-core, Chroma store, HF embeddings)
 # The LangChain partner package (connectors/langchain-snapkv) with langchain, langgraph,

@@ -125,3 +125,64 @@ def test_blended_chunk_reuse_is_refused_under_flash_attention(tokenizer):
     finally:
         engine.model.config._attn_implementation = "snapkv_sdpa"
     assert request.segments is None and "flash_attention_2" in request.segment_note
+
+
+def test_metrics_carry_gpu_memory_gauges_for_a_cuda_engine(monkeypatch):
+    from types import SimpleNamespace
+
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from snapkv_rag.server.metrics import gpu_memory_gauges
+
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 3 << 30)
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 4 << 30)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: SimpleNamespace(total_memory=80 << 30))
+    registry = CollectorRegistry()
+    gpu_memory_gauges(registry, torch.device("cuda", 0))
+    values = {
+        name: registry.get_sample_value(name)
+        for name in ("snapkv_gpu_memory_allocated_bytes", "snapkv_gpu_memory_reserved_bytes", "snapkv_gpu_memory_total_bytes")
+    }
+    assert values == {"snapkv_gpu_memory_allocated_bytes": 3 << 30, "snapkv_gpu_memory_reserved_bytes": 4 << 30, "snapkv_gpu_memory_total_bytes": 80 << 30}
+    assert "snapkv_gpu_memory_allocated_bytes" in generate_latest(registry).decode()
+
+
+def test_a_device_map_loads_and_generates_and_refuses_one_device_paths(tokenizer, tmp_path, monkeypatch):
+    """device_map goes to transformers' loader (here every module on the CPU); a model spread
+    over several devices refuses rolling and blended chunk reuse with one clear error or note,
+    and prefix reuse puts each layer's K/V on that layer's device."""
+    import pytest
+
+    from snapkv_rag import Engine
+    from snapkv_rag.engine import preparation
+    from snapkv_rag.errors import InvalidCompressionError
+    from snapkv_rag.model.placement import layer_devices
+    from snapkv_rag.testing import tiny_model
+
+    model = tiny_model("llama", len(tokenizer))
+    model.save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    engine = Engine.from_pretrained(str(tmp_path), device_map={"": "cpu"}, dtype="float32", adapter=None)
+    assert set(layer_devices(engine.model).values()) == {torch.device("cpu")}
+    plain = tiny_engine("llama", tokenizer)
+    prompt = "The ferry leaves at nine and returns at noon. " * 4
+    assert engine.generate(prompt, max_new_tokens=5, ignore_eos=True).token_ids == plain.generate(prompt, max_new_tokens=5, ignore_eos=True).token_ids
+
+    monkeypatch.setattr(preparation, "spans_devices", lambda model: True)  # as if its layers sat on two GPUs
+    with pytest.raises(InvalidCompressionError, match="device_map"):
+        engine.generate(prompt, max_new_tokens=2, compression="snapkv:budget=16,window=4,rolling=16")
+    request = engine._prepare_kwargs(prompt + "When?", reuse_segments=[prompt.strip()], max_new_tokens=2)
+    assert request.segments is None and "device_map" in request.segment_note
+
+
+def test_stored_chunk_kv_is_page_locked_where_a_gpu_reads_it(monkeypatch):
+    """Chunk K/V were pageable CPU tensors copied to the GPU per layer per prompt."""
+    from snapkv_rag.reuse.blending import host_copy
+
+    pinned = []
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self: pinned.append(self.shape) or self)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    host_copy(torch.ones(2, 3))
+    assert pinned == []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert host_copy(torch.ones(2, 3)).device.type == "cpu" and pinned == [torch.Size([2, 3])]

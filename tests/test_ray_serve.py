@@ -302,3 +302,29 @@ def kill_replica(replica_id: str) -> None:
     )
     env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}  # the server's local Ray listens on loopback (a single-machine instance)
     subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True, env=env)
+
+
+def test_gpu_replica_options_are_checked_before_ray_starts(capsys):
+    """Each replica sees the one GPU Ray gives it as cuda (cuda:1 failed inside every replica)."""
+    from snapkv_rag.cli import main
+
+    assert main(["serve", "--replicas", "2", "--device", "cuda:1"]) == 2
+    assert "Ray gives each replica its own GPU" in capsys.readouterr().err
+    assert main(["serve", "--replicas", "2", "--device", "cpu", "--gpus-per-replica", "0.5"]) == 2
+    assert main(["serve", "--gpus-per-replica", "0.5", "--device", "cuda"]) == 2  # no replicas
+    assert main(["serve", "--replicas", "2", "--device", "cuda", "--gpus-per-replica", "0"]) == 2
+    import ray
+
+    assert not ray.is_initialized()
+
+
+def test_replicas_ask_ray_for_their_share_of_a_gpu():
+    from snapkv_rag.cli import build_parser
+    from snapkv_rag.server.ray_serve import replica_actor_options
+
+    def options(*extra):
+        return replica_actor_options(build_parser().parse_args(["serve", "--replicas", "2", "--threads", "3", *extra]))
+
+    assert options("--device", "cuda", "--gpus-per-replica", "0.5")["num_gpus"] == 0.5
+    assert options("--device", "cuda")["num_gpus"] == 1.0
+    assert options("--device", "cpu") == {"num_cpus": 3, "num_gpus": 0, "runtime_env": {"env_vars": {"OMP_NUM_THREADS": "3"}}}

@@ -134,6 +134,7 @@ class Engine:
         weights: str | None = None,
         pack_weights: bool | None = None,
         adapter: str | None = "auto",
+        device_map: str | dict[str, Any] | None = None,
     ) -> Engine:
         """A hub id, a local model directory, a ``.gguf`` file, or ``"default"``.
 
@@ -145,7 +146,8 @@ class Engine:
         ``weights``: ``"native"`` (None) or ``"int8"``: weight-only int8 linear layers, CPU only;
         faster decode, slightly less exact (eval/decoding/RESULTS.md, "Weight-only int8"). ``pack_weights``:
         None packs the CPU's linear weights for oneDNN once (:mod:`snapkv_rag.model.packed_linear`),
-        False keeps PyTorch's plain layout.
+        False keeps PyTorch's plain layout. ``device_map``: layers spread over several devices
+        (``"auto"`` for the visible GPUs; :func:`snapkv_rag.model.loading.load_model_and_tokenizer`).
         ``prefix_cache_bytes``, ``max_batch_size``, ``prefill_chunk_tokens`` and
         ``prefix_cache_admission`` as in :class:`Engine` (None: their defaults)."""
         if attn_implementation not in WRAPPED_IMPLEMENTATIONS:
@@ -159,6 +161,7 @@ class Engine:
             weights=weights,
             pack_weights=pack_weights,
             adapter=adapter,
+            device_map=device_map,
         )
         return cls(
             model,

@@ -26,6 +26,7 @@ from ..compression.runtime import PrefillCompression, compressing, plain_causal,
 from ..compression.span_attention import SpanAttention, observing
 from ..errors import InvalidCompressionError
 from ..model.device_clock import device_clock
+from ..model.placement import layer_devices
 from ..reuse.blending import SegmentRequest, assemble, blended_mask, blending_cache, kv_shape, model_rope_shift, recompute_positions
 from ..reuse.prefix_cache import PrefixCache, ReusePlan, plan_reuse, reuse_tail, reused_columns, reused_layer, store_prompts
 from .lookup import drop_last
@@ -297,9 +298,11 @@ class DecodeRun:
         width_p = reused_columns(plan, self.rows)
         self.input_ids = self.input_ids[:, width_p:]
         self.reused_tokens = [take for _, take in plan]
+        devices = layer_devices(self.model)  # under a device_map each layer's K/V live where its weights do
         for layer_idx in range(len(self.cache.layers)):
             keys, values = reused_layer(plan, layer_idx, width_p)
-            self.cache.update(keys.to(self.device), values.to(self.device), layer_idx)
+            device = devices.get(layer_idx, self.device)
+            self.cache.update(keys.to(device), values.to(device), layer_idx)
         for entry, take in plan:
             self.prefix_cache.record_reuse(entry, take)
 

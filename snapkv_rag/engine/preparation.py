@@ -17,6 +17,7 @@ import torch
 from ..compression import CompressionPolicy, as_policy
 from ..compression.runtime import attention_kernel, sliding_layers
 from ..errors import EmptyPromptError, InvalidCompressionError, InvalidGenerationParameterError, InvalidPromptError, PromptTooLongError
+from ..model.placement import spans_devices
 from ..reuse.blending import DEFAULT_RECOMPUTE, RopeShift, SegmentRequest, SegmentReuseUnsupported, segment_anchor
 from ..reuse.offered import OFFERED
 from ..reuse.prefix_cache import default_prefix_cache_bytes, reuse_tail
@@ -67,6 +68,8 @@ def check_rolls(engine: EngineLike) -> None:
     sliding window's), and a rotary embedding that moves kept keys (:class:`~snapkv_rag.reuse.blending.RopeShift`)."""
     if all(sliding_layers(engine.model.config)):
         raise InvalidCompressionError("rolling= needs full-attention layers to compress, and every layer of this model keeps a sliding window")
+    if spans_devices(engine.model):
+        raise InvalidCompressionError("rolling= runs on one device, and this model's layers are spread over several (device_map); read the prompt whole")
     try:
         engine.rope_shift(sliding=True)
     except SegmentReuseUnsupported as exc:
@@ -288,6 +291,8 @@ def segment_request(
         raise InvalidGenerationParameterError('reuse_segments must be a list of strings (texts that appear in the prompt) or "offered"', param="reuse_segments")
     if policy is not None and reuse_tail(policy) is None:
         return None, f"{policy.name} needs every prompt query; prefilled whole"
+    if spans_devices(engine.model):
+        return None, "refused: blended chunk reuse runs on one device, and this model's layers are spread over several (device_map); prefilled whole"
     if attention_kernel(engine.model) == "flash_attention_2":
         return None, "refused: blended chunk reuse attends through a 4-D mask, which flash_attention_2 cannot take; prefilled whole"
     try:

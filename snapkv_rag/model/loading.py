@@ -18,6 +18,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -259,8 +260,14 @@ def load_model_and_tokenizer(
     weights: str | None = None,
     pack_weights: bool | None = None,
     adapter: str | Path | None = None,
+    device_map: str | dict[str, Any] | None = None,
 ):
     """Load ``(model, tokenizer, DeviceChoice)``; the model is in eval mode on its device.
+
+    ``device_map``: the layers spread over several devices (``"auto"``: accelerate fills the
+    visible GPUs in order; or a ``{module name: device}`` dict), for a model one GPU cannot hold.
+    Its first device is the engine's; prefix reuse moves each layer's K/V to that layer's device,
+    and the paths that assume one device (rolling prefill, blended chunk reuse) are refused.
 
     ``adapter``: a LoRA adapter directory merged into the weights before anything else touches
     them (:func:`snapkv_rag.model.adapters.merge_adapter`); ``"auto"``: the adapter shipped for the
@@ -284,10 +291,16 @@ def load_model_and_tokenizer(
     try:
         tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)
         with _quiet_loading():
-            model = AutoModelForCausalLM.from_pretrained(source, dtype=choice.dtype, attn_implementation=attn_implementation, **kwargs)
+            placement = {"device_map": device_map} if device_map is not None else {}
+            model = AutoModelForCausalLM.from_pretrained(source, dtype=choice.dtype, attn_implementation=attn_implementation, **kwargs, **placement)
     except OSError as exc:
         raise ModelNotFoundError(f"could not load model {name_or_path!r}: {exc}") from exc
-    model.to(choice.device)  # type: ignore[arg-type]  # transformers' stubs type .to() for dtypes only
+    if device_map is None:
+        model.to(choice.device)  # type: ignore[arg-type]  # transformers' stubs type .to() for dtypes only
+    elif weight_format == "int8" or pack_weights:
+        raise InvalidDeviceError("int8 or packed weights are for one CPU device; leave them out with device_map")
+    else:
+        pack_weights = False
     model.eval()
     from .adapters import merge_adapter
     from .shipped_adapters import resolve_adapter

@@ -221,7 +221,14 @@ def compute_segment(model, token_ids: list[int], anchor: Sequence[int] = ()) -> 
     ids = torch.tensor([[*anchor, *token_ids]], device=device)
     keys, values = layer_kv(model, ids, torch.arange(ids.shape[1], device=device)[None])
     skip = len(anchor)
-    return SegmentKV(list(token_ids), torch.cat(keys)[:, :, skip:].cpu(), torch.cat(values)[:, :, skip:].cpu(), list(anchor))
+    return SegmentKV(list(token_ids), host_copy(torch.cat(keys)[:, :, skip:]), host_copy(torch.cat(values)[:, :, skip:]), list(anchor))
+
+
+def host_copy(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` in CPU memory, page-locked where a GPU will read it back (its copies to the device
+    then run asynchronously, without a staging copy through pageable memory)."""
+    host = tensor.cpu()
+    return host.pin_memory() if torch.cuda.is_available() else host
 
 
 @dataclass
@@ -262,8 +269,8 @@ class AssembledPrompt:
         values = torch.zeros_like(keys)
         for start, entry in self.placed:
             end = start + len(entry.token_ids)
-            keys[0, :, start:end] = self.shift(entry.keys[index].to(self.device), start - self.anchor_length)
-            values[0, :, start:end] = entry.values[index].to(self.device)
+            keys[0, :, start:end] = self.shift(entry.keys[index].to(self.device, non_blocking=True), start - self.anchor_length)
+            values[0, :, start:end] = entry.values[index].to(self.device, non_blocking=True)
         return keys, values
 
 

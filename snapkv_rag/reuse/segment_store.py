@@ -190,6 +190,8 @@ class SegmentKVStore:
             os.utime(path)  # recency for the LRU bound
         except OSError:
             pass
+        if torch.cuda.is_available():  # read back by a GPU: page-locked, so its copies run asynchronously
+            keys, values = keys.pin_memory(), values.pin_memory()
         return SegmentKV(token_ids, keys, values, anchor)
 
     def _refuse(self, signature: str, key: str) -> None:

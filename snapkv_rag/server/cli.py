@@ -113,6 +113,12 @@ def add_serve_parser(sub) -> None:
         "--threads", type=int, default=None, help="torch threads per engine (default: all cores for one engine in this process; cores / replicas on Ray)"
     )
     p.add_argument(
+        "--gpus-per-replica",
+        type=float,
+        default=None,
+        help="GPUs Ray gives each replica with --device cuda (default 1; 0.5 puts two replicas on one GPU); Ray picks which GPU",
+    )
+    p.add_argument(
         "--routing",
         choices=("affinity", "round-robin"),
         default="affinity",

@@ -53,6 +53,18 @@ def check_args(args: argparse.Namespace) -> None:
         raise SnapKVRagError(f"--max-prompt-tokens must be a positive number of tokens, got {args.max_prompt_tokens}")
     if not 0 < getattr(args, "body_timeout", DEFAULT_BODY_TIMEOUT) <= 3600:  # NaN fails too
         raise SnapKVRagError(f"--body-timeout must be more than 0 and at most 3600 seconds, got {args.body_timeout}")
+    replicated = getattr(args, "replicas", 1) > 1 or getattr(args, "ray_address", None) is not None
+    device = args.device or ""
+    if replicated and device.startswith("cuda:"):
+        raise SnapKVRagError(
+            f"--device {device} with replicas: Ray gives each replica its own GPU (it sees it as cuda); use --device cuda, with --gpus-per-replica for a share"
+        )
+    gpus = getattr(args, "gpus_per_replica", None)
+    if gpus is not None:
+        if not replicated or not device.startswith("cuda"):
+            raise SnapKVRagError("--gpus-per-replica applies to --replicas (or --ray-address) with --device cuda")
+        if not 0 < gpus <= 8:  # NaN fails too
+            raise SnapKVRagError(f"--gpus-per-replica must be more than 0 and at most 8, got {gpus}")
     if not 0 <= args.shutdown_grace <= 3600:  # NaN fails too
         raise SnapKVRagError(f"--shutdown-grace must be 0-3600 seconds, got {args.shutdown_grace}")
 

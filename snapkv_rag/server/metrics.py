@@ -49,6 +49,9 @@ class ServerMetrics:
         )
 
         r.register(SchedulerCollector(engine))
+        device = getattr(engine, "device", None)
+        if device is not None and device.type == "cuda":
+            gpu_memory_gauges(r, device)
 
     def exposition(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
@@ -128,3 +131,16 @@ class MemoryCollector:
         trims, seconds = trim_stats()
         yield CounterMetricFamily("snapkv_malloc_trims", "Times the allocator's free pages were given back (every 5 s)", value=trims)
         yield CounterMetricFamily("snapkv_malloc_trim_seconds", "Seconds those trims took", value=seconds)
+
+
+def gpu_memory_gauges(registry: CollectorRegistry, device: Any) -> None:
+    """The GPU's memory as the engine's allocator sees it, read at each scrape."""
+    import torch
+
+    Gauge("snapkv_gpu_memory_allocated_bytes", "GPU memory held by tensors (weights, caches, activations)", registry=registry).set_function(
+        lambda: torch.cuda.memory_allocated(device)
+    )
+    Gauge("snapkv_gpu_memory_reserved_bytes", "GPU memory reserved by PyTorch's caching allocator", registry=registry).set_function(
+        lambda: torch.cuda.memory_reserved(device)
+    )
+    Gauge("snapkv_gpu_memory_total_bytes", "The GPU's memory", registry=registry).set_function(lambda: torch.cuda.get_device_properties(device).total_memory)

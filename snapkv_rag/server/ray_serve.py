@@ -307,17 +307,24 @@ def _uses_gpu(device: str | None) -> bool:
     return torch.cuda.is_available()
 
 
+def replica_actor_options(args: argparse.Namespace) -> dict[str, Any]:
+    """What Ray gives each engine replica: ``threads`` CPUs and, with ``--device cuda``,
+    ``--gpus-per-replica`` GPUs (1 by default; Ray hides the GPUs from an actor that asks for none)."""
+    threads = replica_threads(args)
+    gpus = (getattr(args, "gpus_per_replica", None) or 1.0) if _uses_gpu(args.device) else 0
+    return {"num_cpus": threads, "num_gpus": gpus, "runtime_env": {"env_vars": {"OMP_NUM_THREADS": str(threads)}}}
+
+
 def build_application(args: argparse.Namespace):
     """The Serve application for ``args`` (the ``serve`` options): ingress -> N engine replicas."""
     threads = replica_threads(args)
     options = {**vars(args), "threads": threads}
     options.pop("func", None)
-    gpus = 1 if _uses_gpu(args.device) else 0  # Ray hides the GPUs from an actor that asks for none
     engines = serve.deployment(
         name=ENGINE_DEPLOYMENT,
         num_replicas=args.replicas,
         max_ongoing_requests=args.max_queue,  # the engine queues and batches them itself
-        ray_actor_options={"num_cpus": threads, "num_gpus": gpus, "runtime_env": {"env_vars": {"OMP_NUM_THREADS": str(threads)}}},
+        ray_actor_options=replica_actor_options(args),
         request_router_config={
             "request_router_class": f"{__name__}.CacheAffinityRouter",
             "request_router_kwargs": {"mode": args.routing.replace("-", "_"), "imbalance": args.routing_imbalance},
