@@ -5,7 +5,7 @@ numbers, tables and plots of RESULTS.md and its area pages. The evaluation harne
 so unlike the connectors (held to :mod:`snapkv_rag.integrations`) they may import any of its modules,
 never a private name, nothing from tests or examples, and no ``sys.path`` edits.
 
-Each area folder (compression, decoding, reuse, rag, agents, serving, tune) holds benchmark
+Each area folder (compression, decoding, reuse, rag, agents, serving, tune, gpu) holds benchmark
 modules, its page (``RESULTS.md``) and its ``results/``; ``common/`` holds what several share.
 A benchmark module has ``build_parser()`` and ``main(argv)``; its name is its module name::
 

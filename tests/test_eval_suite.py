@@ -19,7 +19,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 EVAL = ROOT / "eval"
-AREAS = ["compression", "decoding", "reuse", "rag", "agents", "serving", "tune"]
+AREAS = ["compression", "decoding", "reuse", "rag", "agents", "serving", "tune", "gpu"]
 SHARED = ["common"]
 # the arguments a benchmark needs before it parses at all (required options); the rest need none
 REQUIRED_ARGS = {"less_domains": ["--specs", "less:base=snapkv"], "rolling_prefill": ["--part", "tiny"]}
@@ -55,7 +55,7 @@ def run_eval(*argv: str) -> tuple[int, str, str]:
 
 def test_the_top_level_is_an_index_with_no_benchmark_beside_it():
     entries = sorted(p.name for p in EVAL.iterdir() if p.name != "__pycache__")
-    assert len(entries) <= 11, entries
+    assert len(entries) <= 12, entries
     assert {"__init__.py", "__main__.py", "RESULTS.md", *AREAS, *SHARED} <= set(entries), entries
     assert [p.name for p in EVAL.glob("*.py")] and {p.name for p in EVAL.glob("*.py")} <= {"__init__.py", "__main__.py"}
     for area in AREAS:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import math
 import os
 import shutil
@@ -37,6 +38,8 @@ from .dataset import build_examples, encode, summarize, token_counter
 
 STATE_FILE = "state.json"
 OPTIMIZER_FILE = "optimizer.pt"
+
+log = logging.getLogger(__name__)
 
 
 class TuneError(SnapKVRagError, ValueError):
@@ -250,7 +253,11 @@ def plot_loss(out: Path) -> Path | None:
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     if not rows:
         return None
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError:  # a --no-deps install (the GPU check's): the run and its adapter matter, not the picture
+        log.warning("loss.png not drawn: matplotlib is not installed (loss.jsonl has the numbers)")
+        return None
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

@@ -1,0 +1,58 @@
+"""The prepared GPU check (eval/gpu/gpu_check.py) in its tiny mode on the CPU, as CI runs it: every
+part records, the device-against-CPU part is exact CPU against CPU, and a spent time limit skips parts
+rather than running them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from eval.common.results_io import read_records
+from eval.gpu import gpu_check
+
+
+@pytest.fixture()
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_tiny_mode_runs_every_part_on_the_cpu(tmp_path, one_thread):
+    assert gpu_check.main(["--tiny", "--device", "cpu", "--time-limit", "120", "--out", str(tmp_path)]) == 0
+    records = read_records(tmp_path)
+    assert [r["name"] for r in records] == gpu_check.PART_NAMES
+    for record in records:
+        assert record["status"] in ("ok", "skipped"), (record["name"], record.get("error"))
+        assert record["device"] == "cpu" and record["mode"] == "tiny"
+        assert record["torch"] == torch.__version__ and record["transformers"][0].isdigit()
+        assert record["date"] and record["command"].startswith("python -m eval gpu_check --tiny")
+    by_name = {r["name"]: r for r in records}
+    assert by_name["preflight"]["status"] == "ok"
+    compare = by_name["device_vs_cpu"]
+    assert compare["status"] == "ok"
+    cases = [row for row in compare["rows"] if row.get("status") == "ok"]
+    assert len(cases) >= 12 and all(row["equal"] and row["kept_equal"] for row in cases)  # the CPU against itself
+    assert all(row["max_logit_gap"] == 0 for row in cases if row.get("max_logit_gap") is not None)
+    oom = by_name["concurrency_oom"]
+    if oom["status"] == "ok":
+        assert oom["summary"]["oom_raised"] and oom["summary"]["served_after"]
+    table = (tmp_path / "table.md").read_text()
+    assert "device_vs_cpu" in table and "(cpu), tiny mode" in table
+
+
+def test_a_spent_time_limit_skips_the_parts_instead_of_running_them(tmp_path):
+    assert gpu_check.main(["--tiny", "--device", "cpu", "--time-limit", "0.001", "--out", str(tmp_path)]) == 0
+    records = read_records(tmp_path)
+    assert [r["name"] for r in records] == gpu_check.PART_NAMES
+    later = records[1:]
+    assert all(r["status"] == "skipped" and r["reason"] == "time limit" for r in later), [(r["name"], r["status"]) for r in later]
+    assert all(r["seconds"] < 1 for r in later)
+
+
+def test_bad_arguments_exit_nonzero(tmp_path):
+    assert gpu_check.main(["--time-limit", "0", "--out", str(tmp_path)]) == 2
+    with pytest.raises(SystemExit) as exc:
+        gpu_check.main(["--device", "tpu", "--out", str(tmp_path)])
+    assert exc.value.code == 2
