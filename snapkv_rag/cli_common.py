@@ -22,6 +22,12 @@ def add_model_args(p: argparse.ArgumentParser, *, json_output: bool = True, adap
         choices=ATTENTION_KERNELS,
         help="the attention kernel: sdpa (default; PyTorch's, any device) or flash_attention_2 (CUDA, needs the flash-attn package)",
     )
+    p.add_argument(
+        "--invariant",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="greedy output that does not depend on the prefix cache, batching or drafts, in bf16 too (default: $SNAPKV_RAG_INVARIANT, else off)",
+    )
     if weights:
         p.add_argument(
             "--weights", default=None, help="native (default) or int8: weight-only int8 linear layers on the CPU, faster decode, slightly less exact"
@@ -56,7 +62,7 @@ def load_engine(args: argparse.Namespace, **options):
         weights=getattr(args, "weights", None),
         adapter=chosen_adapter(args),
         attn_implementation=getattr(args, "attn_implementation", "sdpa"),
-        **options,
+        **{"invariant": getattr(args, "invariant", None), **options},
     )
 
 

@@ -57,6 +57,7 @@ class AppConfig:
     adapter: str | None = AUTO  # a LoRA adapter directory; "auto": the shipped one where it passed its gates; None: bare model
     allowed_models: tuple[str, ...] = ()  # more models the operator offers (--allow-model); users choose only among these
     attn_implementation: str = "sdpa"  # the attention kernel (--attn-implementation)
+    invariant: bool | None = None  # the invariant mode (--invariant; None: $SNAPKV_RAG_INVARIANT)
 
     @property
     def models(self) -> tuple[str, ...]:
@@ -125,6 +126,7 @@ def app_config(argv: list[str] | None = None) -> AppConfig:
         adapter=adapter_option(args.adapter, base_model=args.base_model),
         allowed_models=tuple(m.strip() for m in allowed if m.strip()),
         attn_implementation=args.attn_implementation,
+        invariant=args.invariant,
     )
 
 
@@ -135,7 +137,7 @@ def load_engine(cfg: AppConfig, model: str) -> Engine:
     before anything is looked up (ModelNotOffered)."""
     if model not in cfg.models:
         raise ModelNotOffered("this model is not one the app offers")
-    return _engine_cache(len(cfg.models))(model, cfg.device, cfg.dtype, cfg.weights, cfg.adapter_for(model), cfg.attn_implementation)
+    return _engine_cache(len(cfg.models))(model, cfg.device, cfg.dtype, cfg.weights, cfg.adapter_for(model), cfg.attn_implementation, cfg.invariant)
 
 
 @functools.cache
@@ -143,12 +145,22 @@ def _engine_cache(max_entries: int):
     return st.cache_resource(show_spinner=False, max_entries=max_entries)(_load_engine)
 
 
-def _load_engine(model: str, device: str | None, dtype: str | None, weights: str | None, adapter: str | None, attn_implementation: str = "sdpa") -> Engine:
+def _load_engine(
+    model: str,
+    device: str | None,
+    dtype: str | None,
+    weights: str | None,
+    adapter: str | None,
+    attn_implementation: str = "sdpa",
+    invariant: bool | None = None,
+) -> Engine:
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
     hf_logging.set_verbosity_error()
-    return Engine.from_pretrained(model, device=device, dtype=dtype, weights=weights, adapter=adapter, attn_implementation=attn_implementation)
+    return Engine.from_pretrained(
+        model, device=device, dtype=dtype, weights=weights, adapter=adapter, attn_implementation=attn_implementation, invariant=invariant
+    )
 
 
 @st.cache_resource(show_spinner=False)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from collections.abc import Callable, Generator, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -24,6 +25,7 @@ from ..tools.calls import TEXT, OutputSpec, build_output_spec
 from .finishing import row_results
 from .generation import DecodeRun
 from .info import ModelInfo, context_length, eos_token_ids, model_info, vocab_size
+from .invariant import DEFAULT_INVARIANT_CHUNK, checked_invariant_chunk, invariant_from_environment
 from .preparation import (
     Compression,
     check_continuation,
@@ -63,6 +65,8 @@ class Engine:
         max_batch_size: int | None = None,
         prefill_chunk_tokens: int | None = None,
         prefix_cache_admission: str = "repeat",
+        invariant: bool | None = None,
+        invariant_chunk_tokens: int = DEFAULT_INVARIANT_CHUNK,
     ):
         """``prefix_cache_bytes``: bound of the prefix cache (uncompressed K/V of recent
         prompts, reused by later prompts that start with the same tokens); None for the
@@ -76,7 +80,11 @@ class Engine:
         ``prefix_cache_admission``: which compressed prefills keep their full K/V for the prefix
         cache: ``"repeat"`` (those whose opening a recent prompt shared: a one-off long prompt then
         peaks as compressed) or ``"always"`` (every one peaks like a full prefill; the second read
-        of a prompt reuses, not the third); see :mod:`snapkv_rag.reuse.prefix_cache`."""
+        of a prompt reuses, not the third); see :mod:`snapkv_rag.reuse.prefix_cache`. ``invariant``:
+        the invariant mode (:mod:`snapkv_rag.engine.invariant`: a greedy request's tokens do not
+        depend on the prefix cache, batching, streaming, arrival order or drafts, in bf16 too);
+        None reads ``SNAPKV_RAG_INVARIANT`` (off unless ``1``). ``invariant_chunk_tokens``: its
+        prefill chunk."""
         apply_environment()  # SNAPKV_RAG_PORTABLE=1: the CUDA branch on the CPU
         if prefix_cache_admission not in ADMISSIONS:
             raise ValueError(f"prefix_cache_admission must be one of {ADMISSIONS}, got {prefix_cache_admission!r}")
@@ -101,6 +109,8 @@ class Engine:
         if max_batch_size is not None:
             self.max_batch_size = max_batch_size
         self.prefill_chunk_tokens = checked_prefill_chunk_tokens(prefill_chunk_tokens, self.device)
+        self.invariant = invariant_from_environment() if invariant is None else bool(invariant)
+        self.invariant_chunk_tokens = checked_invariant_chunk(invariant_chunk_tokens)
         # Async streams and agenerate wait in these threads (one per running request), not in the event loop's small default pool.
         self._threads = ThreadPoolExecutor(max_workers=1024, thread_name_prefix="snapkv-rag-stream")
         self._eos_ids = eos_token_ids(model, tokenizer)
@@ -131,6 +141,7 @@ class Engine:
         max_batch_size: int | None = None,
         prefill_chunk_tokens: int | None = None,
         prefix_cache_admission: str = "repeat",
+        invariant: bool | None = None,
         weights: str | None = None,
         pack_weights: bool | None = None,
         adapter: str | None = "auto",
@@ -148,8 +159,8 @@ class Engine:
         None packs the CPU's linear weights for oneDNN once (:mod:`snapkv_rag.model.packed_linear`),
         False keeps PyTorch's plain layout. ``device_map``: layers spread over several devices
         (``"auto"`` for the visible GPUs; :func:`snapkv_rag.model.loading.load_model_and_tokenizer`).
-        ``prefix_cache_bytes``, ``max_batch_size``, ``prefill_chunk_tokens`` and
-        ``prefix_cache_admission`` as in :class:`Engine` (None: their defaults)."""
+        ``prefix_cache_bytes``, ``max_batch_size``, ``prefill_chunk_tokens``,
+        ``prefix_cache_admission`` and ``invariant`` as in :class:`Engine` (None: their defaults)."""
         if attn_implementation not in WRAPPED_IMPLEMENTATIONS:
             raise ValueError(f"attn_implementation must be one of {WRAPPED_IMPLEMENTATIONS}, got {attn_implementation!r}")
         model, tokenizer, _ = load_model_and_tokenizer(
@@ -171,6 +182,7 @@ class Engine:
             max_batch_size=max_batch_size,
             prefill_chunk_tokens=prefill_chunk_tokens,
             prefix_cache_admission=prefix_cache_admission,
+            invariant=invariant,
         )
 
     # ----------------------------------------------------------------- introspection
@@ -187,7 +199,7 @@ class Engine:
         return context_length(self.model)
 
     def info(self) -> ModelInfo:
-        return model_info(self.model, self.name, self._parameter_count)
+        return dataclasses.replace(model_info(self.model, self.name, self._parameter_count), invariant=self.invariant)
 
     def count_tokens(self, prompt: PromptLike, *, chat: bool | None = None, tools: Any = None) -> int:
         spec = build_output_spec(tools) if tools else TEXT
@@ -260,6 +272,10 @@ class Engine:
             return None
         return self.prefill_chunk_tokens
 
+    @property
+    def _invariant_chunk(self) -> int | None:
+        return self.invariant_chunk_tokens if self.invariant else None
+
     def _prefix_cache_for(self, use: bool) -> PrefixCache | None:
         return self.prefix_cache if use and self.prefix_cache.max_bytes > 0 else None
 
@@ -287,6 +303,7 @@ class Engine:
                 attention_spans=request.attention_spans,
                 protected_spans=request.protected_spans,
                 cache_namespace=request.cache_salt or "",
+                invariant_chunk=self._invariant_chunk,
             )
             member = Member(run, request, self.tokenizer, self._eos_ids, cancel)
             steps = run.prefill_steps(self._prefill_chunk(rows))
@@ -331,7 +348,8 @@ class Engine:
     # ----------------------------------------------------------------- tool-call decisions
     def _teacher_force_row(self, row: list[int], ids: list[int], policy: CompressionPolicy | list | None = None, prefix_cache: bool = True) -> torch.Tensor:
         cache = self._prefix_cache_for(prefix_cache)
-        run = DecodeRun(self.model, [row], GenerationParams(max_new_tokens=len(ids)), policy, self._pad_id, prefix_cache=cache)
+        params = GenerationParams(max_new_tokens=len(ids))
+        run = DecodeRun(self.model, [row], params, policy, self._pad_id, prefix_cache=cache, invariant_chunk=self._invariant_chunk)
         return self.run_on_model(lambda: run.teacher_force(ids).float().cpu())
 
     def call_scores(self, row: list[int], spec: OutputSpec) -> CallScores:

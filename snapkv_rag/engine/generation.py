@@ -28,7 +28,17 @@ from ..errors import InvalidCompressionError
 from ..model.device_clock import device_clock
 from ..model.placement import layer_devices
 from ..reuse.blending import SegmentRequest, assemble, blended_mask, blending_cache, kv_shape, model_rope_shift, recompute_positions
-from ..reuse.prefix_cache import PrefixCache, ReusePlan, plan_reuse, reuse_tail, reused_columns, reused_layer, store_prompts
+from ..reuse.prefix_cache import (
+    PrefixCache,
+    ReusePlan,
+    aligned_end,
+    aligned_reuse,
+    plan_reuse,
+    reuse_tail,
+    reused_columns,
+    reused_layer,
+    store_prompts,
+)
 from .lookup import drop_last
 from .rolling import RollingPlan, RollingStats, rolling_plan, rolling_prefill
 from .sampling import GenerationParams, make_generator, select_next_tokens
@@ -183,6 +193,7 @@ class DecodeRun:
         attention_spans: Sequence[tuple[int, int]] | None = None,
         protected_spans: Sequence[tuple[int, int]] | None = None,
         cache_namespace: str = "",
+        invariant_chunk: int | None = None,
     ):
         from transformers import DynamicCache
 
@@ -214,6 +225,12 @@ class DecodeRun:
         sliding_cache = any(self.sliding) or any(getattr(self.cache, "is_sliding", []))
         self.prefix_cache = prefix_cache if prefix_cache is not None and prefix_cache.max_bytes > 0 and not sliding_cache else None
         self.cache_namespace = cache_namespace  # prompts reuse and store prefix K/V only within it
+        # The invariant mode (snapkv_rag.engine.invariant): every prefill forward and decode step is
+        # computed the same way however the request arrives; None: off
+        self.invariant = invariant_chunk is not None
+        if self.invariant and len(rows) != 1:
+            raise ValueError("the invariant mode prefills one prompt per run")
+        self.invariant_chunk = invariant_chunk
         self.reused_tokens = [0] * len(rows)  # per row: prompt tokens whose K/V came from a cache, not recomputed
         # Rolling prefill (rolling=N): one prompt at a time, no prefix reuse or segments (their K/V sit at other positions)
         first = self._row_policy(0)
@@ -338,7 +355,11 @@ class DecodeRun:
         if self.rolling_plan is not None:
             return (yield from self._rolling_prefill(self.rolling_plan))
         start = device_clock(self.device)
-        plan = self._plan_reuse() if self.prefix_cache is not None else None
+        aligned = self._aligned_end()
+        if self.invariant:
+            plan = self._aligned_plan(aligned)
+        else:
+            plan = self._plan_reuse() if self.prefix_cache is not None else None
         if self.segments is not None and plan is not None and self._exact_prefix_covers_more(plan[0][1]):
             self.segments = None
             self.segment_note = "an exact stored prefix covered more of the prompt than the segments"
@@ -358,7 +379,7 @@ class DecodeRun:
             if any(keep):
                 self.session.full_kv = {}
         seconds = 0.0
-        starts = self._chunk_starts(chunk_tokens)
+        starts = self._aligned_starts(aligned) if self.invariant else self._chunk_starts(chunk_tokens)
         for a, b in zip(starts, starts[1:]):
             # the policy's decode-time state must not hear the prompt's chunks (it would record their queries)
             model_forward(self.model, self.cache, self.input_ids[:, a:b], None, positions[:, a:b])
@@ -375,10 +396,34 @@ class DecodeRun:
             else:
                 layers: list = list(self.cache.layers)  # DynamicLayer: keys and values set by the forward
                 full_kv = {i: (layer.keys, layer.values) for i, layer in enumerate(layers)}
-            store_prompts(self.prefix_cache, self.rows, full_kv, self.cache_namespace, keep)
+            store_prompts(self.prefix_cache, self.rows, full_kv, self.cache_namespace, keep, aligned or 0)
             if self.session is not None:
                 self.session.full_kv = None  # the stored copies are the prefix cache's now
         return self._finish_prefill(seconds + device_clock(self.device) - start, mask)
+
+    def _aligned_end(self) -> int | None:
+        """Invariant mode: where the last prefill forward starts (:func:`aligned_end`); None: a
+        whole prefill (the mode off, a policy needing every query, sliding-window layers)."""
+        if not self.invariant or any(self.sliding) or self.rolling_plan is not None:
+            return None
+        assert self.invariant_chunk is not None
+        return aligned_end(len(self.rows[0]), self._row_policy(0), self.invariant_chunk)
+
+    def _aligned_plan(self, end: int | None) -> ReusePlan | None:
+        """Invariant mode: whole aligned chunks of a stored prompt, or nothing."""
+        if self.prefix_cache is None or end is None:
+            return None
+        assert self.invariant_chunk is not None
+        return [aligned_reuse(self.prefix_cache, self.rows[0], self.cache_namespace, end, self.invariant_chunk)]
+
+    def _aligned_starts(self, end: int | None) -> list[int]:
+        """Invariant mode: the chunk starts in ``input_ids`` (after any reused chunks): one forward
+        per ``invariant_chunk`` tokens up to ``end``, then the last forward from ``end``."""
+        if end is None:
+            return [0]
+        assert self.invariant_chunk is not None
+        rest = end - self.reused_tokens[0]
+        return [*range(0, rest, self.invariant_chunk), rest] if rest > 0 else [0]
 
     def _rows_to_store(self) -> list[bool]:
         """Per row: whether its full prompt K/V goes to the prefix cache (its admission rule, see

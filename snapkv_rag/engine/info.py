@@ -27,6 +27,7 @@ class ModelInfo:
     weights: str = "native"
     weight_layout: str = "plain"
     adapter: str | None = None  # the LoRA adapter merged at load (its directory), None for the bare model
+    invariant: bool = False  # the engine's invariant mode (snapkv_rag.engine.invariant): greedy output independent of reuse and batching
 
     @property
     def kv_bytes_per_token(self) -> int:

@@ -63,6 +63,8 @@ class DraftIndex:
 def draft_blocker(run: Any, params: GenerationParams) -> str | None:
     """Why ``run`` (a prefilled :class:`~snapkv_rag.engine.generation.DecodeRun`) cannot decode
     with exact drafts (None: it can)."""
+    if getattr(run, "invariant", False):
+        return "the invariant mode computes one token per forward (a draft's multi-token forward rounds otherwise)"
     if run.batch_size != 1:
         return "several prompts decode in one batch"
     if params.temperature > 0:

@@ -194,8 +194,8 @@ def prepare_batch(
         raise InvalidGenerationParameterError(f"max_batch_size must be an integer >= 1 or None, got {max_batch_size!r}", param="max_batch_size")
     request = prepare_request(engine, list(prompts), compression, chat, dict(sampling or {}), questions, per_row=True, prefix_cache=prefix_cache)
     lengths = [len(r) for r in request.rows]
-    if request.policy is not None and (request.policy.ragged_heads or request.policy.rolling is not None):
-        return request, [[i] for i in range(len(lengths))]  # ragged heads, rolling prefills: one prompt per run
+    if getattr(engine, "invariant", False) or (request.policy is not None and (request.policy.ragged_heads or request.policy.rolling is not None)):
+        return request, [[i] for i in range(len(lengths))]  # the invariant mode, ragged heads, rolling prefills: one prompt per run
     if bucket:
         groups = length_buckets(lengths, max_batch_size)
     else:
@@ -291,6 +291,8 @@ def segment_request(
         raise InvalidGenerationParameterError('reuse_segments must be a list of strings (texts that appear in the prompt) or "offered"', param="reuse_segments")
     if policy is not None and reuse_tail(policy) is None:
         return None, f"{policy.name} needs every prompt query; prefilled whole"
+    if getattr(engine, "invariant", False):
+        return None, "refused: blended chunk reuse approximates by design, and the invariant mode computes prompts exactly; prefilled whole"
     if spans_devices(engine.model):
         return None, "refused: blended chunk reuse runs on one device, and this model's layers are spread over several (device_map); prefilled whole"
     if attention_kernel(engine.model) == "flash_attention_2":

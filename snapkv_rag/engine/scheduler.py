@@ -226,7 +226,8 @@ class SharedGroup:
     @staticmethod
     def accepts(run: DecodeRun) -> bool:
         return (
-            run.policy_state is None
+            not run.invariant  # the invariant mode decodes every request in a forward of its own
+            and run.policy_state is None
             and run.span_attention is None
             and not run.ragged_heads
             and not any(run.sliding)

@@ -167,7 +167,8 @@ def _run_citation(args, engine, methods, progress):
 def _run_task(args, methods):
     from .runner import run_fidelity, run_needle, run_speed
 
-    engine = load_engine(args)
+    # the invariant mode unless --no-invariant: a measured loss against the full cache must not move with reuse or batching
+    engine = load_engine(args, invariant=True if args.invariant is None else args.invariant)
     progress = not args.no_progress
     if args.task == "needle":
         return run_needle(engine, methods, args.lengths, args.depths, seeds=args.seeds, progress=progress)

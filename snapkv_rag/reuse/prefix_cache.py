@@ -57,6 +57,7 @@ class PrefixEntry:
     values: list[torch.Tensor]
     nbytes: int = 0
     namespace: str = ""  # only prompts of the same namespace reuse it
+    aligned: int = 0  # leading tokens computed in position-aligned chunks (the invariant mode); 0: none
 
     def __len__(self) -> int:
         return int(self.tokens.numel())
@@ -165,7 +166,7 @@ class PrefixCache:
                 self._entries.move_to_end(key)
                 break
 
-    def insert(self, tokens: list[int], keys: list[torch.Tensor], values: list[torch.Tensor], namespace: str = "") -> bool:
+    def insert(self, tokens: list[int], keys: list[torch.Tensor], values: list[torch.Tensor], namespace: str = "", aligned: int = 0) -> bool:
         """Store a prompt's full K/V under ``namespace``; returns False when it alone exceeds the bound."""
         nbytes = sum(t.numel() * t.element_size() for t in (*keys, *values))
         if self.max_bytes <= 0 or nbytes > self.max_bytes:
@@ -175,7 +176,7 @@ class PrefixCache:
         subsumed = [k for k, e in self._entries.items() if e.namespace == namespace and len(e) <= ids.numel() and self._common_prefix(e.tokens, ids) == len(e)]
         for key in subsumed:
             self._bytes -= self._entries.pop(key).nbytes
-        self._entries[self._next_id] = PrefixEntry(ids, keys, values, nbytes, namespace)
+        self._entries[self._next_id] = PrefixEntry(ids, keys, values, nbytes, namespace, aligned)
         self._next_id += 1
         self._bytes += nbytes
         while self._bytes > self.max_bytes:
@@ -267,7 +268,12 @@ def reused_layer(plan: ReusePlan, layer_idx: int, width_p: int) -> tuple[torch.T
 
 
 def store_prompts(
-    cache: PrefixCache, rows: list[list[int]], full_kv: dict[int, tuple[torch.Tensor, torch.Tensor]], namespace: str = "", keep: list[bool] | None = None
+    cache: PrefixCache,
+    rows: list[list[int]],
+    full_kv: dict[int, tuple[torch.Tensor, torch.Tensor]],
+    namespace: str = "",
+    keep: list[bool] | None = None,
+    aligned: int = 0,
 ) -> None:
     """Put each row's full (uncompressed) prompt K/V, from the batch's left-padded ``full_kv``
     (layer -> ``[batch, kv_heads, width, d]`` K and V), into ``cache`` under ``namespace``
@@ -286,4 +292,28 @@ def store_prompts(
             else:
                 keys.append(k[i : i + 1, :, width - len(row) :].clone())
                 values.append(v[i : i + 1, :, width - len(row) :].clone())
-        cache.insert(row, keys, values, namespace)
+        cache.insert(row, keys, values, namespace, aligned)
+
+
+# ------------------------------------------------------------------ the invariant mode
+def aligned_end(prompt_length: int, policy: CompressionPolicy | None, chunk: int) -> int | None:
+    """Where the invariant mode's last prefill forward (the policy's window, with what follows the
+    last whole chunk) starts: the tokens before it run in ``chunk``-token forwards at positions
+    ``0, chunk, 2 chunk, ...``, so a prompt computed cold and one reusing a stored prefix run the
+    same forwards on the same inputs and hold the same bytes. None: the policy needs every
+    prompt query (H2O), so the prompt is prefilled whole and never reused."""
+    tail = reuse_tail(policy)
+    if tail is None:
+        return None
+    return max(0, prompt_length - tail) // chunk * chunk
+
+
+def aligned_reuse(cache: PrefixCache, row: list[int], namespace: str, end: int, chunk: int) -> tuple[PrefixEntry | None, int]:
+    """The invariant mode's reuse: whole chunks of a stored prompt's aligned part, up to ``end``
+    (:func:`aligned_end`), when they make at least :data:`MIN_REUSE_SHARE` of the prompt (reuse is
+    bit-exact here, in every dtype)."""
+    entry, common = cache.lookup(row, namespace)
+    if entry is None:
+        return None, 0
+    take = min(common, entry.aligned, end) // chunk * chunk
+    return (entry, take) if take > 0 and take >= MIN_REUSE_SHARE * len(row) else (None, 0)

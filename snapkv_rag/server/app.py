@@ -79,6 +79,7 @@ class ServerConfig:
         public_metrics: bool = False,
         body_timeout: float = DEFAULT_BODY_TIMEOUT,
         max_prompt_tokens: int | None = None,
+        invariant: bool = False,
     ):
         if isinstance(default_max_tokens, bool) or not isinstance(default_max_tokens, int) or default_max_tokens < 1:
             raise ValueError(f"default_max_tokens must be a positive integer, got {default_max_tokens!r}")
@@ -114,6 +115,8 @@ class ServerConfig:
             raise ValueError(f"max_prompt_tokens must be a positive integer or None, got {max_prompt_tokens!r}")
         self.max_prompt_tokens = max_prompt_tokens  # the most prompt tokens a rolling prefill reads (None: the model's context)
         self.started = int(time.time())
+        # the engines' invariant mode (engine.invariant; with Ray replicas, what their options asked for)
+        self.invariant = bool(getattr(engine, "invariant", False)) if engine is not None else bool(invariant)
 
 
 def _error_response(exc: APIError) -> JSONResponse:
@@ -499,7 +502,10 @@ async def embeddings(request: Request):
 
 
 def _model_card(config: ServerConfig, model: str) -> dict[str, Any]:
-    return {"id": model, "object": "model", "created": config.started, "owned_by": "snapkv-rag"}
+    card: dict[str, Any] = {"id": model, "object": "model", "created": config.started, "owned_by": "snapkv-rag"}
+    if model == config.model_id:
+        card["snapkv"] = {"invariant": config.invariant}  # greedy output independent of reuse and batching (snapkv_rag.engine.invariant)
+    return card
 
 
 def _served(config: ServerConfig) -> list[str]:

@@ -110,6 +110,7 @@ def load_served_engine(args: argparse.Namespace):
         prefix_cache_bytes=args.prefix_cache_bytes,
         prefix_cache_admission=getattr(args, "prefix_cache_admission", "repeat"),
         attn_implementation=getattr(args, "attn_implementation", "sdpa"),
+        invariant=getattr(args, "invariant", None),
     )
     if args.max_batch_size is not None:
         engine.max_batch_size = args.max_batch_size
@@ -125,6 +126,7 @@ def load_served_engine(args: argparse.Namespace):
 def build_config(args: argparse.Namespace, engine=None, backend=None):
     """The server's configuration from the command line. Without ``backend`` the engine is
     loaded here (unless given); with one (Ray Serve) the engines live in its replicas."""
+    from ..engine.invariant import invariant_from_environment
     from .app import ServerConfig
 
     check_args(args)
@@ -158,4 +160,5 @@ def build_config(args: argparse.Namespace, engine=None, backend=None):
         public_metrics=getattr(args, "public_metrics", False),
         body_timeout=getattr(args, "body_timeout", DEFAULT_BODY_TIMEOUT),
         max_prompt_tokens=getattr(args, "max_prompt_tokens", None),
+        invariant=invariant_from_environment() if getattr(args, "invariant", None) is None else args.invariant,
     )
