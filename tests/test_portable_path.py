@@ -75,15 +75,19 @@ def pair(request, tokenizer):
     return (*engines(tokenizer, request.param), request.param)
 
 
-def test_the_portable_switch_turns_every_shortcut_off_and_back():
-    from snapkv_rag.compression import quantized, runtime
+def test_the_portable_switch_turns_every_shortcut_off_and_back(monkeypatch):
+    from snapkv_rag.compression import quantized
     from snapkv_rag.model import openmp
 
+    products = []
+    monkeypatch.setattr(torch.ops.aten, "_weight_int8pack_mm", lambda *args: products.append(1) or torch.zeros(2, 4, dtype=torch.bfloat16), raising=False)
+    weights, codes = torch.ones(1, 1, 2, 3, dtype=torch.bfloat16), torch.ones(1, 1, 4, 3, dtype=torch.int8)
     assert not portable_enabled()
     with portable_path():
-        assert not runtime.FAST_DECODE_ATTENTION and not runtime.FAST_PREFIX_ATTENTION
-        assert not quantized.INT8_KERNEL and not openmp.RELEASE_THREADS and portable_enabled()
-    assert runtime.FAST_DECODE_ATTENTION and runtime.FAST_PREFIX_ATTENTION and quantized.INT8_KERNEL and openmp.RELEASE_THREADS
+        assert portable_enabled() and openmp.release_thread_pool() is False
+        quantized._int8_product(weights, codes)
+        assert products == []  # the cast-and-multiply a GPU runs
+    assert not portable_enabled()
 
 
 @pytest.mark.parametrize("spec", SPECS, ids=lambda s: s or "full")

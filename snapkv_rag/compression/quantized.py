@@ -33,6 +33,7 @@ import torch
 from transformers.cache_utils import DynamicLayer
 
 from ..errors import InvalidCompressionError
+from ..model.portable import portable_enabled
 from ..model.quantization import int8_kernel_available
 from .own_attention import active_layer, mask_decode_scores
 
@@ -95,16 +96,13 @@ def _as_float(codes: torch.Tensor, bits: int, dtype: torch.dtype, slot: str) -> 
     return out
 
 
-INT8_KERNEL = True  # off on the portable path (snapkv_rag.model.portable)
-
-
 def _int8_product(weights: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
     """``weights [b, h, g, n] @ codes [b, h, d, n]^T`` in float32, ``codes`` int8: PyTorch's int8
     weight kernel per head for bf16 on the CPU (it reads the codes as they are, where casting them
     first cost a copy of the layer at the model's width every step), else a cast and a product."""
     b, h, g, _ = weights.shape
     d = codes.shape[2]
-    if not INT8_KERNEL or weights.device.type != "cpu" or weights.dtype != torch.bfloat16 or not int8_kernel_available():  # fp32's was 5x slower
+    if portable_enabled() or weights.device.type != "cpu" or weights.dtype != torch.bfloat16 or not int8_kernel_available():  # fp32's was 5x slower
         return torch.matmul(weights, codes.transpose(-1, -2).to(weights.dtype)).float()
     ones = torch.ones(d, dtype=weights.dtype)
     kernel = torch.ops.aten._weight_int8pack_mm

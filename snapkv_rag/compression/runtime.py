@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..errors import InvalidCompressionError
+from ..model.portable import portable_enabled
 from .base import CompressionPolicy
 from .own_attention import mask_decode_scores
 from .quantized import active_quantized_layer
@@ -113,6 +114,7 @@ def cached_prefix_attention(query, key, value, scaling=None):
 def _fast_prefix(module, query, key, kwargs) -> bool:
     return (
         FAST_PREFIX_ATTENTION
+        and not portable_enabled()
         and _PLAIN_CAUSAL.get()
         and 1 < query.shape[2] < key.shape[2]
         and query.device.type == "cpu"
@@ -139,6 +141,7 @@ def plain_causal(active: bool) -> Iterator[None]:
 def _fast_decode(module, query, kwargs) -> bool:
     return (
         FAST_DECODE_ATTENTION
+        and not portable_enabled()
         and query.shape[2] == 1
         and query.device.type == "cpu"
         and not getattr(module, "training", False)

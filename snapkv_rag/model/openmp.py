@@ -47,12 +47,11 @@ def _pause_function() -> Callable[[int], int] | None:
     return None
 
 
-RELEASE_THREADS = True  # off on the portable path (snapkv_rag.model.portable)
-
-
 def release_thread_pool() -> bool:
     """Free the calling thread's OpenMP threads (call it outside any parallel region); whether it could."""
-    if not RELEASE_THREADS:
+    from .portable import portable_enabled
+
+    if portable_enabled():  # the portable path: the branch a CUDA device takes, which releases nothing
         return False
     pause = _pause_function()
     return pause is not None and pause(OMP_PAUSE_SOFT) == 0

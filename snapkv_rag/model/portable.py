@@ -17,22 +17,17 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 ENVIRONMENT = "SNAPKV_RAG_PORTABLE"
+_PORTABLE = False  # read at call time by the shortcuts' own checks (compression.runtime and .quantized, .openmp, .loading)
 
 
 def portable_enabled() -> bool:
-    from ..compression import runtime
-
-    return not runtime.FAST_DECODE_ATTENTION
+    return _PORTABLE
 
 
 def set_portable(on: bool) -> None:
     """Turn the CPU-only shortcuts off (``on``) or back on, for the whole process."""
-    from ..compression import quantized, runtime
-    from . import openmp
-
-    runtime.FAST_DECODE_ATTENTION = runtime.FAST_PREFIX_ATTENTION = not on
-    quantized.INT8_KERNEL = not on
-    openmp.RELEASE_THREADS = not on
+    global _PORTABLE
+    _PORTABLE = bool(on)
 
 
 def apply_environment() -> None:
