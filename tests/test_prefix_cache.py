@@ -331,6 +331,7 @@ def test_a_compressed_prompt_is_stored_when_it_repeats_and_reused_after(tokenize
     would peak like a full prefill, issue 63), a repeated one is stored and then reused."""
     engine = tiny_engine("llama", tokenizer)
     assert engine.prefix_cache.admission == "repeat"
+    engine.prefix_cache.first_sight_bytes = 0  # as if the prompt were long (a tiny model's is a few KiB)
     prompt = DOC + "\n\nWhat number appears in the text?"
     policy = "snapkv:budget=24,window=8"
     first = engine.generate(prompt, chat=False, compression=policy, max_new_tokens=3)
@@ -359,9 +360,12 @@ def test_the_admission_is_checked_and_remembers_prompts_per_namespace():
     policy = as_policy("snapkv:budget=8,window=4")
     cache = PrefixCache(1 << 20)
     row = list(range(100))
-    assert not cache.admits(row, "a", 100, policy, torch.float32)  # first sight
-    assert not cache.admits(row, "b", 100, policy, torch.float32)  # another namespace's first sight
-    assert cache.admits(row[:90] + [7] * 10, "a", 100, policy, torch.float32)  # 90% shared with a seen prompt
+    assert cache.admits(row, "a", (1 << 20) // 16, policy, torch.float32)  # short: stored at first sight
+    cache.clear()
+    big = (1 << 20) // 16 + 1
+    assert not cache.admits(row, "a", big, policy, torch.float32)  # first sight of a long one
+    assert not cache.admits(row, "b", big, policy, torch.float32)  # another namespace's first sight
+    assert cache.admits(row[:90] + [7] * 10, "a", big, policy, torch.float32)  # 90% shared with a seen prompt
     cache.admission = "sometimes"
     with pytest.raises(ValueError, match="admission"):
         cache.admits(row, "a", 100, policy, torch.float32)

@@ -15,9 +15,13 @@ queries (``query_window is None``: H2O) never reuse; their prompts are still sto
 
 What is stored (``PrefixCache.admission``): a full-cache prefill's K/V always (it exists
 anyway). A compressed prefill's full K/V is what layer-wise compression exists not to hold, so
-with ``"repeat"`` (the default) it is kept only when a prompt seen before shares enough of its
-opening to be reused (:func:`reusable_tokens`'s rule): a one-off long prompt then peaks as
-compressed; a repeated one is stored on its second read and reused from its third. ``"always"``
+with ``"repeat"`` (the default) a long one (over ``first_sight_bytes``, a sixteenth of the bound:
+64 MiB on a CPU, about 2,800 tokens of the embedded model in bf16) is kept only when a prompt
+seen before shares enough of its opening to be reused (:func:`reusable_tokens`'s rule): a one-off
+long prompt then peaks as compressed; a repeated one is stored on its second read and reused
+from its third. Shorter ones are stored at once (an agent's first turns, a chat's first
+messages: reused by the next turn, for little memory); an agent's history, each turn extending
+the last, is then stored at every turn. ``"always"``
 stores every prompt (the second read reuses; every compressed prefill peaks like a full one).
 An entry larger than the whole bound is never collected.
 
@@ -88,6 +92,7 @@ class PrefixCache:
 
     max_bytes: int
     admission: str = "repeat"  # which compressed prefills keep their full K/V (see the module doc)
+    first_sight_bytes: int | None = None  # "repeat": stored at first sight up to this size (None: max_bytes // 16)
     _entries: OrderedDict = field(default_factory=OrderedDict)  # id -> PrefixEntry
     _seen: OrderedDict = field(default_factory=OrderedDict)  # (namespace, digest) -> token ids of a recent prompt
     _next_id: int = 0
@@ -123,7 +128,8 @@ class PrefixCache:
             raise ValueError(f"prefix cache admission must be one of {ADMISSIONS}, got {self.admission!r}")
         query = torch.tensor(tokens, dtype=torch.long)
         admitted = 0 < nbytes <= self.max_bytes
-        if admitted and policy is not None and self.admission == "repeat":
+        first_sight = self.max_bytes // 16 if self.first_sight_bytes is None else self.first_sight_bytes
+        if admitted and policy is not None and self.admission == "repeat" and nbytes > first_sight:
             shared = max((self._common_prefix(seen, query) for (space, _), seen in self._seen.items() if space == namespace), default=0)
             admitted = reusable_tokens(shared, len(tokens), policy, dtype) > 0
         key = (namespace, hashlib.sha1(query.numpy().tobytes()).digest())
