@@ -175,3 +175,21 @@ def test_the_server_and_the_cli_say_whether_the_mode_is_on(tokenizer):
     assert build_parser().parse_args(["info", "--invariant"]).invariant is True
     assert build_parser().parse_args(["serve", "--no-invariant"]).invariant is False
     assert build_parser().parse_args(["eval", "speed"]).invariant is None  # the harness turns it on unless --no-invariant
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3", "gemma", "phi3"])
+def test_every_family_answers_alike_cold_reused_and_batched(tokenizer, family):
+    """The tiny model of each family in bf16 (the sliding-window ones are prefilled whole and never
+    reuse, which is invariant too)."""
+    engine = tiny_engine(family, tokenizer, seed=1)
+    engine.model.to(torch.bfloat16)
+    engine.invariant, engine.invariant_chunk_tokens = True, CHUNK
+    engine.prefix_cache.admission = "always"
+    prompts = [DOC + q for q in QUESTIONS[:3]]
+    for spec in (None, "snapkv:budget=64,window=8"):
+        engine.prefix_cache.clear()
+        cold = [greedy(engine, p, spec, prefix_cache=False).token_ids for p in prompts]
+        greedy(engine, DOC + "\nFirst?", spec)
+        assert [greedy(engine, p, spec).token_ids for p in prompts] == cold, (family, spec)
+        batch = engine.generate_batch(prompts, compression=spec, max_new_tokens=10, ignore_eos=True, chat=False, prefix_cache=False)
+        assert [r.token_ids for r in batch] == cold, (family, spec)
