@@ -85,6 +85,9 @@ def results_area(text: str, area: str) -> str:
     text = re.sub(r"\]\(\.\./(\w+)/RESULTS\.md", r"](\1.md", text)
     text = re.sub(r"\]\(RESULTS\.md#", "](#", text)
     text = re.sub(r"(!\[[^\]]*\]\()results/", rf"\g<1>{area}/", text)
+    text = re.sub(r"\]\(\.\./\.\./docs/", "](../", text)  # the docs pages, from results/<area>.md
+    # a results table (results/<run>/table.md) is not a page of the site: named, not linked
+    text = re.sub(r"(?<!!)\[([^\]]+)\]\((results/[^)#]+\.md)\)", rf"\1 (`eval/{area}/\2`)", text)
     return _anchors(_name_outside(text, with_anchors=True))
 
 
