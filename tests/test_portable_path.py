@@ -136,3 +136,17 @@ def test_less_agrees_with_the_default_path(tokenizer):
         return engine.generate(PROMPTS[0], compression=policy, max_new_tokens=8, ignore_eos=True, chat=False, prefix_cache=False)
 
     same(run(default, False, call), run(portable, True, call))
+
+
+def test_the_environment_turns_the_portable_path_on_before_any_engine():
+    """SNAPKV_RAG_PORTABLE=1 is read at import: the first load (before any Engine exists) already
+    keeps the weights unpacked; it was read when an Engine was built, after its weights were packed."""
+    import os
+    import subprocess
+    import sys
+
+    code = "from snapkv_rag.model.portable import portable_enabled; print(portable_enabled())"
+    for value, expected in (("1", "True"), ("", "False")):
+        env = {**os.environ, "SNAPKV_RAG_PORTABLE": value}
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout.strip()
+        assert out == expected

@@ -157,7 +157,7 @@ def run_cases(base: str, port: int, headers: dict, max_queue: int, attacker_head
 
         # the victim: its own salt on a keyless server, its own key on a keyed one (the attacker has another)
         victim_salt = {} if attacker_headers else {"cache_salt": "victim-session"}
-        for _ in range(2):  # the server stores a compressed prompt when it repeats (prefix-cache admission "repeat")
+        for _ in range(2):  # as a returning client would (a long compressed prompt is stored only when it repeats)
             http.post(base + "/v1/chat/completions", json=chat_with(victim("4417"), **victim_salt))
         expect = "0 reused for both guesses (the victim's namespace is not the attacker's)"
         for guess in ("9999", "4417"):

@@ -15,7 +15,6 @@ from ..compression.runtime import WRAPPED_IMPLEMENTATIONS, register_attention_fu
 from ..errors import InvalidGenerationParameterError
 from ..model.loading import DEFAULT_MODEL, RECOMMENDED_CONTEXT_TOKENS, RECOMMENDED_KV_REUSE, load_model_and_tokenizer
 from ..model.peak_memory import PeakMemory
-from ..model.portable import apply_environment
 from ..model.quantization import parameter_count
 from ..reuse.blending import RopeShift, model_rope_shift
 from ..reuse.prefix_cache import ADMISSIONS, PrefixCache, default_prefix_cache_bytes
@@ -85,7 +84,6 @@ class Engine:
         depend on the prefix cache, batching, streaming, arrival order or drafts, in bf16 too);
         None reads ``SNAPKV_RAG_INVARIANT`` (off unless ``1``). ``invariant_chunk_tokens``: its
         prefill chunk."""
-        apply_environment()  # SNAPKV_RAG_PORTABLE=1: the CUDA branch on the CPU
         if prefix_cache_admission not in ADMISSIONS:
             raise ValueError(f"prefix_cache_admission must be one of {ADMISSIONS}, got {prefix_cache_admission!r}")
         register_attention_functions()

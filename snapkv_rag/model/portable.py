@@ -17,7 +17,9 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 ENVIRONMENT = "SNAPKV_RAG_PORTABLE"
-_PORTABLE = False  # read at call time by the shortcuts' own checks (compression.runtime and .quantized, .openmp, .loading)
+# read at call time by the shortcuts' own checks (compression.runtime and .quantized, .openmp, .loading);
+# from the environment at import, so the first load already sees it (an engine is built after its weights load)
+_PORTABLE = os.environ.get(ENVIRONMENT, "").strip().lower() in ("1", "true", "yes", "on")
 
 
 def portable_enabled() -> bool:
@@ -28,12 +30,6 @@ def set_portable(on: bool) -> None:
     """Turn the CPU-only shortcuts off (``on``) or back on, for the whole process."""
     global _PORTABLE
     _PORTABLE = bool(on)
-
-
-def apply_environment() -> None:
-    """``SNAPKV_RAG_PORTABLE=1``: the portable path for this process."""
-    if os.environ.get(ENVIRONMENT, "").strip() in ("1", "true", "yes"):
-        set_portable(True)
 
 
 @contextmanager

@@ -87,7 +87,7 @@ class Embedder:
         return int(get())
 
     def embed(self, texts: list[str]) -> list[list[float]]:
-        return self.embed_array(texts).tolist()
+        return self.embed_array(texts).tolist() if texts else []  # nothing to embed: no model to load
 
     def token_counts(self, texts: list[str]) -> list[int]:
         """Each text's tokens (special ones included), counted where encoding runs (the runner), in
