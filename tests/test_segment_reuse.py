@@ -288,6 +288,18 @@ def test_disk_store_is_bounded_least_recently_used_first(tmp_path):
     assert not SegmentKVStore(tmp_path / "tiny", max_bytes=10).put("s", torch.float32, first)
 
 
+def test_salted_folders_emptied_by_eviction_are_removed(tmp_path):
+    """Each cache_salt stores chunk K/V in a folder of its own: a client sending new salts must not
+    leave an unbounded trail of empty folders once their files are evicted."""
+    SegmentKVStore(tmp_path / "probe").put("s", torch.float32, entry(0))
+    size = next((tmp_path / "probe").glob("s/*")).stat().st_size
+    store = SegmentKVStore(tmp_path / "kv", max_bytes=int(size * 1.5))
+    for salt in range(6):
+        assert store.put(f"sig-{salt}", torch.float32, entry(salt))
+    assert sorted(p.name for p in (tmp_path / "kv").iterdir()) == ["sig-5"]
+    assert store.unwritable is None and store.put("sig-0", torch.float32, entry(0))  # a removed folder is made again
+
+
 def test_memory_store_is_bounded():
     one = entry(1)
     store = SegmentKVStore(max_bytes=one.nbytes * 2)

@@ -240,9 +240,15 @@ class SegmentKVStore:
             "crc32": tensor_crc(keys, values),
         }
         try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            save_file({"keys": keys, "values": values}, str(temporary), metadata=meta)
-            os.replace(temporary, path)
+            for attempt in range(2):
+                try:
+                    path.parent.mkdir(parents=True, exist_ok=True)
+                    save_file({"keys": keys, "values": values}, str(temporary), metadata=meta)
+                    os.replace(temporary, path)
+                    break
+                except FileNotFoundError:  # an eviction removed the emptied folder meanwhile: make it again, once
+                    if attempt:
+                        raise
         except OSError as exc:
             self._cannot_write(exc)
             return False
@@ -285,6 +291,10 @@ class SegmentKVStore:
                 path.unlink()
             except OSError:
                 continue
+            try:  # a folder per model signature and cache_salt: an emptied one goes too, so salts leave no trail
+                path.parent.rmdir()
+            except OSError:  # not empty
+                pass
             total -= size
             with self._lock:
                 self.stats.evictions += 1
