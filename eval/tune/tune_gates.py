@@ -30,6 +30,8 @@ import hashlib
 import json
 import sys
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from eval.agents.tool_decisions import TOOLSETS, load, run
@@ -86,33 +88,53 @@ def answer_record(variant: str, size: str, setting: str, q, context, answer) -> 
     }
 
 
-def run_answers(engine: Engine, variant: str, questions_limit: int | None) -> list[dict]:
-    questions = load_questions(ROOT / "examples/sample_questions.jsonl", questions_limit)
+def run_answers(engine: Engine, variant: str, questions_limit: int | None, order: str = "forward") -> list[dict]:
+    questions = ordered(load_questions(ROOT / "examples/sample_questions.jsonl", questions_limit), order)
     records: list[dict] = []
     with tempfile.TemporaryDirectory(prefix="snapkv-tune-gates-") as tmp:
         store = DocumentStore("tune-gates", path=tmp)
         store.ingest([ROOT / "examples/sample_corpus"])
         chunked = DocumentQA(engine, store, compression=None, max_new_tokens=MAX_NEW_TOKENS, kv_reuse="chunks")
         precompute_chunk_kv(engine, store.all_chunks(), chunked.kv_store)
-        for size, tokens in SIZES.items():
+        for size, tokens in ordered(list(SIZES.items()), order):
             qa = DocumentQA(engine, store, compression=None, context_tokens=tokens, max_new_tokens=MAX_NEW_TOKENS, kv_reuse="off")
             for q in questions:
                 context = qa.retrieve(q.question)
                 runs = [("full", qa, None, {})]
                 if size == REUSE_SIZE:
                     runs += [
-                        (f"chunks r={RECOMPUTE}", chunked, None, {"recompute": RECOMPUTE}),
+                        # no prefix reuse: the blended prefill then depends only on its chunks, whatever ran before
+                        (f"chunks r={RECOMPUTE}", chunked, None, {"recompute": RECOMPUTE, "prefix_cache": False}),
                         ("snapkv 4x", qa, SnapKV(window_size="question", max_capacity_prompt=max(64, context.prompt_tokens // 4)), {}),
                     ]
                 for setting, reader, policy, extra in runs:
-                    result = engine.generate(context.messages, **{**reader.generation_kwargs(context, compression=policy), **extra})
+                    with approximations_allowed(engine, reader is chunked):
+                        result = engine.generate(context.messages, **{**reader.generation_kwargs(context, compression=policy), **extra})
                     records.append(answer_record(variant, size, setting, q, context, reader.answer_from(context, result)))
                     print(json.dumps(records[-1]), flush=True)
     return records
 
 
-def run_tools(engine: Engine, variant: str) -> list[dict]:
-    return [{"part": "tools", "variant": variant, **r} for name in TOOLSETS for r in run(engine, load(name))]
+@contextmanager
+def approximations_allowed(engine: Engine, allow: bool) -> Iterator[None]:
+    """The invariant mode off for one call: it refuses blended chunk reuse (an approximation by
+    design), and the chunk-reuse gate measures exactly that approximation."""
+    mode = engine.invariant
+    engine.invariant = mode and not allow
+    try:
+        yield
+    finally:
+        engine.invariant = mode
+
+
+def run_tools(engine: Engine, variant: str, order: str = "forward") -> list[dict]:
+    return [{"part": "tools", "variant": variant, **r} for name in ordered(list(TOOLSETS), order) for r in run(engine, ordered(load(name), order))]
+
+
+def ordered(items: list, order: str) -> list:
+    """``items`` in the run's order: ``reversed`` computes the same prompts with another prefix-cache
+    history, which moves bf16 answers unless the invariant mode is on (the gates' noise)."""
+    return list(reversed(items)) if order == "reversed" else list(items)
 
 
 def read(out: Path) -> list[dict]:
@@ -210,6 +232,13 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--parts", nargs="*", choices=PARTS, default=list(PARTS))
     ap.add_argument("--questions", type=int, default=None)
     ap.add_argument("--out", default=str(OUT))
+    ap.add_argument(
+        "--invariant",
+        choices=("on", "off"),
+        default="on",
+        help="the engine's invariant mode (default on: an answer does not depend on what the prefix cache held)",
+    )
+    ap.add_argument("--order", choices=("forward", "reversed"), default="forward", help="the order the prompts are computed in")
     ap.add_argument("--table-only", action="store_true")
     ap.add_argument("--manifest", default=None, help="with --table-only: write the gates into this adapter directory's manifest.json")
     return ap
@@ -222,11 +251,14 @@ def main(argv: list[str] | None = None) -> int:
     if not args.table_only:
         if args.variant is None or (args.variant == "tuned") != bool(args.adapter):
             ap.error("give --variant base, or --variant tuned with --adapter DIR")
-        engine = Engine.default(adapter=args.adapter)
+        engine = Engine.default(adapter=args.adapter, invariant=args.invariant == "on")
         for part in args.parts:
-            records = run_answers(engine, args.variant, args.questions) if part == "answers" else run_tools(engine, args.variant)
-            identity = adapter_identity(args.adapter)
-            write_records(out / f"{args.variant}_{part}", [{**r, **identity} for r in records])
+            if part == "answers":
+                records = run_answers(engine, args.variant, args.questions, args.order)
+            else:
+                records = run_tools(engine, args.variant, args.order)
+            run_settings = {**adapter_identity(args.adapter), "invariant": engine.invariant, "order": args.order}
+            write_records(out / f"{args.variant}_{part}", [{**r, **run_settings} for r in records])
     records = read(out)
     problems = check_complete(records)
     if problems:
