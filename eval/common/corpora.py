@@ -1,4 +1,4 @@
-"""The corpora the benchmarks answer questions over: the sample corpus and a generated one."""
+"""The corpora the benchmarks answer questions over: the sample corpus, the look-alike corpus and a generated one."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from snapkv_rag.harness.rag_citation import RagQuestion, load_questions
 
 ROOT = Path(__file__).resolve().parents[2]
 
-CORPORA = ("sample", "generated")
+CORPORA = ("sample", "lookalike", "generated")
 
 
 PLACES = [
@@ -52,10 +52,11 @@ def generated_corpus(folder: Path, documents: int = 120, seed: int = 0) -> list[
 
 
 def load_corpus(name: str, scratch: Path, questions: int | None = None) -> tuple[Path, list[RagQuestion]]:
-    """``(folder to ingest, questions)``: ``sample`` is examples/sample_corpus with its 40 questions;
+    """``(folder to ingest, questions)``: ``sample`` is examples/sample_corpus with its 40 questions,
+    ``lookalike`` examples/lookalike_corpus with its 40 (:mod:`snapkv_rag.harness.lookalike_corpus`);
     ``generated`` writes 120 site reports under ``scratch`` and takes ``questions`` of them evenly."""
-    if name == "sample":
-        return ROOT / "examples/sample_corpus", load_questions(ROOT / "examples/sample_questions.jsonl", questions)
+    if name in ("sample", "lookalike"):
+        return ROOT / f"examples/{name}_corpus", load_questions(ROOT / f"examples/{name}_questions.jsonl", questions)
     folder = scratch / "corpus"
     folder.mkdir(parents=True, exist_ok=True)
     return folder, generated_corpus(folder)[:: max(1, 120 // (questions or 120))][:questions]
