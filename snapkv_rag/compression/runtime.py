@@ -20,7 +20,7 @@ import torch
 
 from ..errors import InvalidCompressionError
 from ..model.portable import portable_enabled
-from .base import CompressionPolicy
+from .base import CompressionPolicy, window_attention
 from .own_attention import mask_decode_scores
 from .quantized import active_quantized_layer
 from .ragged import RaggedHeadsLayer, active_ragged_layer
@@ -31,6 +31,7 @@ if TYPE_CHECKING:
 
 _ACTIVE: ContextVar[PrefillCompression | None] = ContextVar("snapkv_rag_prefill", default=None)
 _RECORDER: ContextVar[list[KeptIndices] | None] = ContextVar("snapkv_rag_kept_recorder", default=None)
+_VOTE_RECORDER: ContextVar[list[WindowVotes] | None] = ContextVar("snapkv_rag_vote_recorder", default=None)
 # The policy state of the decode run whose forward is running (None: the policy has none).
 _POLICY_STATE: ContextVar[PolicyState | None] = ContextVar("snapkv_rag_policy_state", default=None)
 # Training capture (``snapkv-rag less train``): called with every layer's attention inputs and output.
@@ -265,6 +266,9 @@ class PrefillCompression:
         # the policy's decode-time state, told what each layer's selection evicts
         self.state = state
         self.protected = protected  # [batch, n] bool: prompt positions every layer keeps (keep_texts)
+        # layer -> [q_heads, n]: the observation window's attention mass on each key (one prompt), while
+        # recording_window_votes() listens; None otherwise
+        self.votes: dict[int, torch.Tensor] | None = {} if _VOTE_RECORDER.get() is not None else None
 
     def compress_layer(self, module, query: torch.Tensor, key: torch.Tensor, scaling: float | None) -> None:
         layer_idx = module.layer_idx
@@ -277,6 +281,8 @@ class PrefillCompression:
             self.full_kv[layer_idx] = (layer.keys, layer.values)
         position, layers = self.full_layers.index(layer_idx), len(self.full_layers)
         layer_policy = self.policy.for_layer(position, layers)
+        if self.votes is not None:
+            self.record_votes(layer_idx, layer_policy, query, key, scaling)
         if layer_policy.ragged_heads and n > layer_policy.max_capacity_prompt:
             self.keep_heads(layer_idx, layer_policy, query, key, scaling)
             return
@@ -304,6 +310,15 @@ class PrefillCompression:
             self.kept_attention_mask = self.attention_mask.gather(1, indices[:, 0]) if indices.shape[-1] < n else self.attention_mask
         if indices.shape[-1] < n:
             self.keep(layer_idx, indices, query, scaling)
+
+    def record_votes(self, layer_idx: int, policy: CompressionPolicy, query: torch.Tensor, key: torch.Tensor, scaling: float | None) -> None:
+        """Each query head's attention mass from the window on each key of one prompt (summed over the window's queries)."""
+        assert self.votes is not None
+        w = policy.query_window
+        if not w or query.shape[0] != 1:
+            return
+        attention = window_attention(query[:, :, -w:], key, self.attention_mask, scaling, key.shape[2] - w)  # [1, kv, group, w, n]
+        self.votes[layer_idx] = attention[0].sum(dim=2).flatten(0, 1).cpu()  # [q_heads, n], heads in the model's order
 
     def keep_heads(self, layer_idx: int, policy: CompressionPolicy, query: torch.Tensor, key: torch.Tensor, scaling: float | None) -> None:
         """Per-head budgets: replace the layer's cache entry by a ragged one holding each head's own entries."""
@@ -350,6 +365,41 @@ class KeptIndices:
                 counts += torch.bincount(head, minlength=n).to(torch.float64)
             pairs += len(heads)
         return counts / pairs if pairs else torch.ones(n, dtype=torch.float64)
+
+
+@dataclass(frozen=True)
+class WindowVotes:
+    """How much one compressed prefill's observation window attended to each prompt position.
+
+    ``layers``: layer index -> float32 ``[query_heads, prompt_length]``, each head's softmaxed
+    attention from the window's queries (the question with ``window=question``) on each position,
+    summed over the queries, as the policy saw it when it selected. A rolling prefill scores each position once,
+    in the forward that read it (its chunk, after the entries kept from before; the window's own
+    positions hold 0). One prompt only; layers the policy leaves whole are absent.
+    """
+
+    prompt_length: int
+    layers: dict[int, torch.Tensor]
+
+
+@contextmanager
+def recording_window_votes() -> Iterator[list[WindowVotes]]:
+    """Collect the observation window's votes of every compressed prefill run inside the block
+    (a :class:`WindowVotes` each; off unless asked for: it costs one more window-attention
+    product per layer). :mod:`snapkv_rag.rag.skim` ranks documents by them."""
+    recorded: list[WindowVotes] = []
+    token = _VOTE_RECORDER.set(recorded)
+    try:
+        yield recorded
+    finally:
+        _VOTE_RECORDER.reset(token)
+
+
+def record_window_votes(votes: WindowVotes) -> None:
+    """Hand ``votes`` to the listening :func:`recording_window_votes` (none: dropped)."""
+    recorder = _VOTE_RECORDER.get()
+    if recorder is not None:
+        recorder.append(votes)
 
 
 def _on_cpu(indices: torch.Tensor | tuple[torch.Tensor, ...]) -> torch.Tensor | tuple[torch.Tensor, ...]:
@@ -411,5 +461,7 @@ def compressing(session: PrefillCompression | None, *, record: bool = True) -> I
         if recorder is not None and session is not None and record:
             layers = {layer: _on_cpu(idx) for layer, idx in session.kept_indices.items()}
             recorder.append(KeptIndices(session.prompt_length, layers))
+        if session is not None and record and session.votes:
+            record_window_votes(WindowVotes(session.prompt_length, dict(session.votes)))
     finally:
         _ACTIVE.reset(token)

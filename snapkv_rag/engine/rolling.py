@@ -39,7 +39,7 @@ from dataclasses import dataclass
 import torch
 
 from ..compression.base import CompressionPolicy
-from ..compression.runtime import PrefillCompression, compressing
+from ..compression.runtime import PrefillCompression, WindowVotes, compressing, record_window_votes
 from ..errors import InvalidCompressionError
 
 
@@ -110,6 +110,7 @@ def rolling_prefill(run, policy: CompressionPolicy, plan: RollingPlan, shift) ->
     scoring = policy.with_budget(plan.budget + w) if w else policy
     held = 0  # entries per layer in the cache before this chunk (packed at 0..held-1)
     windows = SlidingWindows(run.cache, [i for i, slides in enumerate(run.sliding) if slides])
+    votes: dict[int, torch.Tensor] = {}  # layer -> [heads, n]: each position's votes in the forward that read it
     for i, (a, b) in enumerate(plan.chunks):
         last = i == len(plan.chunks) - 1
         tokens = ids[:, a:b] if last else torch.cat([ids[:, a:b], window_ids], dim=1)
@@ -120,7 +121,11 @@ def rolling_prefill(run, policy: CompressionPolicy, plan: RollingPlan, shift) ->
         run.session = session
         with compressing(session, record=False):  # kept indices here are chunk positions, not the prompt's
             run._forward(tokens, None, positions)
+        for layer, mass in (session.votes or {}).items():
+            votes.setdefault(layer, torch.zeros(mass.shape[0], ids.shape[1]))[:, a:b] = mass[:, held : held + (b - a)]
         if last:
+            if votes:
+                record_window_votes(WindowVotes(ids.shape[1], votes))
             windows.finish()
             run._last_position = positions[:, -1:]
             return run.last_logits

@@ -22,6 +22,8 @@ from ..engine.results import GenerationResult
 from .attribution import EvidenceAttributor, SentenceSupport, answer_sentences
 from .citations import parse_citations
 from .kv_reuse import chunk_kv_store, precompute_chunk_kv, resolve_kv_reuse, reuse_kwargs
+from .skim import DEFAULT_LAYERS, FUSIONS, skim
+from .skim_heads import shipped_heads
 from .store import DocumentStore, StoredChunk
 from .stuffing import SYSTEM_PROMPT, StuffedContext, StuffingRetriever, chunk_segment
 
@@ -243,6 +245,13 @@ class DocumentQA:
     ``prompt_lookup_num_tokens``: draft tokens looked up in the stuffed documents per decode
     forward for greedy answers (the engine's option; 0: off); the default follows eval/decoding/RESULTS.md,
     "Prompt-lookup drafts".
+    ``skim_tokens``: skim, then read (:mod:`.skim`): retrieve this many tokens, read them once
+    compressed under ``skim_compression`` (default: the default policy, rolled past the window),
+    rank the documents by the question's attention on them (``skim_fusion``: ``"attention"`` or
+    ``"rrf"``, fused with the retrieval rank; ``skim_layers``: the band of layers, as fractions
+    of the depth; ``skim_heads``: the (layer, head) pairs read instead, ``"auto"``: those shipped
+    for the model, :mod:`.skim_heads`), and answer from the best of them stuffed into
+    ``context_tokens``. None: off.
     """
 
     def __init__(
@@ -267,6 +276,11 @@ class DocumentQA:
         recompute: float | None = None,
         keep_labels: bool = False,
         prompt_lookup_num_tokens: int = DEFAULT_LOOKUP_TOKENS,
+        skim_tokens: int | None = None,
+        skim_compression: Any = _DEFAULT,
+        skim_fusion: str = "attention",
+        skim_layers: tuple[float, float] = DEFAULT_LAYERS,
+        skim_heads: Any = "auto",
     ):
         unknown = set(routes) - set(ROUTES)
         if unknown:
@@ -295,6 +309,47 @@ class DocumentQA:
         self.recompute = recompute
         self.keep_labels = keep_labels
         self.prompt_lookup_num_tokens = prompt_lookup_num_tokens
+        self.skim_retriever = self._skim_retriever(skim_tokens, skim_fusion, whole_collection)
+        self.skim_compression = DEFAULT_COMPRESSION if skim_compression is _DEFAULT else skim_compression
+        self.skim_fusion = skim_fusion
+        self.skim_layers = skim_layers
+        self.skim_heads = self._skim_heads(skim_heads) if self.skim_retriever is not None else None
+
+    def _skim_heads(self, heads: Any) -> list[tuple[int, int]] | None:
+        if heads == "auto":
+            shipped = shipped_heads(self.engine)
+            return None if shipped is None else list(shipped.heads)
+        if heads is None:
+            return None
+        try:
+            pairs = [(int(layer), int(head)) for layer, head in heads]
+        except (TypeError, ValueError):
+            raise ValueError(f'skim_heads must be "auto", None or (layer, head) pairs, got {heads!r}') from None
+        if not pairs:
+            raise ValueError("skim_heads names no heads")
+        return pairs
+
+    def _skim_retriever(self, skim_tokens: int | None, fusion: str, whole_collection: bool) -> StuffingRetriever | None:
+        if skim_tokens is None:
+            return None
+        if isinstance(skim_tokens, bool) or not isinstance(skim_tokens, int) or skim_tokens < 1:
+            raise ValueError(f"skim_tokens must be a positive integer or None, got {skim_tokens!r}")
+        if fusion not in FUSIONS:
+            raise ValueError(f"skim_fusion must be one of {FUSIONS}, got {fusion!r}")
+        if whole_collection:
+            raise ValueError("skim_tokens re-ranks retrieved chunks; whole_collection=True stuffs every chunk in source order instead")
+        r = self.retriever
+        return StuffingRetriever(
+            r.store,
+            r.engine,
+            context_tokens=skim_tokens,
+            max_new_tokens=1,
+            top_k=r.top_k,
+            min_score=r.min_score,
+            where=r.where,
+            system_prompt=r.system_prompt,
+            past_window=True,
+        )
 
     def precompute_kv(self, *, progress: bool = False) -> tuple[int, int]:
         """Compute every stored chunk's K/V now (``kv_reuse="chunks"``); returns ``(computed, already stored)``."""
@@ -312,7 +367,21 @@ class DocumentQA:
         return policy_for_collection(chosen, self.store, self.engine.model)
 
     def retrieve(self, question: str) -> StuffedContext:
-        return self.retriever.retrieve(question)
+        """The stuffed context an ask answers from (with ``skim_tokens``: after the skim)."""
+        if self.skim_retriever is None:
+            return self.retriever.retrieve(question)
+        wide = self.skim_retriever.retrieve(question)
+        policy = rolled_if_needed(self.policy(self.skim_compression), wide.prompt_tokens, 1, self.engine.context_length)
+        skimmed = skim(self.engine, wide, policy, band=self.skim_layers, heads=self.skim_heads)
+        context = self.retriever.retrieve(question, ranked=skimmed.ranking(self.skim_fusion))
+        summary = {
+            "skimmed_prompt_tokens": skimmed.prompt_tokens,
+            "skimmed_documents": len(wide.chunks),
+            "skim_seconds": round(skimmed.seconds, 3),
+            "fusion": self.skim_fusion,
+            "heads": "chosen" if self.skim_heads else "middle layers",
+        }
+        return dataclasses.replace(context, settings={**context.settings, "skim": summary})
 
     def generation_kwargs(self, context: StuffedContext, *, compression: Any = _DEFAULT, **sampling: Any) -> dict[str, Any]:
         """What :meth:`answer_context` passes to :meth:`Engine.generate` with ``context.messages``:

@@ -252,13 +252,15 @@ class StuffingRetriever:
                 unique.append(chunk)
         return unique, duplicates
 
-    def retrieve(self, question: str) -> StuffedContext:
+    def retrieve(self, question: str, *, ranked: list[StoredChunk] | None = None) -> StuffedContext:
+        """Stuff the best-ranked chunks for ``question`` into the budget; ``ranked``: these
+        chunks, best first, instead of the store's similarity ranking (a skim's re-ranking)."""
         if not isinstance(question, str) or not question.strip():
             from ..errors import EmptyPromptError
 
             raise EmptyPromptError("the question is empty")
         budget, cap = self._budget(question)
-        candidates, duplicates = self._candidates(question, budget)
+        candidates, duplicates = self._candidates(question, budget) if ranked is None else (list(ranked), 0)
         if not candidates and self.store.count() == 0:
             raise EmptyCollectionError.named(self.store.name)
         # A separator of two newlines joins blocks; count it with the block.

@@ -1,0 +1,116 @@
+"""Skim, then read: rank a long stuffed context's documents by the model's own attention, then
+answer from the best of them re-read in full at a length the model reads well.
+
+A small model answers worse the more it is given, yet while it reads a long context compressed
+(SnapKV with the question as its observation window, rolled past the window) the question's
+queries already say which positions matter: that is what SnapKV keeps. The skim records that
+vote (:func:`~snapkv_rag.compression.runtime.recording_window_votes`): each position's
+attention mass from the question, in the forward that read it, summed per stuffed document,
+over the heads :mod:`.skim_heads` chose for the model (its retrieval heads; else every head of
+the middle layers). This is in-context re-ranking (ICR, Chen et al. 2024, arXiv:2410.02642:
+the attention of the query to each document ranks it; a 2026 layer-wise study,
+arXiv:2602.22591, finds the signal strongest in the middle layers). Documents are then
+re-stuffed best first into the read's own budget and answered as any ask is.
+
+``fusion="attention"`` ranks by the skim alone; ``"rrf"`` fuses it with the retriever's rank
+(reciprocal-rank fusion, k=60), which keeps what the embedding ranked high where the attention
+is unsure. The skim costs one compressed prefill of the long context (its time is in
+:class:`SkimResult` and the answer's context settings).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from ..compression.runtime import WindowVotes, recording_window_votes
+from .kept import document_spans
+from .store import StoredChunk
+from .stuffing import StuffedContext
+
+FUSIONS = ("attention", "rrf")
+RRF_K = 60
+DEFAULT_LAYERS = (0.25, 0.75)  # the middle half of the compressed layers
+
+
+@dataclass(frozen=True)
+class SkimResult:
+    context: StuffedContext  # the long context that was skimmed
+    scores: list[float]  # per document of ``context``: the question's attention mass on it
+    seconds: float  # the skim's prefill, wall clock
+    prompt_tokens: int
+
+    def ranking(self, fusion: str = "attention") -> list[StoredChunk]:
+        """The skimmed context's chunks, best first (``fusion``: see the module's docstring)."""
+        if fusion not in FUSIONS:
+            raise ValueError(f"fusion must be one of {FUSIONS}, got {fusion!r}")
+        n = len(self.context.chunks)
+        by_attention = sorted(range(n), key=lambda i: -self.scores[i])
+        if fusion == "attention":
+            return [self.context.chunks[i] for i in by_attention]
+        # retrieval rank: the context's own order (score order) when it was stuffed by retrieval
+        attention_rank = {i: r for r, i in enumerate(by_attention)}
+        fused = sorted(range(n), key=lambda i: -(1 / (RRF_K + i + 1) + 1 / (RRF_K + attention_rank[i] + 1)))
+        return [self.context.chunks[i] for i in fused]
+
+
+def middle_layers(layers: list[int], band: tuple[float, float] = DEFAULT_LAYERS) -> list[int]:
+    """The layers in the ``band`` (fractions of the depth) of the recorded ``layers``."""
+    ordered = sorted(layers)
+    lo, hi = band
+    if not 0.0 <= lo < hi <= 1.0:
+        raise ValueError(f"the layer band must satisfy 0 <= lo < hi <= 1, got {band}")
+    chosen = ordered[int(lo * len(ordered)) : max(int(lo * len(ordered)) + 1, int(round(hi * len(ordered))))]
+    return chosen or ordered
+
+
+def document_scores(
+    tokenizer,
+    context: StuffedContext,
+    votes: WindowVotes,
+    band: tuple[float, float] = DEFAULT_LAYERS,
+    heads: Sequence[tuple[int, int]] | None = None,
+) -> list[float]:
+    """Per stuffed document of ``context``: its share of the question's attention mass on the
+    documents, averaged over ``heads`` (``(layer, head)`` pairs; by default every head of the
+    band's layers)."""
+    if not votes.layers:
+        raise ValueError("the skim recorded no votes: the policy needs an observation window (e.g. snapkv with window=question)")
+    spans = document_spans(tokenizer, context)
+    if heads is None:
+        heads = [(layer, h) for layer in middle_layers(list(votes.layers), band) for h in range(votes.layers[layer].shape[0])]
+    missing = sorted({layer for layer, _ in heads} - set(votes.layers))
+    if missing or not heads:
+        raise ValueError(f"the skim's heads name layers the votes do not hold: {missing or 'none given'}")
+    n = votes.prompt_length
+    if spans and spans[-1][1] > n:
+        raise ValueError(f"the votes cover {n} prompt positions, the documents reach {spans[-1][1]}")
+    return combined_scores([[float(votes.layers[layer][head, a:b].sum()) for a, b in spans] for layer, head in heads])
+
+
+def combined_scores(per_head: Sequence[Sequence[float]]) -> list[float]:
+    """Each document's share of a head's mass on all the documents, averaged over the heads (a
+    head that attends more overall does not outvote the others)."""
+    out = [0.0] * (len(per_head[0]) if per_head else 0)
+    for scores in per_head:
+        total = sum(scores) or 1.0
+        for i, s in enumerate(scores):
+            out[i] += s / total / len(per_head)
+    return out
+
+
+def skim(
+    engine, context: StuffedContext, compression, *, band: tuple[float, float] = DEFAULT_LAYERS, heads: Sequence[tuple[int, int]] | None = None
+) -> SkimResult:
+    """Read ``context`` once under ``compression`` (a policy with an observation window; rolled
+    past the model's window by the caller where needed) and score its documents by ``heads``
+    (None: every head of the ``band``'s layers; :mod:`.skim_heads` chooses them per model). The
+    read generates one token and is not stored in the prefix cache."""
+    start = time.perf_counter()
+    with recording_window_votes() as recorded:
+        result = engine.generate(context.messages, compression=compression, question=context.question_text, max_new_tokens=1, prefix_cache=False)
+    seconds = time.perf_counter() - start
+    if not recorded:
+        raise ValueError("the skim's prefill recorded no votes: give a sparse policy with an observation window, not the full cache")
+    return SkimResult(context, document_scores(engine.tokenizer, context, recorded[-1], band, heads), seconds, result.usage.prompt_tokens)
