@@ -167,3 +167,25 @@ def test_bad_skim_settings_are_one_clear_error(tokenizer, store):
     qa = DocumentQA(engine, store, compression=None, context_tokens=200, skim_tokens=900, skim_compression=None)
     with pytest.raises(ValueError, match="observation window"):
         qa.retrieve("What is the code of the museum record 3?")
+
+
+def test_calibration_chooses_heads_that_ship_for_those_weights_only(tokenizer, tmp_path, monkeypatch, store):
+    from snapkv_rag.harness.skim_calibration import calibration_reads
+    from snapkv_rag.rag import skim_heads as module
+
+    engine = tiny_engine("llama", tokenizer, context=2048)
+    reads = calibration_reads(3, tokens=300, count_tokens=lambda text: len(engine.tokenizer(text)["input_ids"]))
+    heads = module.calibrate(engine, reads, SnapKV(window_size="question", max_capacity_prompt=128))
+    layers, query_heads = engine.model.config.num_hidden_layers, engine.model.config.num_attention_heads
+    assert 1 <= len(heads.heads) <= module.TOP_HEADS and len(set(heads.heads)) == len(heads.heads)
+    assert all(0 <= layer < layers and 0 <= head < query_heads for layer, head in heads.heads)
+    assert 0 < heads.mrr <= 1 and 0 < heads.band_mrr <= 1 and heads.reads == 3
+    assert module.SkimHeads.from_json(heads.to_json()) == heads
+    monkeypatch.setattr(module, "SHIPPED", tmp_path)
+    assert module.shipped_heads(engine) is None
+    (tmp_path / "tiny.json").write_text(heads.to_json())
+    assert module.shipped_heads(engine) == heads
+    other = tiny_engine("qwen2", tokenizer)
+    assert module.shipped_heads(other) is None  # another model's weights: its heads are not these
+    assert DocumentQA(engine, store, compression=None, context_tokens=200, skim_tokens=900).skim_heads == heads.heads
+    assert DocumentQA(engine, store, compression=None, context_tokens=200, skim_tokens=900, skim_heads=None).skim_heads is None

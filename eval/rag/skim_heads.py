@@ -9,7 +9,7 @@ DocumentQA's skim reads by default for these weights; the table compares the cho
 every head of the middle layers and with prompt position alone (mean reciprocal rank of the gold
 document, on the calibration reads themselves: the held-out measure is ``long_reads``).
 
-    .venv/bin/python -m eval skim_heads [--reads 24] [--tokens 3000] [--top 8]
+    .venv/bin/python -m eval skim_heads [--reads 16] [--tokens 3000] [--top 8]
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ RESULTS = Path(__file__).resolve().parent / "results"
 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m eval skim_heads", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--reads", type=int, default=24)
+    ap.add_argument("--reads", type=int, default=16)
     ap.add_argument("--tokens", type=int, default=3000)
     ap.add_argument("--top", type=int, default=TOP_HEADS)
     ap.add_argument("--seed", type=int, default=0)
@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     reads = calibration_reads(
         args.reads, seed=args.seed, tokens=args.tokens, count_tokens=lambda text: len(engine.tokenizer(text, add_special_tokens=False)["input_ids"])
     )
-    heads = calibrate(engine, reads, DEFAULT_COMPRESSION, top=args.top, progress=print)
+    heads = calibrate(engine, reads, DEFAULT_COMPRESSION, top=args.top, progress=lambda line: print(line, flush=True))
     args.ship.parent.mkdir(parents=True, exist_ok=True)
     args.ship.write_text(heads.to_json() + "\n")
     args.out.mkdir(parents=True, exist_ok=True)

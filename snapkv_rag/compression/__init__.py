@@ -6,7 +6,7 @@ from .h2o import H2O
 from .less.policy import LESS
 from .parsing import POLICIES, as_policy, parse_compression
 from .random_keep import RandomKeep
-from .runtime import KeptIndices, recording_kept_indices
+from .runtime import KeptIndices, WindowVotes, recording_kept_indices, recording_window_votes
 from .snapkv import SnapKV
 from .streaming_llm import StreamingLLM
 
@@ -25,4 +25,6 @@ __all__ = [
     "keep_recent_and_top",
     "parse_compression",
     "recording_kept_indices",
+    "recording_window_votes",
+    "WindowVotes",
 ]

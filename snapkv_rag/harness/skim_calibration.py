@@ -10,7 +10,7 @@ wordings) stays unseen.
 from __future__ import annotations
 
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from ..rag.skim_heads import CalibrationRead
 from ..rag.store import StoredChunk
@@ -25,19 +25,19 @@ CALIBRATION_CUES: dict[str, str] = {
 ASKS: dict[str, str] = {"place": "Where is {entity}?", "leader": "Who leads {entity}?", "year": "When did {entity} start?"}
 
 
-def _entities(rng: random.Random, domain, count: int) -> list[Entity]:
-    out: list[Entity] = []
+def _entities(rng: random.Random, domain) -> Iterator[Entity]:
+    """Entities of ``domain`` no two of which share a year, leader or opening time (so a cue
+    names one document; there are 42 opening times, so at most 42 of them)."""
     seen: dict[str, set[str]] = {k: set() for k in ("year", "leader", "time")}
     names: set[str] = set()
-    while len(out) < count:
+    for _ in range(10_000):
         e = make_entity(rng, domain)
         if e.name in names or any(e.facts[k] in seen[k] for k in seen):
             continue
         names.add(e.name)
         for k in seen:
             seen[k].add(e.facts[k])
-        out.append(e)
-    return out
+        yield e
 
 
 def calibration_reads(count: int, *, seed: int = 0, tokens: int = 3000, count_tokens: Callable[[str], int] | None = None) -> list[CalibrationRead]:
@@ -49,9 +49,10 @@ def calibration_reads(count: int, *, seed: int = 0, tokens: int = 3000, count_to
     for i in range(count):
         domain = domains[i % len(domains)]
         chunks: list[StoredChunk] = []
-        entities = _entities(rng, domain, 60)
+        entities: list[Entity] = []
         used = 0
-        for n, entity in enumerate(entities):
+        for n, entity in enumerate(_entities(rng, domain)):
+            entities.append(entity)
             text = document_text(rng, entity).replace("a.m..", "a.m.")
             chunks.append(StoredChunk(id=f"cal-{i}-{n}", text=text, source=f"calibration/{domain.key}/{n}.md", title=entity.name, position=0, tokens=0))
             used += measure(text) + 8
