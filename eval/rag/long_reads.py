@@ -11,7 +11,7 @@ one of these ways, greedy, 32 new tokens:
 - ``skim:8K>1K``, ``skim:16K>1K``, ``skim:whole>1K`` (and ``skim-rrf:...``): skim, then read
   (:mod:`snapkv_rag.rag.skim`): the long context read once compressed, its documents ranked by
   the question's attention (``skim-rrf``: fused with the retrieval rank), the best re-stuffed
-  into 1K and answered with the full cache.
+  into 1K (``>0.5K``: 500 tokens, three or four documents) and answered with the full cache.
 
 Records are appended as they are made and a rerun skips what is there (resumable); ``--adapter``
 measures a tuned model (its records say which). The table gives answers right, the gold file
@@ -36,7 +36,7 @@ from snapkv_rag.harness.rag_citation import answer_correct, is_gold_file
 from snapkv_rag.rag import DocumentQA, DocumentStore
 
 RESULTS = Path(__file__).resolve().parent / "results"
-SIZES = {"1K": 1000, "2K": 2000, "4K": 4000, "8K": 8000, "16K": 16000, "whole": 60000}
+SIZES = {"0.5K": 500, "1K": 1000, "2K": 2000, "4K": 4000, "8K": 8000, "16K": 16000, "whole": 60000}
 READINGS = (
     "full:1K",
     "full:2K",
@@ -45,6 +45,7 @@ READINGS = (
     "snapkv:16K",
     "snapkv:whole",
     "skim:8K>1K",
+    "skim:8K>0.5K",
     "skim:16K>1K",
     "skim:whole>1K",
     "skim-rrf:8K>1K",
@@ -109,6 +110,8 @@ def main(argv: list[str] | None = None) -> int:
                             "answer": answer.text,
                             "correct": bool(answer_correct(answer.text, q.answer)),
                             "gold_stuffed": any(is_gold_file(c.file, q.gold) for c in context.chunks),
+                            # where the gold document stands in the read (by retrieval score, or by the skim)
+                            "gold_position": next((i for i, c in enumerate(context.chunks, start=1) if is_gold_file(c.file, q.gold)), None),
                             "prompt_tokens": answer.result.usage.prompt_tokens,
                             "kept_tokens_per_layer": max(stats.kept_tokens_per_layer or [answer.result.usage.prompt_tokens]),
                             "skimmed_prompt_tokens": skim.get("skimmed_prompt_tokens"),
@@ -127,6 +130,7 @@ def main(argv: list[str] | None = None) -> int:
         skimmed = [r["skimmed_prompt_tokens"] for r in rows if r["skimmed_prompt_tokens"]]
         lines.append(
             f"| {key[0]} | {key[1]} | {len(rows)} | {sum(r['correct'] for r in rows)} | {sum(r['gold_stuffed'] for r in rows)} | "
+            f"{sum(r.get('gold_position') == 1 for r in rows) if all('gold_position' in r for r in rows) else '-'} | "
             f"{statistics.median(r['prompt_tokens'] for r in rows):.0f} | {statistics.median(skimmed) if skimmed else '-'} | "
             f"{statistics.median(r['seconds'] for r in rows):.1f} |"
         )

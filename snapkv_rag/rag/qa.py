@@ -22,7 +22,7 @@ from ..engine.results import GenerationResult
 from .attribution import EvidenceAttributor, SentenceSupport, answer_sentences
 from .citations import parse_citations
 from .kv_reuse import chunk_kv_store, precompute_chunk_kv, resolve_kv_reuse, reuse_kwargs
-from .skim import DEFAULT_LAYERS, FUSIONS, skim
+from .skim import DEFAULT_LAYERS, FUSIONS, skim, skim_policy
 from .skim_heads import shipped_heads
 from .store import DocumentStore, StoredChunk
 from .stuffing import SYSTEM_PROMPT, StuffedContext, StuffingRetriever, chunk_segment
@@ -246,7 +246,7 @@ class DocumentQA:
     forward for greedy answers (the engine's option; 0: off); the default follows eval/decoding/RESULTS.md,
     "Prompt-lookup drafts".
     ``skim_tokens``: skim, then read (:mod:`.skim`): retrieve this many tokens, read them once
-    compressed under ``skim_compression`` (default: the default policy, rolled past the window),
+    compressed under ``skim_compression`` (default: the default policy, rolled in 2,048-token chunks),
     rank the documents by the question's attention on them (``skim_fusion``: ``"attention"`` or
     ``"rrf"``, fused with the retrieval rank; ``skim_layers``: the band of layers, as fractions
     of the depth; ``skim_heads``: the (layer, head) pairs read instead, ``"auto"``: those shipped
@@ -371,7 +371,7 @@ class DocumentQA:
         if self.skim_retriever is None:
             return self.retriever.retrieve(question)
         wide = self.skim_retriever.retrieve(question)
-        policy = rolled_if_needed(self.policy(self.skim_compression), wide.prompt_tokens, 1, self.engine.context_length)
+        policy = skim_policy(self.policy(self.skim_compression), wide.prompt_tokens, self.engine.context_length)
         skimmed = skim(self.engine, wide, policy, band=self.skim_layers, heads=self.skim_heads)
         context = self.retriever.retrieve(question, ranked=skimmed.ranking(self.skim_fusion))
         summary = {
