@@ -122,8 +122,8 @@ def main(argv: list[str] | None = None) -> int:
                         records.append(record)
                         print(json.dumps(record), flush=True)
     lines = [
-        "| model | reading | questions | right | gold stuffed (read) | median prompt tokens | median tokens skimmed | median s per question |",
-        "|---|---|---|---|---|---|---|---|",
+        "| model | reading | questions | right | gold document in the read | gold read first | median prompt tokens | median tokens skimmed | median s per question |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for key in dict.fromkeys((r["model"], r["reading"]) for r in records):
         rows = [r for r in records if (r["model"], r["reading"]) == key]
@@ -131,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
         lines.append(
             f"| {key[0]} | {key[1]} | {len(rows)} | {sum(r['correct'] for r in rows)} | {sum(r['gold_stuffed'] for r in rows)} | "
             f"{sum(r.get('gold_position') == 1 for r in rows) if all('gold_position' in r for r in rows) else '-'} | "
-            f"{statistics.median(r['prompt_tokens'] for r in rows):.0f} | {statistics.median(skimmed) if skimmed else '-'} | "
+            f"{statistics.median(r['prompt_tokens'] for r in rows):.0f} | {f'{statistics.median(skimmed):.0f}' if skimmed else '-'} | "
             f"{statistics.median(r['seconds'] for r in rows):.1f} |"
         )
     write_table(out, lines)

@@ -387,12 +387,19 @@ def recording_window_votes() -> Iterator[list[WindowVotes]]:
     """Collect the observation window's votes of every compressed prefill run inside the block
     (a :class:`WindowVotes` each; off unless asked for: it costs one more window-attention
     product per layer). :mod:`snapkv_rag.rag.skim` ranks documents by them."""
-    recorded: list[WindowVotes] = []
-    token = _VOTE_RECORDER.set(recorded)
+    with _recording(_VOTE_RECORDER) as recorded:
+        yield recorded
+
+
+@contextmanager
+def _recording(recorder: ContextVar) -> Iterator[list]:
+    """A fresh list in ``recorder`` for the block (a context variable: other threads do not see it)."""
+    recorded: list = []
+    token = recorder.set(recorded)
     try:
         yield recorded
     finally:
-        _VOTE_RECORDER.reset(token)
+        recorder.reset(token)
 
 
 def record_window_votes(votes: WindowVotes) -> None:
@@ -421,12 +428,8 @@ def recording_kept_indices() -> Iterator[list[KeptIndices]]:
 
     The recorder is a context variable: other threads (other app sessions) do not see it.
     """
-    recorded: list[KeptIndices] = []
-    token = _RECORDER.set(recorded)
-    try:
+    with _recording(_RECORDER) as recorded:
         yield recorded
-    finally:
-        _RECORDER.reset(token)
 
 
 @contextmanager
