@@ -13,7 +13,7 @@ import pytest
 from snapkv_rag.harness.lookalike_corpus import CUES, generate, write
 from snapkv_rag.harness.rag_citation import load_questions
 from snapkv_rag.harness.skim_calibration import CALIBRATION_CUES, calibration_reads
-from snapkv_rag.tune import qa_data, tool_data
+from snapkv_rag.tune import compressed_reads, qa_data, tool_data
 from snapkv_rag.tune.world import HELD_OUT_DOMAINS
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -59,7 +59,7 @@ def test_every_cue_names_one_document_of_its_kind_and_that_one_holds_the_answer(
 
 @pytest.mark.parametrize("template", list(CUES.values()) + list(CALIBRATION_CUES.values()))
 def test_cue_wordings_are_not_in_the_tuning_data(template):
-    sources = Path(qa_data.__file__).read_text() + Path(tool_data.__file__).read_text()
+    sources = Path(qa_data.__file__).read_text() + Path(tool_data.__file__).read_text() + Path(compressed_reads.__file__).read_text()
     longest = max(cue_words(template), key=len)  # its distinctive words ("that opened its doors in")
     assert longest not in sources
 

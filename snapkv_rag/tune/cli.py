@@ -22,6 +22,7 @@ def add_tune_parser(sub) -> None:
     data.add_argument("--seed", type=int, default=0)
     data.add_argument("--examples", type=int, default=20)
     data.add_argument("--split", choices=("train", "heldout"), default="train")
+    data.add_argument("--recipe", type=int, choices=(3, 4), default=3)
     data.add_argument("--qa-share", type=float, default=None, help="share of document-QA examples (default 0.6; the rest are tool decisions)")
     data.add_argument("--out", default="-", help="a .jsonl file, or - for standard output")
     data.set_defaults(func=cmd_data)
@@ -30,6 +31,14 @@ def add_tune_parser(sub) -> None:
     add_model_args(train, json_output=False, adapters=False, weights=False)
     train.add_argument("--out", default=DEFAULT_OUT, help="the run's directory: checkpoint/, loss.jsonl, loss.png, adapter/")
     train.add_argument("--seed", type=int, default=0)
+    train.add_argument(
+        "--recipe",
+        type=int,
+        choices=(3, 4),
+        default=None,
+        help="the data recipe (default 3; 4 reads half the QA through the default compression, 2K-16K tokens)",
+    )
+    train.add_argument("--init-adapter", default=None, help="start from this adapter's weights (same rank), e.g. the shipped one, instead of zero")
     train.add_argument("--examples", type=int, default=None, help="training examples, each seen once (default 560: about 80 minutes on 2 CPU cores)")
     train.add_argument("--rank", type=int, default=None, help="LoRA rank (default 16)")
     train.add_argument("--alpha", type=int, default=None, help="LoRA alpha (default 32)")
@@ -72,7 +81,7 @@ def cmd_data(args: argparse.Namespace) -> int:
     source, is_local = resolve_model_source(args.model)
     tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=is_local)
     qa_share = QA_SHARE if args.qa_share is None else args.qa_share
-    examples = build_examples(args.seed, args.examples, args.split, count_tokens=token_counter(tokenizer), qa_share=qa_share)
+    examples = build_examples(args.seed, args.examples, args.split, count_tokens=token_counter(tokenizer), qa_share=qa_share, recipe=args.recipe)
     lines = (json.dumps(e.to_dict()) + "\n" for e in examples)
     if args.out == "-":
         sys.stdout.writelines(lines)
@@ -95,6 +104,8 @@ def config_from_args(args: argparse.Namespace):
         "accumulate": args.accumulate,
         "qa_share": args.qa_share,
         "save_every": args.save_every,
+        "recipe": args.recipe,
+        "init_adapter": args.init_adapter,
     }
     return TuneConfig(
         model=args.model,

@@ -19,15 +19,23 @@ import torch
 from ..engine.prompts import render_prompt, segment_spans
 from ..tools import build_output_spec
 from .block_attention import block_attention_mask, with_anchor_copies
+from .compressed_reads import CompressedReadGenerator
 from .examples import Example
 from .qa_data import QAGenerator
 from .tool_data import ToolGenerator
 
 SPLITS = ("train", "heldout")
 QA_SHARE = 0.6
+READ_SHARE = 0.5  # recipe 4: the share of the QA read through the compression
+RECIPES = (3, 4)
 
 
-def build_examples(seed: int, n: int, split: str = "train", *, count_tokens: Callable[[str], int] | None = None, qa_share: float = QA_SHARE) -> list[Example]:
+def build_examples(
+    seed: int, n: int, split: str = "train", *, count_tokens: Callable[[str], int] | None = None, qa_share: float = QA_SHARE, recipe: int = 3
+) -> list[Example]:
+    """Recipe 3: document QA over 0.5K-4K stuffed tokens read in full, and tool decisions. Recipe 4
+    adds, as half of the QA, reads of 2K-16K tokens through the default compression
+    (:mod:`.compressed_reads`), and near-miss requests that need no tool."""
     if split not in SPLITS:
         raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
     if n < 0:
@@ -35,8 +43,12 @@ def build_examples(seed: int, n: int, split: str = "train", *, count_tokens: Cal
     # one stream per split, so the held-out examples do not depend on how many train ones were drawn
     rng = random.Random(f"{seed}:{split}")
     heldout = split == "heldout"
-    qa, tools = QAGenerator(rng, heldout=heldout, count_tokens=count_tokens), ToolGenerator(rng, heldout=heldout)
-    return [(qa if rng.random() < qa_share else tools).example() for _ in range(n)]
+    qa, tools = QAGenerator(rng, heldout=heldout, count_tokens=count_tokens), ToolGenerator(rng, heldout=heldout, near_misses=recipe >= 4)
+    if recipe < 4:
+        return [(qa if rng.random() < qa_share else tools).example() for _ in range(n)]
+    reads = CompressedReadGenerator(rng, heldout=heldout, count_tokens=count_tokens)
+    drawn = (rng.random() for _ in range(n))
+    return [(reads if r < qa_share * READ_SHARE else qa if r < qa_share else tools).example() for r in drawn]
 
 
 def write_jsonl(path: Path, examples: Iterable[Example]) -> None:

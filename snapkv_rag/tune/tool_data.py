@@ -276,6 +276,84 @@ NO_TOOL: tuple[tuple[str, str], ...] = (
 
 UNAVAILABLE = "I can't do that: none of the tools I have here can."
 
+# Recipe 4: requests on the topic of an offered tool that the tool does not serve (the adapter of
+# recipe 3 called a tool on 9 of 45 such prompts). Keyed by the tool offered with them; the held-out
+# tools' requests are drawn only by the held-out split.
+NEAR_MISS: dict[str, tuple[tuple[str, str], ...]] = {
+    "translate_text": (
+        (
+            "Why do some languages have gendered nouns?",
+            "Gendered nouns are a grammatical habit inherited from older languages; they sort nouns into classes that agree with articles and adjectives.",
+        ),
+        (
+            "Is it easier to learn Spanish or Italian?",
+            "Both are close to each other; Spanish has simpler spelling, Italian clearer vowels, so pick the one you will practise more.",
+        ),
+    ),
+    "get_flight_status": (
+        ("What does 'code share' mean for a flight?", "A code share is one flight sold under several airlines' flight numbers."),
+        (
+            "How early should I get to the airport for an international flight?",
+            "About three hours before departure is a safe margin for an international flight.",
+        ),
+    ),
+    "convert_units": (
+        ("Why does the US still use miles?", "Mostly habit and cost: road signs, laws and industry were built around miles and never switched."),
+        ("What is a kilogram defined by today?", "Since 2019 the kilogram is defined through Planck's constant, not by a metal cylinder."),
+    ),
+    "find_recipe": (
+        ("Why does bread dough need to rest?", "Resting lets the gluten relax and the yeast produce gas, so the bread rises and is easier to shape."),
+        ("Is it safe to eat raw cookie dough?", "Not really: raw flour and raw eggs can carry bacteria, so bake it or use a heat-treated dough."),
+    ),
+    "get_news": (
+        ("How can I tell if a news story is reliable?", "Check who published it, whether other outlets confirm it, and whether it names its sources."),
+        ("What is the difference between news and opinion pieces?", "News reports what happened; an opinion piece argues a view about it."),
+    ),
+    "track_package": (
+        ("What should I do if a parcel arrives damaged?", "Photograph it, keep the packaging, and report it to the sender or carrier as soon as you can."),
+        (
+            "Why do tracking numbers have so many digits?",
+            "They must be unique across millions of parcels and often encode the carrier, service and a check digit.",
+        ),
+    ),
+    "play_music": (
+        ("Why do some songs get stuck in your head?", "Short, repetitive and slightly surprising melodies loop in memory; experts call them earworms."),
+        (
+            "What is the difference between a major and a minor key?",
+            "A minor key lowers the third note of the scale, which most listeners hear as sadder than a major key.",
+        ),
+    ),
+    "get_definition": (
+        ("Do you think 'irregardless' is a real word?", "It appears in dictionaries as nonstandard; 'regardless' is the safer choice."),
+        ("Give me a sentence using the word 'meander'.", "The river meanders slowly through the valley before reaching the sea."),
+    ),
+    "set_reminder": (
+        ("How can I get better at remembering appointments?", "Write them in one calendar, check it every morning, and set a routine time to plan the week."),
+        ("Is it better to study in the morning or at night?", "Whichever time you are most alert; consistency matters more than the hour."),
+    ),
+    "lookup_contact": (
+        (
+            "How do I politely ask a colleague for their phone number?",
+            "Just ask directly and say why: 'Could I have your number in case I need to reach you about the project?'",
+        ),
+        ("Should I keep my contacts in my phone or in the cloud?", "Syncing them to a cloud account keeps them safe if the phone is lost."),
+    ),
+    "get_opening_hours": (
+        ("Why do many shops close early on Sundays?", "Many places have laws or traditions limiting Sunday trading, and fewer customers shop then."),
+        ("What does 'by appointment only' mean?", "It means you must book a time before you visit; walk-ins are not served."),
+    ),
+    "search_web": (
+        ("Tell me a riddle about a clock.", "What has hands but cannot clap? A clock."),
+        ("Write a two-line rhyme about coffee.", "A cup of coffee, dark and deep, chases off the last of sleep."),
+    ),
+    "check_train_times": (("Why are trains often late in autumn?", "Wet leaves on the rails make wheels slip, so trains must brake earlier and run slower."),),
+    "get_air_quality": (
+        ("Do houseplants really clean the air?", "Only a little: a room would need far more plants than anyone keeps to make a real difference."),
+    ),
+    "roll_dice": (("What are the odds of rolling a six on a fair die?", "One in six, about 17 percent."),),
+    "create_note": (("What is a good way to organise my notes?", "Group them by project, date each one, and review them weekly."),),
+}
+
 
 def _fill(template: str, values: dict[str, Any]) -> str:
     return template.format(**{k: (", ".join(map(str, v)) if isinstance(v, list) else v) for k, v in values.items()})
@@ -284,10 +362,14 @@ def _fill(template: str, values: dict[str, Any]) -> str:
 class ToolGenerator:
     KINDS = ("tool_call", "tool_none", "tool_calls", "tool_answer", "tool_unavailable")
     WEIGHTS = (4, 3, 1, 2, 2)
+    # recipe 4: near misses, and fewer "tool not offered" refusals (recipe 3 over-applied its refusal)
+    KINDS_4 = (*KINDS, "tool_near_miss")
+    WEIGHTS_4 = (4, 3, 1, 2, 1, 3)
 
-    def __init__(self, rng: random.Random, *, heldout: bool = False):
+    def __init__(self, rng: random.Random, *, heldout: bool = False, near_misses: bool = False):
         self.rng = rng
         self.heldout = heldout
+        self.kinds, self.weights = (self.KINDS_4, self.WEIGHTS_4) if near_misses else (self.KINDS, self.WEIGHTS)
         self.families = [f for f in FAMILIES if (f.name in HELD_OUT_TOOLS) == heldout]
         self.no_tool = NO_TOOL[-1:] if heldout else NO_TOOL[:-1]
 
@@ -309,8 +391,14 @@ class ToolGenerator:
     def example(self) -> Example:
         rng = self.rng
         self.names = {f.name: rng.choice((f.name, f.name, *ALIASES[f.name])) for f in FAMILIES}
-        kind = rng.choices(self.KINDS, self.WEIGHTS)[0]
+        kind = rng.choices(self.kinds, self.weights)[0]
         system = [{"role": "system", "content": "You are a helpful assistant."}] if rng.random() < 0.5 else []
+        if kind == "tool_near_miss":
+            family = rng.choice([f for f in FAMILIES if f.name in NEAR_MISS and (f.name in HELD_OUT_TOOLS) == self.heldout])
+            text, reply = rng.choice(NEAR_MISS[family.name])
+            return Example(
+                kind, [*system, {"role": "user", "content": text}], reply, tools=self._offer([family]), domain="none", template=f"near:{family.name}"
+            )
         if kind == "tool_none":
             index = rng.randrange(len(self.no_tool))
             text, reply = self.no_tool[index]

@@ -34,7 +34,8 @@ import torch
 
 from ..errors import SnapKVRagError
 from ..model.adapters import CONFIG_FILE, MANIFEST_FILE, WEIGHTS_FILE, linear_module_names
-from .dataset import build_examples, encode, summarize, token_counter
+from .compressed_reads import compressed_example_loss
+from .dataset import RECIPES, build_examples, encode, summarize, token_counter
 
 STATE_FILE = "state.json"
 OPTIMIZER_FILE = "optimizer.pt"
@@ -51,8 +52,11 @@ class TuneConfig:
     model: str = "default"
     # the data and encoding version: 2 reads chunks apart after per-chunk anchor copies (1, the first
     # run's, after the prompt's first token at its own distance); 3 asks fewer unanswerable questions
-    # and describes a third of the entities instead of naming them; a checkpoint of another recipe is not resumed
+    # and describes a third of the entities instead of naming them; 4 reads half the QA through the default
+    # compression (2K-16K tokens) and adds near misses (dataset.build_examples); a checkpoint of another recipe is not resumed
     recipe: int = 3
+    # start from this adapter's weights (same rank) instead of zero: recipe 4 continues recipe 3's adapter
+    init_adapter: str | None = None
     seed: int = 0
     examples: int = 560
     rank: int = 16
@@ -85,6 +89,10 @@ class TuneConfig:
             raise TuneError("eval_examples and warmup_steps must be >= 0")
         if self.minutes is not None and self.minutes <= 0:
             raise TuneError(f"minutes must be > 0, got {self.minutes}")
+        if self.recipe not in RECIPES:
+            raise TuneError(f"recipe must be one of {RECIPES}, got {self.recipe}")
+        if self.init_adapter is not None and not (Path(self.init_adapter) / WEIGHTS_FILE).is_file():
+            raise TuneError(f"init_adapter {self.init_adapter} holds no {WEIGHTS_FILE}")
 
     def identity(self) -> dict[str, Any]:
         """The settings a checkpoint must share to be resumed."""
@@ -223,6 +231,17 @@ def _load_checkpoint(peft_model, optimizer, out: Path, config: TuneConfig) -> di
     return state
 
 
+def _load_adapter_weights(peft_model, adapter: Path) -> None:
+    from peft import set_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    weights = load_file(str(adapter / WEIGHTS_FILE))
+    result = set_peft_model_state_dict(peft_model, weights)
+    missing = [k for k in getattr(result, "unexpected_keys", []) if "lora" in k]
+    if missing:
+        raise TuneError(f"{adapter}'s weights do not fit this run's LoRA layers (rank or targets differ): {missing[:3]}")
+
+
 def finished_state(out: Path, config: TuneConfig) -> dict[str, Any] | None:
     """The state of a run in ``out`` that finished with these settings (its adapter written), else None."""
     path = out / "checkpoint" / STATE_FILE
@@ -234,16 +253,34 @@ def finished_state(out: Path, config: TuneConfig) -> dict[str, Any] | None:
     return {**state, "stopped": None, "already_finished": True}
 
 
+class ExampleLoss:
+    """An example's loss, however it is read: its full prompt at once (block attention for
+    segments), or through the compression its ``read`` names (:func:`compressed_example_loss`).
+    Returns (loss, target tokens, prompt tokens), or None for a full read longer than ``max_tokens``."""
+
+    def __init__(self, model, tokenizer, max_tokens: int):
+        self.model, self.tokenizer, self.max_tokens = model, tokenizer, max_tokens
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
+
+    def __call__(self, example) -> tuple[torch.Tensor, int, int] | None:
+        if example.read:
+            return compressed_example_loss(self.model, self.tokenizer, example, self.pad_id)
+        item = encode(example, self.tokenizer)
+        if item.tokens > self.max_tokens:
+            return None
+        loss, targets = example_loss(self.model, item)
+        return loss, targets, item.tokens
+
+
 @torch.no_grad()
-def heldout_loss(model, encoded: list) -> float | None:
-    if not encoded:
-        return None
+def heldout_loss(loss_of: ExampleLoss, examples: list) -> float | None:
     total, count = 0.0, 0
-    for item in encoded:
-        loss, n = example_loss(model, item)
-        total += float(loss) * n
-        count += n
-    return total / max(1, count)
+    for example in examples:
+        measured = loss_of(example)
+        if measured is not None:
+            total += float(measured[0]) * measured[1]
+            count += measured[1]
+    return total / count if count else None
 
 
 def plot_loss(out: Path) -> Path | None:
@@ -312,9 +349,15 @@ def tune(
             config.model, device=config.device, dtype=config.dtype, pack_weights=False, attn_implementation=config.attn_implementation
         )
     count = token_counter(tokenizer)
-    examples = build_examples(config.seed, config.examples, "train", count_tokens=count, qa_share=config.qa_share)
-    probe = [encode(e, tokenizer) for e in build_examples(config.seed, config.eval_examples, "heldout", count_tokens=count, qa_share=config.qa_share)]
-    probe = [p for p in probe if p.tokens <= config.max_tokens]
+    examples = build_examples(config.seed, config.examples, "train", count_tokens=count, qa_share=config.qa_share, recipe=config.recipe)
+    probe = build_examples(config.seed, config.eval_examples, "heldout", count_tokens=count, qa_share=config.qa_share, recipe=config.recipe)
+    if any(e.read for e in examples + probe):
+        # compressed reads prefill through the engine's attention functions (plain attention when no policy is active)
+        from ..compression.runtime import WRAPPED_IMPLEMENTATIONS, register_attention_functions, wrapped_name
+
+        register_attention_functions()
+        if model.config._attn_implementation in WRAPPED_IMPLEMENTATIONS:
+            model.set_attn_implementation(wrapped_name(model.config._attn_implementation))
 
     lora_targets = linear_module_names(model)
     if not lora_targets:
@@ -336,6 +379,7 @@ def tune(
     trainable = [p for p in peft_model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=config.learning_rate, weight_decay=0.0)
     fingerprint = data_fingerprint(examples)
+    loss_of = ExampleLoss(peft_model.get_base_model(), tokenizer, config.max_tokens)
     state = _load_checkpoint(peft_model, optimizer, out, config)
     if state is not None and state.get("data_sha256") != fingerprint:
         raise TuneError(
@@ -343,7 +387,9 @@ def tune(
             "resume with the version that started it, or use another --out"
         )
     if state is None:
-        base_loss = heldout_loss(peft_model, probe) if probe else None
+        if config.init_adapter is not None:
+            _load_adapter_weights(peft_model, Path(config.init_adapter))
+        base_loss = heldout_loss(loss_of, probe)
         state = {
             "config": config.identity(),
             "step": 0,
@@ -368,16 +414,16 @@ def tune(
                 for group in optimizer.param_groups:
                     group["lr"] = lr
                 batch = examples[state["examples_done"] : state["examples_done"] + config.accumulate]
-                encoded = [encode(e, tokenizer) for e in batch]
                 losses, tokens, targets, skipped = [], 0, 0, 0
-                for item in encoded:
-                    if item.tokens > config.max_tokens:
+                for example in batch:
+                    measured = loss_of(example)
+                    if measured is None:
                         skipped += 1
                         continue
-                    loss, n_targets = example_loss(peft_model, item)
-                    (loss / len(encoded)).backward()
+                    loss, n_targets, n_tokens = measured
+                    (loss / len(batch)).backward()
                     losses.append(float(loss.detach()))
-                    tokens += item.tokens
+                    tokens += n_tokens
                     targets += n_targets
                 torch.nn.utils.clip_grad_norm_(trainable, 1.0)
                 optimizer.step()
@@ -416,13 +462,13 @@ def tune(
     plot_loss(out)
     state["stopped"] = stopped
     if stopped is None:
-        state["heldout_loss_tuned"] = heldout_loss(peft_model, probe) if probe else None
+        state["heldout_loss_tuned"] = heldout_loss(loss_of, probe)
         _write_adapter(peft_model, state, config, out)
     return state
 
 
 # the settings `snapkv-rag tune train` takes as flags (the rest keep their defaults there)
-CLI_FLAGS = ("model", "device", "dtype", "seed", "examples", "rank", "alpha", "learning_rate", "accumulate", "qa_share")
+CLI_FLAGS = ("model", "device", "dtype", "seed", "recipe", "init_adapter", "examples", "rank", "alpha", "learning_rate", "accumulate", "qa_share")
 
 
 def train_command(config: TuneConfig) -> str:
@@ -445,6 +491,7 @@ def _write_adapter(peft_model, state: dict[str, Any], config: TuneConfig, out: P
         "settings": config.identity(),
         "data": {
             "generator": "snapkv_rag.tune.dataset.build_examples",
+            "recipe": config.recipe,
             "seed": config.seed,
             "examples": config.examples,
             "kinds": state["data"],
