@@ -142,3 +142,9 @@ def as_policy(compression: CompressionPolicy | str | None) -> CompressionPolicy 
     if not isinstance(compression, CompressionPolicy):
         raise InvalidCompressionError(f"compression must be a policy, a spec string or None, got {type(compression).__name__}")
     return None if isinstance(compression, FullCache) and compression.kv_bits is None else compression
+
+
+def rolls(compression: CompressionPolicy | str | None) -> bool:
+    """Whether ``compression`` is a sparse policy that can read a prompt past the window (``rolling=``)."""
+    policy = as_policy(compression) if isinstance(compression, str) else compression
+    return isinstance(policy, CompressionPolicy) and "rolling" in {f.name for f in dataclasses.fields(policy)}

@@ -14,9 +14,10 @@ from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..compression import CompressionPolicy, SnapKV, as_policy, parse_compression
+from ..compression import SnapKV, as_policy, parse_compression
 from ..compression.base import MIN_ROLLING
 from ..compression.less.calibration import policy_for_collection
+from ..compression.parsing import rolls
 from ..compression.span_attention import sentence_attention
 from ..engine.results import GenerationResult
 from .attribution import EvidenceAttributor, SentenceSupport, answer_sentences
@@ -203,12 +204,6 @@ class AnswerStream:
         if self._answer is None:
             raise RuntimeError("the answer stream has not finished yet; iterate it to the end first")
         return self._answer
-
-
-def rolls(compression: Any) -> bool:
-    """Whether ``compression`` is a sparse policy that can read a prompt past the window (``rolling=``)."""
-    policy = as_policy(compression) if isinstance(compression, str) else compression
-    return isinstance(policy, CompressionPolicy) and "rolling" in {f.name for f in dataclasses.fields(policy)}
 
 
 def rolled_if_needed(policy: Any, prompt_tokens: int, new_tokens: int, context: int | None) -> Any:

@@ -112,11 +112,12 @@ def skim_policy(policy, prompt_tokens: int, context_length: int | None):
 
     from ..compression import as_policy
     from ..compression.base import MIN_ROLLING
+    from ..compression.parsing import rolls
 
-    if policy is None:
+    if policy is None or not rolls(policy):
         return policy
     policy = as_policy(policy)
-    if "rolling" not in {f.name for f in dataclasses.fields(policy)} or policy.rolling is not None:
+    if policy.rolling is not None:
         return policy
     room = SKIM_ROLLING if context_length is None else min(SKIM_ROLLING, context_length - policy.max_capacity_prompt - policy.window_bound - 1)
     return dataclasses.replace(policy, rolling=room) if room >= MIN_ROLLING else policy
