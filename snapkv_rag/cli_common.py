@@ -11,7 +11,7 @@ import argparse
 ATTENTION_KERNELS = ("sdpa", "flash_attention_2")  # snapkv_rag.compression.runtime.WRAPPED_IMPLEMENTATIONS (a test keeps them equal)
 
 
-def add_model_args(p: argparse.ArgumentParser, *, json_output: bool = True, adapters: bool = True, weights: bool = True) -> None:
+def add_model_args(p: argparse.ArgumentParser, *, json_output: bool = True, adapters: bool = True, weights: bool = True, adapter_default: str = "auto") -> None:
     """``--model --device --dtype`` and, unless turned off, ``--weights``, ``--adapter/--base-model`` and ``--json``."""
     p.add_argument("--model", default="default", help="'default' (embedded SmolLM2), a model dir, a .gguf file or a hub id")
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
@@ -35,8 +35,11 @@ def add_model_args(p: argparse.ArgumentParser, *, json_output: bool = True, adap
     if adapters:
         p.add_argument(
             "--adapter",
-            default="auto",
-            help="a LoRA adapter directory to merge (snapkv-rag tune); default 'auto': the embedded model's shipped adapter where it passed its gates",
+            default=adapter_default,
+            help=(
+                f"a LoRA adapter directory to merge (snapkv-rag tune), or none; default {adapter_default!r}: the embedded model's shipped adapter "
+                f"where the adapter rule puts it on for {'every use' if adapter_default == 'auto' else adapter_default.split(':')[1]} (snapkv-rag info says)"
+            ),
         )
         p.add_argument("--base-model", action="store_true", help="load the bare model, without any adapter")
     if json_output:

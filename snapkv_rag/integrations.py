@@ -90,6 +90,8 @@ _LAZY = {
     "cache_root": "model.loading",
     # adapters
     "AUTO": "model.shipped_adapters",
+    "AUTO_DOCUMENTS": "model.shipped_adapters",
+    "AUTOS": "model.shipped_adapters",
     "adapter_option": "model.shipped_adapters",
 }
 
@@ -103,6 +105,8 @@ if TYPE_CHECKING:  # the same names for type checkers (a test keeps these and _L
     from .harness.metrics import citation_prf as citation_prf
     from .model.loading import cache_root as cache_root
     from .model.shipped_adapters import AUTO as AUTO
+    from .model.shipped_adapters import AUTO_DOCUMENTS as AUTO_DOCUMENTS
+    from .model.shipped_adapters import AUTOS as AUTOS
     from .model.shipped_adapters import adapter_option as adapter_option
     from .rag.attribution import EvidenceAttributor as EvidenceAttributor
     from .rag.citations import parse_citations as parse_citations

@@ -384,7 +384,7 @@ def test_app_reads_its_options_after_the_double_dash(monkeypatch):
     assert (cfg.model, cfg.store, cfg.uploads, cfg.collection) == ("/m", "/s", "/u", "c")
     assert ui_config.app_config([]).model == "default"
     monkeypatch.delenv("SNAPKV_RAG_APP_ADAPTER", raising=False)
-    assert ui_config.app_config([]).adapter == "auto"
+    assert ui_config.app_config([]).adapter == "auto:documents"  # the app answers from documents: the adapter where the rule puts it on for them
     assert ui_config.app_config(["--base-model"]).adapter is None
     assert ui_config.app_config(["--adapter", "/a"]).adapter == "/a"
     assert ui_config.app_config(["--adapter", "runs/a"]).adapter == os.path.abspath("runs/a")

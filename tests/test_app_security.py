@@ -254,7 +254,7 @@ def test_app_command_forwards_the_allowed_models():
 
 
 def test_app_config_reads_the_offered_models_from_the_environment(monkeypatch):
-    from snapkv_rag.app.config import AUTO, app_config, model_names
+    from snapkv_rag.app.config import AUTO_DOCUMENTS, app_config, model_names
 
     monkeypatch.setenv("SNAPKV_RAG_APP_MODEL", "/m")
     monkeypatch.setenv("SNAPKV_RAG_APP_MODELS", " /x , org/y,,/m ,/x")
@@ -264,7 +264,7 @@ def test_app_config_reads_the_offered_models_from_the_environment(monkeypatch):
     monkeypatch.delenv("SNAPKV_RAG_APP_MODELS")
     assert app_config([]).models == ("/m",)
     tuned = app_config(["--adapter", "/adapter", "--allow-model", "default"])
-    assert (tuned.adapter_for("/m"), tuned.adapter_for("default")) == ("/adapter", AUTO)  # an adapter goes with --model
+    assert (tuned.adapter_for("/m"), tuned.adapter_for("default")) == ("/adapter", AUTO_DOCUMENTS)  # an adapter goes with --model
     bare = app_config(["--base-model", "--allow-model", "default"])
     assert (bare.adapter_for("/m"), bare.adapter_for("default")) == (None, None)
     names = model_names(("default", "/a/model/", "/b/model", "org/Qwen2.5-7B", "x.gguf"))

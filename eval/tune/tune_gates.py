@@ -40,6 +40,7 @@ from snapkv_rag import Engine
 from snapkv_rag.compression import SnapKV
 from snapkv_rag.harness.metrics import citation_prf
 from snapkv_rag.harness.rag_citation import answer_correct, is_gold_file, load_questions
+from snapkv_rag.model.adapter_rule import decide
 from snapkv_rag.rag import DocumentQA, DocumentStore
 from snapkv_rag.rag.kv_reuse import precompute_chunk_kv
 
@@ -241,6 +242,11 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--order", choices=("forward", "reversed"), default="forward", help="the order the prompts are computed in")
     ap.add_argument("--table-only", action="store_true")
     ap.add_argument("--manifest", default=None, help="with --table-only: write the gates into this adapter directory's manifest.json")
+    ap.add_argument(
+        "--noise",
+        default=str(RESULTS / "gate_noise" / "noise.json"),
+        help="with --manifest: the gates' measured noise (python -m eval gate_noise), from which the adapter rule decides its uses",
+    )
     return ap
 
 
@@ -274,6 +280,17 @@ def main(argv: list[str] | None = None) -> int:
         path = Path(args.manifest) / "manifest.json"
         manifest = json.loads(path.read_text())
         manifest["gates"] = result
+        noise_file = Path(args.noise)
+        if noise_file.is_file():  # the rule the engine reads: which uses the adapter is on for
+            measured = json.loads(noise_file.read_text())
+            decisions = decide(result, measured)
+            manifest["noise"] = measured
+            manifest["applies_to"] = [use for use, d in decisions.items() if d.applies]
+            manifest["rule"] = {use: d.reason() for use, d in decisions.items()}
+            for use, d in decisions.items():
+                print(f"{use}: {'on' if d.applies else 'off'} ({d.reason()})")
+        else:
+            print(f"no noise measured ({noise_file}: bash eval/tune/gate_noise.sh); the adapter is on only where every gate passed", file=sys.stderr)
         path.write_text(json.dumps(manifest, indent=1))
     return 0
 

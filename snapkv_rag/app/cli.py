@@ -11,6 +11,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from snapkv_rag.integrations import AUTO_DOCUMENTS
+
 from ..cli_common import add_model_args
 from ..errors import SnapKVRagError
 
@@ -19,7 +21,7 @@ APP_SCRIPT = Path(__file__).resolve().parent / "page.py"
 
 def add_app_parser(sub) -> None:
     p = sub.add_parser("app", help="start the Streamlit document-QA app in the browser")
-    add_model_args(p, json_output=False)  # --model: the model the app starts with (users cannot name another)
+    add_model_args(p, json_output=False, adapter_default=AUTO_DOCUMENTS)  # --model: the model the app starts with (users cannot name another)
     p.add_argument(
         "--allow-model",
         action="append",
@@ -80,7 +82,7 @@ def app_command(args: argparse.Namespace) -> list[str]:
         command += ["--model", args.model]
     if args.base_model:
         command.append("--base-model")
-    if args.adapter != "auto":  # else the app's own default (SNAPKV_RAG_APP_ADAPTER, or auto)
+    if args.adapter != AUTO_DOCUMENTS:  # else the app's own default (SNAPKV_RAG_APP_ADAPTER, or auto:documents)
         command += ["--adapter", args.adapter]
     for option in ("device", "dtype", "weights", "store", "chroma_url", "uploads", "collection", "allow_folder_root"):
         value = getattr(args, option, None)

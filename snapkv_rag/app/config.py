@@ -14,7 +14,18 @@ import streamlit as st
 
 from snapkv_rag import Engine
 from snapkv_rag.cli_common import add_model_args
-from snapkv_rag.integrations import AUTO, LESS, SUPPORTED_SUFFIXES, Embedder, adapter_option, as_policy, cache_root, default_store_dir, make_client
+from snapkv_rag.integrations import (
+    AUTO_DOCUMENTS,
+    AUTOS,
+    LESS,
+    SUPPORTED_SUFFIXES,
+    Embedder,
+    adapter_option,
+    as_policy,
+    cache_root,
+    default_store_dir,
+    make_client,
+)
 
 MAX_QUESTION_CHARS = 2000
 
@@ -54,7 +65,9 @@ class AppConfig:
     folder_root: str | None = None  # folder ingest reads only under this folder; None: off
     password: str | None = None  # asked for before anything is shown; None: no gate
     chroma_url: str | None = None  # a Chroma server instead of the embedded store (shared with other processes)
-    adapter: str | None = AUTO  # a LoRA adapter directory; "auto": the shipped one where it passed its gates; None: bare model
+    # a LoRA adapter directory; "auto:documents" (the app answers from documents): the shipped one
+    # where the adapter rule puts it on for documents; None: bare model
+    adapter: str | None = AUTO_DOCUMENTS
     allowed_models: tuple[str, ...] = ()  # more models the operator offers (--allow-model); users choose only among these
     attn_implementation: str = "sdpa"  # the attention kernel (--attn-implementation)
     invariant: bool | None = None  # the invariant mode (--invariant; None: $SNAPKV_RAG_INVARIANT)
@@ -68,9 +81,9 @@ class AppConfig:
         """The adapter for ``model``: an ``--adapter`` directory goes with the start-up model only (it
         was trained for one model); the others get the shipped one where it applies, and none under
         ``--base-model``."""
-        if model == self.model or self.adapter in (None, AUTO):
+        if model == self.model or self.adapter is None or self.adapter in AUTOS:
             return self.adapter
-        return AUTO
+        return AUTO_DOCUMENTS
 
 
 def model_names(models: tuple[str, ...]) -> dict[str, str]:
@@ -102,7 +115,7 @@ def app_config(argv: list[str] | None = None) -> AppConfig:
         dtype=env("SNAPKV_RAG_APP_DTYPE"),
         attn_implementation=env("SNAPKV_RAG_APP_ATTN_IMPLEMENTATION", "sdpa"),
         weights=env("SNAPKV_RAG_APP_WEIGHTS"),
-        adapter=env("SNAPKV_RAG_APP_ADAPTER") or AUTO,
+        adapter=env("SNAPKV_RAG_APP_ADAPTER") or AUTO_DOCUMENTS,
     )
     p.add_argument("--store", default=env("SNAPKV_RAG_APP_STORE") or str(default_store_dir()))
     p.add_argument("--uploads", default=env("SNAPKV_RAG_APP_UPLOADS") or str(cache_root() / "uploads"))

@@ -148,8 +148,9 @@ class Engine:
         """A hub id, a local model directory, a ``.gguf`` file, or ``"default"``.
 
         ``adapter``: a LoRA adapter directory merged at load (``snapkv-rag tune``); ``"auto"``
-        (the default) merges the adapter shipped for the embedded model where it passed its
-        gates (eval/tune/RESULTS.md, "A tuned embedded model") and nothing for other models; None
+        (the default) merges the adapter shipped for the embedded model where the adapter rule
+        puts it on for every use, ``"auto:documents"`` / ``"auto:tools"`` where it is on for that
+        use (:mod:`snapkv_rag.model.adapter_rule`), nothing for other models; None or ``"none"``
         loads the bare model.
 
         ``weights``: ``"native"`` (None) or ``"int8"``: weight-only int8 linear layers, CPU only;

@@ -270,8 +270,9 @@ def load_model_and_tokenizer(
     and the paths that assume one device (rolling prefill, blended chunk reuse) are refused.
 
     ``adapter``: a LoRA adapter directory merged into the weights before anything else touches
-    them (:func:`snapkv_rag.model.adapters.merge_adapter`); ``"auto"``: the adapter shipped for the
-    embedded model when it passed its gates (:func:`snapkv_rag.model.shipped_adapters.resolve_adapter`); None: none.
+    them (:func:`snapkv_rag.model.adapters.merge_adapter`); ``"auto"``, ``"auto:documents"``, ``"auto:tools"``: the adapter
+    shipped for the embedded model where the adapter rule puts it on for that use
+    (:func:`snapkv_rag.model.shipped_adapters.resolve_adapter`); None or ``"none"``: none.
     The merged adapter's directory is recorded as ``model.snapkv_adapter``.
 
     ``weights``: ``"native"`` (the dtype's own; also None) or ``"int8"`` (weight-only int8 linear

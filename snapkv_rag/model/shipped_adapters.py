@@ -1,20 +1,29 @@
 """The adapter shipped for the embedded model, and when the engine uses it.
 
 ``snapkv_rag/tune/shipped/<name>/`` holds an adapter trained by ``snapkv-rag tune train`` and
-its manifest. The embedded model loads with it (merged) only when the manifest records gate
-results (eval/tune/tune_gates.py) and every gate passed; otherwise, and with ``adapter=None``
-(``--base-model``), the bare model loads.
+its manifest. Where the embedded model loads with it (merged) is the adapter rule's
+(:mod:`.adapter_rule`): the manifest's ``applies_to`` names the uses whose held-out measures the
+adapter improves beyond their noise. ``"auto"`` (the server, chat, agents: any use) loads it
+when it applies to every use; ``"auto:documents"`` (DocumentQA's commands, the app, the
+LlamaIndex LLM) and ``"auto:tools"`` when it applies to that use. ``"none"`` (or
+``--base-model``) loads the bare model.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
+from .adapter_rule import USES, applies_to
+from .adapter_rule import gates_passed as gates_passed  # re-exported: snapkv_rag.tune.gates_passed
 from .adapters import AdapterError, read_manifest
 
 SHIPPED_DIR = Path(__file__).parents[1] / "tune" / "shipped"  # package data, beside the tune command
 EMBEDDED_ADAPTER = "smollm2-135m-instruct"
 AUTO = "auto"
+AUTO_DOCUMENTS = "auto:documents"
+AUTO_TOOLS = "auto:tools"
+AUTOS = (AUTO, AUTO_DOCUMENTS, AUTO_TOOLS)
+NONE = "none"
 
 
 def shipped_adapter_dir(name: str = EMBEDDED_ADAPTER) -> Path:
@@ -22,32 +31,33 @@ def shipped_adapter_dir(name: str = EMBEDDED_ADAPTER) -> Path:
 
 
 def adapter_option(adapter: str | None, *, base_model: bool = False) -> str | None:
-    """What ``--adapter``/``--base-model`` ask for: None, ``"auto"``, or the directory as an
-    absolute path (it may travel to another process: Ray replicas)."""
+    """What ``--adapter``/``--base-model`` ask for: None (``--base-model``, ``none``), an ``"auto"``
+    value, or the directory as an absolute path (it may travel to another process: Ray replicas)."""
     import os
 
-    if base_model:
+    if base_model or adapter is None or adapter == NONE:
         return None
-    return adapter if adapter in (None, AUTO) else os.path.abspath(os.path.expanduser(adapter))
+    return adapter if adapter in AUTOS else os.path.abspath(os.path.expanduser(adapter))
 
 
-def gates_passed(manifest: dict) -> bool:
-    gates = manifest.get("gates") or {}
-    return bool(gates) and all(g.get("passed") is True for g in gates.values())
+def uses_of(adapter: str) -> list[str]:
+    """The uses an ``"auto"`` value asks the adapter to apply to: every use, or the one it names."""
+    return list(USES) if adapter == AUTO else [adapter.split(":", 1)[1]]
 
 
 def resolve_adapter(adapter: str | Path | None, *, embedded: bool) -> Path | None:
     """The adapter directory to merge: ``"auto"`` picks the shipped one for the ``embedded``
     model when it passed its gates (None for other models), None means none, and anything else
     is a directory given by the caller."""
-    if adapter is None:
+    if adapter is None or str(adapter) == NONE:
         return None
-    if str(adapter) != AUTO:
+    if str(adapter) not in AUTOS:
         return Path(adapter).expanduser()
     if not embedded:
         return None
     directory = shipped_adapter_dir()
-    return directory if gates_passed(read_manifest(directory)) else None
+    on = applies_to(read_manifest(directory))
+    return directory if on and all(use in on for use in uses_of(str(adapter))) else None
 
 
 def adapter_note(adapter: str | Path | None, *, embedded: bool) -> str:
@@ -59,11 +69,20 @@ def adapter_note(adapter: str | Path | None, *, embedded: bool) -> str:
     manifest = read_manifest(shipped_adapter_dir())
     if not manifest:
         return "none (no adapter is shipped for the embedded model)"
+    if isinstance(manifest.get("applies_to"), list):
+        on = manifest["applies_to"]
+        where = f"on only for {', '.join(on)} (--adapter {', '.join('auto:' + u for u in on)})" if on else "off for every use"
+        return f"none here (the shipped adapter is {where}: {rule_summary(manifest)}; --adapter {shipped_adapter_dir()} loads it anyway)"
     gates = manifest.get("gates") or {}
     failed = sorted(name for name, gate in gates.items() if gate.get("passed") is not True)
     if not gates:
         return f"none (the shipped adapter's gates are not measured yet; --adapter {shipped_adapter_dir()} loads it anyway)"
     return f"none (the shipped adapter missed its gates: {', '.join(failed)}; --adapter {shipped_adapter_dir()} loads it anyway)"
+
+
+def rule_summary(manifest: dict) -> str:
+    """The adapter rule's reasons per use, in one line."""
+    return "; ".join(f"{use}: {reason}" for use, reason in (manifest.get("rule") or {}).items()) or "no rule recorded"
 
 
 def ship_adapter(source: str | Path, name: str = EMBEDDED_ADAPTER) -> Path:

@@ -9,6 +9,7 @@ from typing import Any
 from ..cli_common import add_store_args, open_store
 from ..engine.results import kept_tokens_text
 from ..errors import SnapKVRagError
+from ..model.shipped_adapters import AUTO_DOCUMENTS
 
 
 def _add_kv_args(p) -> None:
@@ -61,7 +62,7 @@ def add_rag_parsers(sub, add_model_args, add_generation_args) -> None:
     )
     ask.add_argument("--recompute", type=float, default=None, help="share of reused chunk tokens computed again (default 0.15; 1.0 equals a full prefill)")
     _add_kv_args(ask)
-    add_model_args(ask)
+    add_model_args(ask, adapter_default=AUTO_DOCUMENTS)
     add_generation_args(ask)
     ask.set_defaults(func=cmd_ask, compression="default")
 
