@@ -187,5 +187,11 @@ def test_calibration_chooses_heads_that_ship_for_those_weights_only(tokenizer, t
     assert module.shipped_heads(engine) == heads
     other = tiny_engine("qwen2", tokenizer)
     assert module.shipped_heads(other) is None  # another model's weights: its heads are not these
+    engine.model.snapkv_adapter = "/runs/some-adapter"  # an adapter merged: the base's heads serve it until its own are chosen
+    assert module.model_key(engine) == f"{engine.name}+some-adapter" and module.shipped_heads(engine) == heads
+    own = module.SkimHeads(**{**heads.__dict__, "model": module.model_key(engine), "heads": heads.heads[:1]})
+    (tmp_path / "tuned.json").write_text(own.to_json())
+    assert module.shipped_heads(engine) == own
+    del engine.model.snapkv_adapter
     assert DocumentQA(engine, store, compression=None, context_tokens=200, skim_tokens=900).skim_heads == heads.heads
     assert DocumentQA(engine, store, compression=None, context_tokens=200, skim_tokens=900, skim_heads=None).skim_heads is None

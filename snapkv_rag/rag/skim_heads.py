@@ -131,9 +131,8 @@ def model_key(engine) -> str:
 
 
 def shipped_heads(engine) -> SkimHeads | None:
-    """The heads shipped for ``engine``'s weights (:func:`model_key`); None where none were chosen."""
-    for path in sorted(SHIPPED.glob("*.json")):
-        heads = SkimHeads.from_json(path.read_text())
-        if heads.model == model_key(engine):
-            return heads
-    return None
+    """The heads shipped for ``engine``'s weights (:func:`model_key`), else for its base model when an
+    adapter is merged and none were chosen for it (a LoRA adapter moves the weights little; which heads
+    retrieve is learned in pre-training); None where none were chosen."""
+    shipped = {heads.model: heads for heads in (SkimHeads.from_json(path.read_text()) for path in sorted(SHIPPED.glob("*.json")))}
+    return shipped.get(model_key(engine)) or shipped.get(str(engine.name))
