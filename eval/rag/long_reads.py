@@ -74,6 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--corpus", choices=("sample", "lookalike"), default="lookalike")
     ap.add_argument("--readings", nargs="*", choices=READINGS, default=["full:1K", "full:2K", "full:4K", "snapkv:8K", "skim:8K>1K"])
     ap.add_argument("--adapter", default=None, help="a LoRA adapter directory (default: the bare model)")
+    ap.add_argument("--label", default=None, help="the model's name in the records (default: base, or the adapter's directory name)")
     ap.add_argument("--questions", type=int, default=None)
     ap.add_argument("--out", type=Path, default=None, help="default: eval/rag/results/long_reads_CORPUS")
     ap.add_argument("--table-only", action="store_true")
@@ -84,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     out = args.out or RESULTS / f"long_reads_{args.corpus}"
     out.mkdir(parents=True, exist_ok=True)
-    model = "base" if args.adapter is None else Path(args.adapter).name
+    model = args.label or ("base" if args.adapter is None else Path(args.adapter).name)
     records = read_records(out, missing_ok=True)
     if not args.table_only:
         done = {(r["model"], r["reading"], r["question"]) for r in records}
