@@ -260,7 +260,8 @@ def test_the_package_never_imports_the_benchmarks():
 
 # The public surface for integrations, pinned: removing or renaming a name breaks connectors and users.
 INTEGRATIONS = [
-    "AUTO", "AUTOS", "AUTO_DOCUMENTS", "AgentMemory", "Answer", "ContextBudgetError", "DEFAULT_MAX_FILE_BYTES", "DocumentKept", "DocumentQA", "DocumentStore", "Embedder",
+    "AUTO", "AUTOS", "AUTO_DOCUMENTS", "AgentMemory", "Answer", "ContextBudgetError", "DEFAULT_MAX_FILE_BYTES", "DocumentKept",
+    "DocumentQA", "DocumentStore", "Embedder",
     "EmptyCollectionError", "EvidenceAttributor", "IngestReport", "IntakeError", "LESS", "RenderedHistory", "SUPPORTED_SUFFIXES",
     "SYSTEM_PROMPT", "Skipped", "StoreError", "StoreUnavailableError", "StoredChunk", "StuffedContext", "StuffingRetriever",
     "TEXT_ROUTES", "Upload", "adapter_option", "as_policy",

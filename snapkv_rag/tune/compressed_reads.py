@@ -150,7 +150,10 @@ def compressed_example_loss(model, tokenizer, example: Example, pad_id: int) -> 
 
     prompt = render_prompt(tokenizer, example.messages)
     targets = tokenizer(example.target + (tokenizer.eos_token or ""), add_special_tokens=False)["input_ids"]
-    policy = as_policy(example.read).for_prompt(question_tail_tokens(tokenizer, example.messages, chat=True))
+    read = as_policy(example.read)
+    if read is None:
+        raise ValueError(f"{example.read!r} names no compression to read the prompt under")
+    policy = read.for_prompt(question_tail_tokens(tokenizer, example.messages, chat=True))
     run = DecodeRun(model, [prompt], GenerationParams(max_new_tokens=len(targets)), policy, pad_id)
     with torch.no_grad():
         first = run._prefill()

@@ -369,7 +369,8 @@ class ToolGenerator:
     def __init__(self, rng: random.Random, *, heldout: bool = False, near_misses: bool = False):
         self.rng = rng
         self.heldout = heldout
-        self.kinds, self.weights = (self.KINDS_4, self.WEIGHTS_4) if near_misses else (self.KINDS, self.WEIGHTS)
+        self.kinds: tuple[str, ...] = self.KINDS_4 if near_misses else self.KINDS
+        self.weights: tuple[int, ...] = self.WEIGHTS_4 if near_misses else self.WEIGHTS
         self.families = [f for f in FAMILIES if (f.name in HELD_OUT_TOOLS) == heldout]
         self.no_tool = NO_TOOL[-1:] if heldout else NO_TOOL[:-1]
 
