@@ -3,10 +3,12 @@
 An adapter trained on the toolkit's jobs can win at one and lose at another (recipe 3 answers
 documents better and calls tools where none is needed). So the rule is per use:
 
-- ``documents`` (DocumentQA, ``ask``, the app, the LlamaIndex LLM): answers right at 1K, 2K and
-  4K stuffed tokens (the headline), own citations, answers lost to chunk reuse and to SnapKV 4x;
-- ``tools`` (agents, the LangChain chat model under ``tool_choice="auto"``): tool decisions right
-  (the headline) and false calls on requests that need no tool.
+- ``documents`` (``ask`` and the app load it for this use, ``adapter="auto:documents"``): answers
+  right at 1K, 2K and 4K stuffed tokens (the headline), own citations, answers lost to chunk
+  reuse and to SnapKV 4x;
+- ``tools`` (agents under ``tool_choice="auto"``): tool decisions right (the headline) and false
+  calls on requests that need no tool. ``adapter="auto"``, the default elsewhere (the server,
+  chat, the connectors serve both), needs both.
 
 An adapter applies to a use when it is better than the bare model on at least one headline
 measure by more than that measure's noise, and worse on none by more than its noise. The noise

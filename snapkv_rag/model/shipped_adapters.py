@@ -4,8 +4,8 @@
 its manifest. Where the embedded model loads with it (merged) is the adapter rule's
 (:mod:`.adapter_rule`): the manifest's ``applies_to`` names the uses whose held-out measures the
 adapter improves beyond their noise. ``"auto"`` (the server, chat, agents: any use) loads it
-when it applies to every use; ``"auto:documents"`` (DocumentQA's commands, the app, the
-LlamaIndex LLM) and ``"auto:tools"`` when it applies to that use. ``"none"`` (or
+when it applies to every use; ``"auto:documents"`` (``ask``, the app) and ``"auto:tools"`` when
+it applies to that use. ``"none"`` (or
 ``--base-model``) loads the bare model.
 """
 
@@ -46,9 +46,9 @@ def uses_of(adapter: str) -> list[str]:
 
 
 def resolve_adapter(adapter: str | Path | None, *, embedded: bool) -> Path | None:
-    """The adapter directory to merge: ``"auto"`` picks the shipped one for the ``embedded``
-    model when it passed its gates (None for other models), None means none, and anything else
-    is a directory given by the caller."""
+    """The adapter directory to merge: an ``"auto"`` value picks the shipped one for the ``embedded``
+    model where the adapter rule puts it on for that use (None for other models), None or ``"none"``
+    means none, and anything else is a directory given by the caller."""
     if adapter is None or str(adapter) == NONE:
         return None
     if str(adapter) not in AUTOS:
