@@ -89,9 +89,9 @@ _LAZY = {
     "save_uploads": "rag.intake",
     "cache_root": "model.loading",
     # adapters
-    "AUTO": "model.shipped_adapters",
-    "AUTO_DOCUMENTS": "model.shipped_adapters",
-    "AUTOS": "model.shipped_adapters",
+    "AUTO": "model.adapter_rule",
+    "AUTO_DOCUMENTS": "model.adapter_rule",
+    "AUTOS": "model.adapter_rule",
     "adapter_option": "model.shipped_adapters",
 }
 
@@ -103,10 +103,10 @@ if TYPE_CHECKING:  # the same names for type checkers (a test keeps these and _L
     from .compression import recording_kept_indices as recording_kept_indices
     from .engine.shared import shared_engine as shared_engine
     from .harness.metrics import citation_prf as citation_prf
+    from .model.adapter_rule import AUTO as AUTO
+    from .model.adapter_rule import AUTO_DOCUMENTS as AUTO_DOCUMENTS
+    from .model.adapter_rule import AUTOS as AUTOS
     from .model.loading import cache_root as cache_root
-    from .model.shipped_adapters import AUTO as AUTO
-    from .model.shipped_adapters import AUTO_DOCUMENTS as AUTO_DOCUMENTS
-    from .model.shipped_adapters import AUTOS as AUTOS
     from .model.shipped_adapters import adapter_option as adapter_option
     from .rag.attribution import EvidenceAttributor as EvidenceAttributor
     from .rag.citations import parse_citations as parse_citations

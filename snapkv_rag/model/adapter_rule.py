@@ -21,6 +21,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 USES = ("documents", "tools")
+# the ``adapter=`` values that ask for the shipped adapter (snapkv_rag.model.shipped_adapters); here,
+# torch-free, so the command line's parsers can name them without loading torch
+AUTO = "auto"
+AUTO_DOCUMENTS = "auto:documents"
+AUTO_TOOLS = "auto:tools"
+AUTOS = (AUTO, AUTO_DOCUMENTS, AUTO_TOOLS)
+NONE = "none"
 
 
 @dataclass(frozen=True)

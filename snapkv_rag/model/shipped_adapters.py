@@ -13,17 +13,16 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .adapter_rule import USES, applies_to
+from .adapter_rule import AUTO as AUTO
+from .adapter_rule import AUTO_DOCUMENTS as AUTO_DOCUMENTS
+from .adapter_rule import AUTO_TOOLS as AUTO_TOOLS
+from .adapter_rule import AUTOS as AUTOS
+from .adapter_rule import NONE, USES, applies_to
 from .adapter_rule import gates_passed as gates_passed  # re-exported: snapkv_rag.tune.gates_passed
 from .adapters import AdapterError, read_manifest
 
 SHIPPED_DIR = Path(__file__).parents[1] / "tune" / "shipped"  # package data, beside the tune command
 EMBEDDED_ADAPTER = "smollm2-135m-instruct"
-AUTO = "auto"
-AUTO_DOCUMENTS = "auto:documents"
-AUTO_TOOLS = "auto:tools"
-AUTOS = (AUTO, AUTO_DOCUMENTS, AUTO_TOOLS)
-NONE = "none"
 
 
 def shipped_adapter_dir(name: str = EMBEDDED_ADAPTER) -> Path:

@@ -9,7 +9,7 @@ from typing import Any
 from ..cli_common import add_store_args, open_store
 from ..engine.results import kept_tokens_text
 from ..errors import SnapKVRagError
-from ..model.shipped_adapters import AUTO_DOCUMENTS
+from ..model.adapter_rule import AUTO_DOCUMENTS
 
 
 def _add_kv_args(p) -> None:
