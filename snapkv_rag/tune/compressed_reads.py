@@ -22,15 +22,13 @@ checks).
 from __future__ import annotations
 
 import random
-from collections.abc import Callable
 
 import torch
 
-from ..rag.store import StoredChunk
 from ..rag.stuffing import build_messages
 from .examples import Example
-from .qa_data import answer, question
-from .world import DOMAINS, HELD_OUT_DOMAINS, Entity, document_text, make_entity, title
+from .qa_data import QAGenerator, answer, question
+from .world import Entity, make_entity
 
 # DocumentQA's default compression (snapkv_rag.rag.qa.DEFAULT_COMPRESSION) as a spec; rolled past
 # ROLL_FROM stuffed tokens, and a third of the shorter reads rolled too (the skim always rolls)
@@ -85,24 +83,11 @@ def _clashes(entity: Entity, others: list[Entity]) -> bool:
     return False
 
 
-class CompressedReadGenerator:
+class CompressedReadGenerator(QAGenerator):
     """Draws ``qa_read`` examples: one gold document among look-alikes and fillers up to 2K-16K
     tokens, a question about it, and the spec of the read the trainer runs."""
 
-    def __init__(self, rng: random.Random, *, heldout: bool = False, count_tokens: Callable[[str], int] | None = None):
-        self.rng = rng
-        self.heldout = heldout
-        self.count = count_tokens or (lambda text: len(text) // 4 + 1)
-        self.gold_domains = [d for d in DOMAINS if (d.key in HELD_OUT_DOMAINS) == heldout]
-        self.filler_domains = [d for d in DOMAINS if d.key not in HELD_OUT_DOMAINS] if not heldout else list(DOMAINS)
-        self._serial = 0
-
-    def _chunk(self, entity: Entity) -> StoredChunk:
-        self._serial += 1
-        text = document_text(self.rng, entity)
-        return StoredChunk(
-            id=f"read-{self._serial}", text=text, source=f"generated/{entity.domain.key}/{self._serial}.md", title=title(entity), position=0, tokens=0
-        )
+    chunk_prefix = "read"
 
     def _entity(self, domain, taken: list[Entity], stem: str | None = None) -> Entity:
         while True:

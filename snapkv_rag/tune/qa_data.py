@@ -90,6 +90,8 @@ class QAGenerator:
     """Draws QA examples; ``count_tokens`` measures a document as the LLM's tokenizer does
     (default: 4 characters a token, so the generator runs without a model)."""
 
+    chunk_prefix = "gen"
+
     def __init__(self, rng: random.Random, *, heldout: bool = False, count_tokens: Callable[[str], int] | None = None, block_share: float = 0.4):
         self.rng = rng
         self.heldout = heldout
@@ -104,7 +106,12 @@ class QAGenerator:
         self._serial += 1
         text = document_text(self.rng, entity)
         return StoredChunk(
-            id=f"gen-{self._serial}", text=text, source=f"generated/{entity.domain.key}/{self._serial}.md", title=title(entity), position=0, tokens=0
+            id=f"{self.chunk_prefix}-{self._serial}",
+            text=text,
+            source=f"generated/{entity.domain.key}/{self._serial}.md",
+            title=title(entity),
+            position=0,
+            tokens=0,
         )
 
     def example(self) -> Example:
