@@ -159,3 +159,16 @@ def test_recipe_4_trains_from_an_initial_adapter(tok, tmp_path):
         TuneConfig(recipe=4, init_adapter=str(tmp_path)).check()
     with pytest.raises(TuneError, match="recipe"):
         TuneConfig(recipe=2).check()
+
+
+def test_training_refuses_a_policy_that_cuts_the_cache_while_decoding(tok):
+    model = tiny_model("llama", len(tok), context=2048)
+    register_attention_functions()
+    model.set_attn_implementation(wrapped_name(model.config._attn_implementation))
+    prompt = render_prompt(tok, _small_example().messages)
+    cutting = as_policy("snapkv:budget=64,window=8,decode_budget=96")
+    run = DecodeRun(model, [prompt], GenerationParams(max_new_tokens=4), cutting, 0)
+    with pytest.raises(ValueError, match="cuts the cache during decoding"):
+        run.teacher_force([5, 6, 7], train=True)
+    # the same read without training goes one token at a time, as decoding does
+    assert DecodeRun(model, [prompt], GenerationParams(max_new_tokens=4), cutting, 0).teacher_force([5, 6, 7]).shape[0] == 3

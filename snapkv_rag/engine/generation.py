@@ -627,24 +627,31 @@ class DecodeRun:
         if self.policy_state is not None:
             self._kv_mask = self.policy_state.after_step(self.cache, self._kv_mask)
 
-    @torch.inference_mode()
-    def teacher_force(self, continuation: list[int]) -> torch.Tensor:
+    def teacher_force(self, continuation: list[int], *, train: bool = False) -> torch.Tensor:
         """Logits ``[len(continuation), vocab]`` predicting each continuation token (batch of 1).
 
         Row 0 comes from the prefill; the rest from one forward over ``continuation[:-1]``
         through the (compressed) cache, so it measures exactly what decoding would see. A
         policy that cuts the cache during decoding is fed one token at a time, as it decodes.
+
+        ``train=True`` is how the tuner reads through the kept cache: the prefill runs
+        without gradients (row 0 carries none) and the continuation's forward with them.
         """
         if self.batch_size != 1 or not continuation:
             raise ValueError("teacher_force takes one prompt and a non-empty continuation")
-        first = self._prefill()
-        if len(continuation) == 1:
-            return first
-        if self.policy_state is not None and self.policy_state.compacts:
-            rows = [first]
-            for token in continuation[:-1]:
-                rows.append(self._extend(torch.tensor([[token]], device=self.device))[0, -1:])
-                self._after_step()
-            return torch.cat(rows, dim=0)
-        rest = self._extend(torch.tensor([continuation[:-1]], device=self.device), last_only=False)[0]
-        return torch.cat([first, rest], dim=0)
+        compacts = self.policy_state is not None and self.policy_state.compacts
+        if train and compacts:
+            raise ValueError("training through a policy that cuts the cache during decoding is not supported")
+        with torch.inference_mode(mode=not train):
+            with torch.no_grad():
+                first = self._prefill()
+            if len(continuation) == 1:
+                return first
+            if compacts:
+                rows = [first]
+                for token in continuation[:-1]:
+                    rows.append(self._extend(torch.tensor([[token]], device=self.device))[0, -1:])
+                    self._after_step()
+                return torch.cat(rows, dim=0)
+            rest = self._extend(torch.tensor([continuation[:-1]], device=self.device), last_only=False)[0]
+            return torch.cat([first, rest], dim=0)

@@ -125,10 +125,11 @@ class CompressedReadGenerator(QAGenerator):
 
 def compressed_example_loss(model, tokenizer, example: Example, pad_id: int) -> tuple[torch.Tensor, int, int]:
     """Cross-entropy of ``example``'s target read from the cache its :attr:`~Example.read` keeps;
-    (loss, target tokens, prompt tokens). The prompt is prefilled by the engine's
-    :class:`~snapkv_rag.engine.generation.DecodeRun` without gradients; the answer's tokens are
-    then appended through that cache with gradients. The first answer token is predicted by the
-    prefill: it counts in the loss but carries no gradient."""
+    (loss, target tokens, prompt tokens). The prompt is read by the engine's
+    :meth:`~snapkv_rag.engine.generation.DecodeRun.teacher_force` in training mode: the
+    prefill without gradients, the answer's tokens through the kept cache with them. The
+    first answer token is predicted by the prefill: it counts in the loss but carries no
+    gradient."""
     from ..compression import as_policy
     from ..engine.generation import DecodeRun, GenerationParams
     from ..engine.prompts import question_tail_tokens, render_prompt
@@ -140,11 +141,6 @@ def compressed_example_loss(model, tokenizer, example: Example, pad_id: int) -> 
         raise ValueError(f"{example.read!r} names no compression to read the prompt under")
     policy = read.for_prompt(question_tail_tokens(tokenizer, example.messages, chat=True))
     run = DecodeRun(model, [prompt], GenerationParams(max_new_tokens=len(targets)), policy, pad_id)
-    with torch.no_grad():
-        first = run._prefill()
-    logits = first.float()
-    if len(targets) > 1:
-        rest = run._extend(torch.tensor([targets[:-1]], device=run.device), last_only=False)[0]
-        logits = torch.cat([logits.detach(), rest.float()], dim=0)
+    logits = run.teacher_force(targets, train=True).float()
     labels = torch.tensor(targets, device=logits.device)
     return torch.nn.functional.cross_entropy(logits, labels), len(targets), len(prompt)
