@@ -44,6 +44,20 @@ def test_needle_cases_hit_their_length_and_depth(tokenizer):
     assert build_needle_case(tokenizer, 300, 0.5, seed=3) == build_needle_case(tokenizer, 300, 0.5, seed=3)
 
 
+def test_the_second_needle_wording_shares_nothing_with_the_first(tokenizer):
+    first = build_needle_case(tokenizer, 400, 0.3, seed=5)
+    other = build_needle_case(tokenizer, 400, 0.3, seed=5, wording="code")
+    assert len(other.answer) == 4 and other.answer in other.haystack and other.haystack in other.prompt
+    assert first.haystack in first.prompt and first.question.endswith("?") and first.question in first.prompt.replace("what", "What")
+    assert 350 <= len(tokenizer(other.prompt)["input_ids"]) <= 450
+    assert not set(first.haystack.split(". ")) & set(other.haystack.split(". "))
+    varied = build_needle_case(tokenizer, 400, 0.3, seed=5, wording="code", varied=True)
+    assert varied.answer == other.answer and varied.haystack != other.haystack
+    assert sorted(varied.haystack.split()) == sorted(other.haystack.split())  # the same sentences, reordered
+    with pytest.raises(ValueError, match="wording must be one of"):
+        build_needle_case(tokenizer, 400, 0.3, wording="riddle")
+
+
 def test_citation_questions_have_gold_documents():
     questions = build_questions(12, 8, seed=1)
     for q in questions:
