@@ -157,3 +157,17 @@ def test_ask_on_an_empty_collection_says_so_before_loading_a_model(tmp_path, cap
     assert main(["ask", "q?", "--collection", "blank", "--store", store, "--model", str(tmp_path / "no-such-model")]) == 2
     err = capsys.readouterr().err
     assert "collection 'blank' has no documents" in err and "no-such-model" not in err
+
+
+def test_ask_skims_then_reads_and_says_what_the_skim_cost(docs, tmp_path, model_dir, capsys):
+    store = str(tmp_path / "store")
+    main(["ingest", str(docs), "--collection", "notes", "--store", store, "--json"])
+    capsys.readouterr()
+    args = ["ask", "When does the first ferry leave?", "--collection", "notes", "--store", store, "--model", model_dir, "--max-new-tokens", "2"]
+    assert main([*args, "--skim-tokens", "400", "--context-tokens", "60"]) == 0
+    out = capsys.readouterr().out
+    assert "Skimmed 2 chunks (" in out and "Stuffed 1 chunks" in out
+    assert main([*args, "--json", "--skim-tokens", "400", "--context-tokens", "60"]) == 0
+    assert json.loads(capsys.readouterr().out)["context"]["skim"]["skimmed_documents"] == 2
+    assert main([*args, "--skim-tokens", "0"]) == 2
+    assert "skim_tokens must be a positive integer" in capsys.readouterr().err

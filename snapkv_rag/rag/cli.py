@@ -61,6 +61,15 @@ def add_rag_parsers(sub, add_model_args, add_generation_args) -> None:
         ),
     )
     ask.add_argument("--recompute", type=float, default=None, help="share of reused chunk tokens computed again (default 0.15; 1.0 equals a full prefill)")
+    ask.add_argument(
+        "--skim-tokens",
+        type=int,
+        default=None,
+        help=(
+            "skim, then read: retrieve this many tokens, read them once compressed (rolled past the window), "
+            "and answer from the documents the question's attention ranked best, stuffed into --context-tokens (default: off)"
+        ),
+    )
     _add_kv_args(ask)
     add_model_args(ask, adapter_default=AUTO_DOCUMENTS)
     add_generation_args(ask)
@@ -157,6 +166,12 @@ def _describe(answer) -> list[str]:
         f"prefill {stats.prefill_seconds:.1f} s{_reuse_note(stats, answer.result.usage.prompt_tokens)}{_rolling_note(stats)}"
         + (f", decode {stats.decode_ms_per_token:.0f} ms/token{_drafts_note(stats)}" if stats.decode_ms_per_token else "")
     )
+    skim = ctx.settings.get("skim")
+    if skim:
+        lines.append(
+            f"Skimmed {skim['skimmed_documents']} chunks ({skim['skimmed_prompt_tokens']} prompt tokens, read compressed) "
+            f"in {skim['skim_seconds']:.1f} s to choose them"
+        )
     return lines
 
 
@@ -211,6 +226,7 @@ def cmd_ask(args) -> int:
         kv_dir=args.kv_dir,
         kv_cache_bytes=args.kv_cache_bytes,
         recompute=args.recompute,
+        skim_tokens=args.skim_tokens,
         **compression,
     )
     sampling.pop("max_new_tokens")

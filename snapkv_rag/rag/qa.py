@@ -26,7 +26,7 @@ from .kv_reuse import chunk_kv_store, precompute_chunk_kv, resolve_kv_reuse, reu
 from .skim import DEFAULT_LAYERS, FUSIONS, skim, skim_policy
 from .skim_heads import shipped_heads
 from .store import DocumentStore, StoredChunk
-from .stuffing import SYSTEM_PROMPT, StuffedContext, StuffingRetriever, chunk_segment
+from .stuffing import SYSTEM_PROMPT, ContextBudgetError, StuffedContext, StuffingRetriever, chunk_segment
 
 ROUTES = ("generated", "attributed", "attention")
 DEFAULT_LOOKUP_TOKENS = 4  # set by eval/decoding/lookup_bench.py (eval/decoding/RESULTS.md, "Prompt-lookup drafts")
@@ -328,7 +328,7 @@ class DocumentQA:
         if skim_tokens is None:
             return None
         if isinstance(skim_tokens, bool) or not isinstance(skim_tokens, int) or skim_tokens < 1:
-            raise ValueError(f"skim_tokens must be a positive integer or None, got {skim_tokens!r}")
+            raise ContextBudgetError(f"skim_tokens must be a positive integer or None, got {skim_tokens!r}")
         if fusion not in FUSIONS:
             raise ValueError(f"skim_fusion must be one of {FUSIONS}, got {fusion!r}")
         if whole_collection:
