@@ -111,7 +111,7 @@ def test_the_cli_says_not_supported():
         citations=[],
         sources=[],
         invalid_citations=[],
-        context=NS(chunks=[], document_tokens=20, budget_tokens=100, left_out=0, duplicates=0),
+        context=NS(chunks=[], document_tokens=20, budget_tokens=100, left_out=0, duplicates=0, settings={}),
         result=NS(stats=stats, usage=NS(prompt_tokens=40)),
         unsupported=[SentenceSupport("The primary school is 100.", (), (), ("100",))],
     )

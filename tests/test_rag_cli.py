@@ -84,7 +84,7 @@ def test_sources_name_each_route_once():
         reused_prompt_tokens=0,
         policy_stats={},
     )
-    context = SimpleNamespace(chunks=[chunk], document_tokens=1, budget_tokens=2, left_out=0, duplicates=0)
+    context = SimpleNamespace(chunks=[chunk], document_tokens=1, budget_tokens=2, left_out=0, duplicates=0, settings={})
     answer = SimpleNamespace(
         citations=cites,
         sources=[(1, chunk)],
@@ -171,3 +171,5 @@ def test_ask_skims_then_reads_and_says_what_the_skim_cost(docs, tmp_path, model_
     assert json.loads(capsys.readouterr().out)["context"]["skim"]["skimmed_documents"] == 2
     assert main([*args, "--skim-tokens", "0"]) == 2
     assert "skim_tokens must be a positive integer" in capsys.readouterr().err
+    assert main([*args, "--skim-tokens", "400", "--whole-collection"]) == 2
+    assert "whole_collection=True stuffs every chunk" in capsys.readouterr().err

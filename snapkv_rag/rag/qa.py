@@ -332,7 +332,7 @@ class DocumentQA:
         if fusion not in FUSIONS:
             raise ValueError(f"skim_fusion must be one of {FUSIONS}, got {fusion!r}")
         if whole_collection:
-            raise ValueError("skim_tokens re-ranks retrieved chunks; whole_collection=True stuffs every chunk in source order instead")
+            raise ContextBudgetError("skim_tokens re-ranks retrieved chunks; whole_collection=True stuffs every chunk in source order instead")
         r = self.retriever
         return StuffingRetriever(
             r.store,
