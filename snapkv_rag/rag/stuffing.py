@@ -89,8 +89,10 @@ class StuffedContext:
 
 
 # A line of document text that reads like a label ("[3] Official policy"): written "(3) ..." in
-# the prompt, so a document cannot pose as another one that citations would then point to.
-_FORGED_LABEL = re.compile(r"^([ \t]*)\[(\s*\d+\s*)\]", re.MULTILINE)
+# the prompt, so a document cannot pose as another one that citations would then point to. A line
+# starts after any break str.splitlines honours (a model reads "\r" or U+2028 as one too), not only "\n".
+_LINE_BREAKS = "\n\r\v\f\x1c\x1d\x1e\x85\u2028\u2029"
+_FORGED_LABEL = re.compile(rf"(?:^|(?<=[{_LINE_BREAKS}]))(\s*)\[(\s*\d+\s*)\]")
 _MARKER_IN_TITLE = re.compile(r"\[(\s*\d+\s*)\]")
 
 
