@@ -81,13 +81,22 @@ def test_less_kl_runs_on_the_models_device():
 
 
 def test_an_older_gpu_gets_fp16_not_bf16(monkeypatch):
+    """The dtype follows the compute capability of the GPU asked for: PyTorch's is_bf16_supported()
+    says yes on a V100 or T4 (it emulates bf16) and answers for the current device, not cuda:N."""
     from snapkv_rag.model import loading
 
-    monkeypatch.setattr(loading, "_check_device", lambda device: None)  # no GPU here: pretend one is there
-    for supported, expected in ((True, torch.bfloat16), (False, torch.float16)):
-        monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda supported=supported: supported)
-        assert loading.choose_device("cuda").dtype == expected
-    assert loading.choose_device("cuda", "fp32").dtype == torch.float32  # an explicit dtype is kept
+    monkeypatch.setattr(loading, "_check_device", lambda device: None)  # no GPU here: pretend four are there
+    capabilities = {0: (8, 0), 1: (7, 0), 2: (7, 5), 3: (9, 0)}  # the current one an A100, then a V100, a T4, an H100
+
+    def capability(device=None):
+        index = None if device is None else torch.device(device).index if not isinstance(device, int) else device
+        return capabilities[0 if index is None else index]
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", capability)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: True)  # what PyTorch says on all four
+    expected = {"cuda": torch.bfloat16, "cuda:0": torch.bfloat16, "cuda:1": torch.float16, "cuda:2": torch.float16, "cuda:3": torch.bfloat16}
+    assert {device: loading.choose_device(device).dtype for device in expected} == expected
+    assert loading.choose_device("cuda:1", "bf16").dtype == torch.bfloat16  # an explicit dtype is kept
 
 
 def test_the_attention_kernel_is_an_option_of_every_command():

@@ -122,8 +122,15 @@ def cpu_bf16_support(cpuinfo: str | None = None) -> str | None:
     return None
 
 
+def gpu_computes_bf16(device: torch.device) -> bool:
+    """Whether the GPU ``device`` names computes bf16 natively: compute capability 8.0 on (Ampere).
+    ``torch.cuda.is_bf16_supported()`` says yes on a V100 or T4 too (it emulates bf16, slowly),
+    and asks about the current device rather than ``device``."""
+    return torch.cuda.get_device_capability(device) >= (8, 0)
+
+
 def choose_device(device: str | torch.device | None = None, dtype: str | torch.dtype | None = None) -> DeviceChoice:
-    """cuda when present, else cpu; bf16 on a GPU that supports it (fp16 on older GPUs) and on a CPU that computes bf16 natively
+    """cuda when present, else cpu; bf16 on a GPU that computes it (:func:`gpu_computes_bf16`; fp16 on older GPUs) and on a CPU that computes bf16 natively
     (:func:`cpu_bf16_support`), fp32 on other CPUs. On the embedded model bf16 stays within a
     mean next-token KL of 0.002 of fp32 (eval/decoding/RESULTS.md, "bf16 against fp32").
 
@@ -139,8 +146,7 @@ def choose_device(device: str | torch.device | None = None, dtype: str | torch.d
         _check_device(dev)
     if dtype is None:
         if dev.type == "cuda":
-            # bf16 where the GPU computes it (Ampere on); fp16 on older ones (V100, T4), whose bf16 is emulated or refused
-            dt = torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+            dt = torch.bfloat16 if gpu_computes_bf16(dev) else torch.float16
         else:
             dt = torch.bfloat16 if cpu_bf16_support() else torch.float32
     elif isinstance(dtype, torch.dtype):
