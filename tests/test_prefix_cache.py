@@ -369,3 +369,41 @@ def test_the_admission_is_checked_and_remembers_prompts_per_namespace():
     cache.admission = "sometimes"
     with pytest.raises(ValueError, match="admission"):
         cache.admits(row, "a", 100, policy, torch.float32)
+
+
+@pytest.mark.parametrize("paused", ["lookup", "insert"])
+def test_a_store_from_another_thread_waits_for_a_walk_over_the_entries(monkeypatch, paused):
+    """lookup and insert compare the prompt with every stored entry: a store from another thread
+    (the engine's worker beside a caller's own run) landing mid-walk changed the entries under it
+    ("OrderedDict mutated during iteration"); the cache's lock holds the store until the walk ends."""
+    import threading
+
+    cache = PrefixCache(max_bytes=1 << 20)
+    kv = [torch.zeros(1, 1, 4, 2)]
+    for first in range(3):
+        cache.insert([first, 1, 2, 3], kv, kv)
+    stored, others = threading.Event(), []
+    compare = PrefixCache._common_prefix
+
+    def store_elsewhere():
+        cache.insert([9, 9, 9, 9], kv, kv)
+        stored.set()
+
+    def comparing(entry_tokens, query):
+        if not others:  # the walk's first comparison: another thread stores now
+            others.append(threading.Thread(target=store_elsewhere))
+            others[0].start()
+            stored.wait(timeout=0.5)  # an unguarded store lands well within this; a guarded one waits for the walk
+        return compare(entry_tokens, query)
+
+    monkeypatch.setattr(PrefixCache, "_common_prefix", staticmethod(comparing))
+    if paused == "lookup":
+        entry, shared = cache.lookup([1, 1, 2, 3, 5])
+        assert entry is not None and entry.tokens.tolist() == [1, 1, 2, 3] and shared == 4
+    else:
+        assert cache.insert([1, 1, 2, 3, 5], kv, kv)
+    others[0].join()
+    assert stored.is_set()
+    assert sorted(e.tokens.tolist() for e in cache.entries()) == sorted(
+        [[0, 1, 2, 3], [2, 1, 2, 3], [9, 9, 9, 9]] + ([[1, 1, 2, 3]] if paused == "lookup" else [[1, 1, 2, 3, 5]])
+    )

@@ -33,6 +33,7 @@ reuse statistics and first-token times say nothing about another's prompts.
 from __future__ import annotations
 
 import hashlib
+import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
@@ -87,7 +88,8 @@ SEEN_TOKENS = 1 << 20  # ... and at most this many of their tokens (8 MiB)
 class PrefixCache:
     """LRU of :class:`PrefixEntry` under ``max_bytes`` (K and V bytes of all layers).
 
-    Not thread-safe on its own: the engine uses it only under its lock.
+    Thread-safe: every method that reads or changes the entries holds the cache's lock (the
+    engine's worker stores and looks up while metrics read the statistics from another thread).
     """
 
     max_bytes: int
@@ -101,6 +103,7 @@ class PrefixCache:
     hits: int = 0
     reused_tokens: int = 0
     evictions: int = 0
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     @property
     def nbytes(self) -> int:
@@ -111,33 +114,37 @@ class PrefixCache:
 
     def entries(self) -> list[PrefixEntry]:
         """Least recently used first."""
-        return list(self._entries.values())
+        with self._lock:
+            return list(self._entries.values())
 
     def stats(self) -> PrefixCacheStats:
-        return PrefixCacheStats(len(self._entries), self._bytes, self.max_bytes, self.lookups, self.hits, self.reused_tokens, self.evictions)
+        with self._lock:
+            return PrefixCacheStats(len(self._entries), self._bytes, self.max_bytes, self.lookups, self.hits, self.reused_tokens, self.evictions)
 
     def clear(self) -> None:
-        self._entries.clear()
-        self._seen.clear()
-        self._bytes = 0
+        with self._lock:
+            self._entries.clear()
+            self._seen.clear()
+            self._bytes = 0
 
     def admits(self, tokens: list[int], namespace: str, nbytes: int, policy: CompressionPolicy | None, dtype: torch.dtype) -> bool:
         """Whether a prefill of ``tokens`` under ``policy`` should collect its full K/V
         (``nbytes``) for this cache; then remembers the prompt as seen."""
         if self.admission not in ADMISSIONS:
             raise ValueError(f"prefix cache admission must be one of {ADMISSIONS}, got {self.admission!r}")
-        query = torch.tensor(tokens, dtype=torch.long)
-        admitted = 0 < nbytes <= self.max_bytes
-        first_sight = self.max_bytes // 16 if self.first_sight_bytes is None else self.first_sight_bytes
-        if admitted and policy is not None and self.admission == "repeat" and nbytes > first_sight:
-            shared = max((self._common_prefix(seen, query) for (space, _), seen in self._seen.items() if space == namespace), default=0)
-            admitted = reusable_tokens(shared, len(tokens), policy, dtype) > 0
-        key = (namespace, hashlib.sha1(query.numpy().tobytes()).digest())
-        self._seen.pop(key, None)
-        self._seen[key] = query
-        while len(self._seen) > SEEN_PROMPTS or sum(t.numel() for t in self._seen.values()) > SEEN_TOKENS:
-            self._seen.popitem(last=False)
-        return admitted
+        with self._lock:
+            query = torch.tensor(tokens, dtype=torch.long)
+            admitted = 0 < nbytes <= self.max_bytes
+            first_sight = self.max_bytes // 16 if self.first_sight_bytes is None else self.first_sight_bytes
+            if admitted and policy is not None and self.admission == "repeat" and nbytes > first_sight:
+                shared = max((self._common_prefix(seen, query) for (space, _), seen in self._seen.items() if space == namespace), default=0)
+                admitted = reusable_tokens(shared, len(tokens), policy, dtype) > 0
+            key = (namespace, hashlib.sha1(query.numpy().tobytes()).digest())
+            self._seen.pop(key, None)
+            self._seen[key] = query
+            while len(self._seen) > SEEN_PROMPTS or sum(t.numel() for t in self._seen.values()) > SEEN_TOKENS:
+                self._seen.popitem(last=False)
+            return admitted
 
     @staticmethod
     def _common_prefix(stored: torch.Tensor, query: torch.Tensor) -> int:
@@ -150,46 +157,49 @@ class PrefixCache:
     def lookup(self, tokens: list[int], namespace: str = "") -> tuple[PrefixEntry | None, int]:
         """The entry of ``namespace`` sharing the longest token prefix with ``tokens`` and that
         length, or ``(None, 0)``. Recency changes only when the entry is used (:meth:`record_reuse`)."""
-        self.lookups += 1
-        query = torch.tensor(tokens, dtype=torch.long)
-        best, best_len = None, 0
-        for entry in self._entries.values():
-            if entry.namespace != namespace:
-                continue
-            n = self._common_prefix(entry.tokens, query)
-            if n > best_len:
-                best, best_len = entry, n
-        return best, best_len
+        with self._lock:
+            self.lookups += 1
+            query = torch.tensor(tokens, dtype=torch.long)
+            best, best_len = None, 0
+            for entry in self._entries.values():
+                if entry.namespace != namespace:
+                    continue
+                n = self._common_prefix(entry.tokens, query)
+                if n > best_len:
+                    best, best_len = entry, n
+            return best, best_len
 
     def record_reuse(self, entry: PrefixEntry | None, tokens: int) -> None:
         """``tokens`` of ``entry`` were reused: count them and mark it most recently used."""
         if entry is None or tokens <= 0:
             return
-        self.hits += 1
-        self.reused_tokens += tokens
-        for key, stored in self._entries.items():
-            if stored is entry:
-                self._entries.move_to_end(key)
-                break
+        with self._lock:
+            self.hits += 1
+            self.reused_tokens += tokens
+            for key, stored in self._entries.items():
+                if stored is entry:
+                    self._entries.move_to_end(key)
+                    break
 
     def insert(self, tokens: list[int], keys: list[torch.Tensor], values: list[torch.Tensor], namespace: str = "", aligned: int = 0) -> bool:
         """Store a prompt's full K/V under ``namespace``; returns False when it alone exceeds the bound."""
         nbytes = sum(t.numel() * t.element_size() for t in (*keys, *values))
         if self.max_bytes <= 0 or nbytes > self.max_bytes:
             return False
-        ids = torch.tensor(tokens, dtype=torch.long)
-        # Entries of the namespace that are a prefix of the new prompt (or equal to it) are subsumed by it.
-        subsumed = [k for k, e in self._entries.items() if e.namespace == namespace and len(e) <= ids.numel() and self._common_prefix(e.tokens, ids) == len(e)]
-        for key in subsumed:
-            self._bytes -= self._entries.pop(key).nbytes
-        self._entries[self._next_id] = PrefixEntry(ids, keys, values, nbytes, namespace, aligned)
-        self._next_id += 1
-        self._bytes += nbytes
-        while self._bytes > self.max_bytes:
-            _, evicted = self._entries.popitem(last=False)
-            self._bytes -= evicted.nbytes
-            self.evictions += 1
-        return True
+        with self._lock:
+            ids = torch.tensor(tokens, dtype=torch.long)
+            # Entries of the namespace that are a prefix of the new prompt (or equal to it) are subsumed by it.
+            subsumed = [k for k, e in self._entries.items() if e.namespace == namespace and len(e) <= len(ids) and self._common_prefix(e.tokens, ids) == len(e)]
+            for key in subsumed:
+                self._bytes -= self._entries.pop(key).nbytes
+            self._entries[self._next_id] = PrefixEntry(ids, keys, values, nbytes, namespace, aligned)
+            self._next_id += 1
+            self._bytes += nbytes
+            while self._bytes > self.max_bytes:
+                _, evicted = self._entries.popitem(last=False)
+                self._bytes -= evicted.nbytes
+                self.evictions += 1
+            return True
 
 
 def reuse_tail(policy: CompressionPolicy | None) -> int | None:
