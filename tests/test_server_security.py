@@ -149,6 +149,26 @@ def test_slow_clients_hold_no_queue_place_and_are_cut_off(engine):
             assert answer.startswith("HTTP/1.1 408") and "request_timeout" in answer
 
 
+def test_a_slow_body_is_a_408_where_asyncio_has_its_own_timeout_class(plain, monkeypatch):
+    """On Python 3.10 (the package supports it) asyncio.wait_for raises asyncio.TimeoutError, a class
+    of its own there (an alias of TimeoutError from 3.11): catching TimeoutError alone answered 500."""
+    import asyncio
+
+    from snapkv_rag.server import app as app_module
+
+    class Python310TimeoutError(Exception):
+        """asyncio.TimeoutError as Python 3.10 defines it: no subclass of the builtin TimeoutError."""
+
+    async def body_too_slow(awaitable, timeout):
+        awaitable.close()
+        raise asyncio.TimeoutError  # noqa: UP041 -- the patched 3.10 class, not the builtin
+
+    monkeypatch.setattr(asyncio, "TimeoutError", Python310TimeoutError)
+    monkeypatch.setattr(app_module.asyncio, "wait_for", body_too_slow)
+    response = plain.post("/v1/chat/completions", json=CHAT)
+    assert response.status_code == 408 and response.json()["error"]["code"] == "request_timeout", response.text
+
+
 def test_rolling_cannot_take_a_prompt_past_the_servers_bound(engine):
     """``rolling=`` in a request read prompts of any length (a 56K-token prompt was a 400 alone and a
     200 rolled). Now a rolled prompt is held to --max-prompt-tokens, the model's context by default."""

@@ -153,7 +153,7 @@ async def _json_body(request: Request, limit: int, timeout: float = DEFAULT_BODY
 
     try:  # a client that trickles its body is cut off, and holds no place in the queue meanwhile
         raw = await asyncio.wait_for(read(), timeout)
-    except TimeoutError:
+    except (TimeoutError, asyncio.TimeoutError):  # noqa: UP041 -- two classes on Python 3.10, one from 3.11
         raise APIError(408, f"the request body did not arrive within {timeout:g} s", code="request_timeout") from None
     try:
         body = json.loads(bytes(raw).decode("utf-8"))
