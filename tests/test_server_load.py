@@ -10,11 +10,14 @@ test_server.py.)
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import random
 import re
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from conftest import running, terse_bias, tiny_tool_engine
@@ -139,3 +142,65 @@ def test_thirty_two_clients_mixed_traffic(engine):
     assert rows / steps > 2, (rows, steps)  # requests really decoded together
     assert re.search(r'^snapkv_requests_total\{endpoint="chat",status="200"\} ', metrics, re.M)
     assert engine.scheduler_stats().running_requests == 0
+
+
+class BlockedEmbedder:
+    """An embedder whose every job waits for ``release``, as long 2,048-input calls hold their threads."""
+
+    max_tokens = 512
+
+    def __init__(self):
+        self.release = threading.Event()
+
+    def token_counts(self, texts: list[str]) -> list[int]:
+        self.release.wait()
+        return [len(text.split()) for text in texts]
+
+    def embed_array(self, texts: list[str]):
+        import numpy as np
+
+        return np.zeros((len(texts), 4), dtype=np.float32)
+
+
+@contextlib.contextmanager
+def serving(app):
+    """``app`` under uvicorn in a thread (as conftest.running, with the app in the test's hands)."""
+    import uvicorn
+
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started:
+        assert thread.is_alive(), "the server did not start"
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        thread.join(10)
+
+
+def test_a_chat_opens_while_embedding_jobs_hold_their_threads(engine):
+    """Embedding jobs ran on the event loop's default pool, which opens every completion (renders and
+    tokenizes its prompt): as many long embedding calls as its threads (6 on 2 cores) held every new
+    chat before it was tokenized. Here more embedding jobs than that pool has threads are blocked
+    while a chat is asked for: it opens and answers."""
+    from snapkv_rag.server import create_app
+
+    embedder = BlockedEmbedder()
+    config = ServerConfig(engine, model_id="m", compression="snapkv:budget=64", embedder=embedder, embedder_id="emb", max_queue=128)
+    app = create_app(config)
+    jobs = min(32, (os.cpu_count() or 1) + 4) + 2  # the default pool's threads (asyncio's rule), and more
+    chat = {"model": "m", "messages": [{"role": "user", "content": "Say something."}], "max_tokens": 2}
+    with serving(app) as url, ThreadPoolExecutor(jobs) as clients:
+        try:
+            calls = [clients.submit(httpx.post, url + "/v1/embeddings", json={"model": "emb", "input": ["a b c"]}, timeout=300) for _ in range(jobs)]
+            while app.state.in_flight < jobs:  # every job admitted, and so handed to its executor
+                assert not any(call.done() for call in calls), [call.result().text for call in calls if call.done()]
+                time.sleep(0.01)
+            answer = httpx.post(url + "/v1/chat/completions", json=chat, timeout=60)
+            assert answer.status_code == 200, answer.text
+            assert not any(call.done() for call in calls)  # the chat answered while every embedding job still waited
+        finally:
+            embedder.release.set()
+        assert all(call.result().status_code == 200 for call in calls)

@@ -17,6 +17,7 @@ import json
 import logging
 import time
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from starlette.applications import Starlette
@@ -47,6 +48,11 @@ from .protocol import (
 )
 
 log = logging.getLogger("snapkv_rag.server")
+
+#: Threads for embedding jobs, apart from the event loop's default pool, which opens every completion
+#: (renders and tokenizes its prompt): a burst of long embedding calls there left no thread to open a chat
+#: with. The jobs take the engine's thread in turn, so more threads would only wait.
+EMBEDDING_THREADS = 2
 
 
 class ServerConfig:
@@ -487,7 +493,7 @@ async def embeddings(request: Request):
             # the body is written here too: off the event loop, which would otherwise stall every client meanwhile
             return json_bytes(embedding_response(model, embedder.embed_array(texts), encoding, sum(counts)))
 
-        body_bytes = await asyncio.get_running_loop().run_in_executor(None, work)
+        body_bytes = await asyncio.get_running_loop().run_in_executor(request.app.state.embedding_jobs, work)
         request.app.state.metrics.finished("embeddings", 200)
         return Response(body_bytes, media_type="application/json")
     except APIError as exc:
@@ -578,4 +584,5 @@ def create_app(config: ServerConfig) -> Starlette:
     app.state.metrics = ServerMetrics(config.engine)  # without an engine here (Ray Serve), request metrics only
     app.state.drain = Drain(config.shutdown_grace)  # begun by DrainingServer at Ctrl+C or SIGTERM
     app.state.in_flight = 0  # completion requests admitted and not finished (the event loop's own count)
+    app.state.embedding_jobs = ThreadPoolExecutor(EMBEDDING_THREADS, thread_name_prefix="snapkv-rag-embeddings")
     return app
