@@ -511,3 +511,46 @@ def test_answers_and_source_labels_render_no_link_image_or_tag(planted):
     chunk = NS(file=f"/docs/{planted[:20]}.md", title=planted, position=0)
     html = render(source_label(1, chunk))
     assert "<img" not in html and "<a " not in html
+
+
+# Streamlit renders markdown in the browser with remark-gfm, whose autolink-literal step finds bare
+# URLs, www. addresses and e-mail addresses in every text node after parsing (escapes and character
+# references already decoded) with these patterns (JavaScript's \w is ASCII); a code span is not a text node.
+GFM_AUTOLINK = [re.compile(r"(https?://|www(?=\.))([-.\w]+)([^ \t\r\n]*)", re.I | re.A), re.compile(r"([-.\w+]+)@([-\w]+(?:\.[-\w]+)+)", re.A)]
+BARE_LINKS = [
+    "https://attacker.example/x?leak=1",
+    "HTTP://attacker.example",
+    "www.attacker.example/p",
+    "write to leak@attacker.example",
+    "h&#116;tps://attacker.example",  # a character reference decodes before the autolink step
+    "www&#46;attacker.example",
+    "mailto:leak&#64;attacker.example",
+]
+
+
+def gfm_autolinked(markdown: str) -> list[str]:
+    """What remark-gfm would turn into links in ``markdown``: its patterns over the text nodes."""
+    from markdown_it import MarkdownIt
+
+    blocks = MarkdownIt("commonmark").parse(markdown)
+    texts = [t.content for block in blocks for t in block.children or [] if t.type == "text"]
+    return [m.group(0) for text in texts for pattern in GFM_AUTOLINK for m in pattern.finditer(text)]
+
+
+@pytest.mark.parametrize("planted", BARE_LINKS)
+def test_bare_urls_in_answers_documents_and_sources_stay_text(planted):
+    from html import escape
+    from types import SimpleNamespace as NS
+
+    from markdown_it import MarkdownIt
+
+    from snapkv_rag.app.views import WORD_JOINER, answer_markdown, md_code, md_escape, source_label, streamed_markdown
+
+    answer = f"The ferry leaves at 6:40 [1]. See {planted} for more."
+    chunk = NS(file=f"/docs/{planted[:24]}.md", title=planted, position=0)
+    for markdown in (answer_markdown(answer), md_escape(answer), source_label(1, chunk), md_code(f"`{planted}` {planted}")):
+        assert gfm_autolinked(markdown) == [], markdown
+        html = MarkdownIt("commonmark").render(markdown).replace(WORD_JOINER, "")
+        assert "<a " not in html and escape(planted, quote=False) in html  # shown as written, the joiners unseen
+    for cut in range(len(answer) + 1):  # a link split across streamed pieces is broken as in the whole answer
+        assert "".join(streamed_markdown([answer[:cut], answer[cut:]])) == answer_markdown(answer)

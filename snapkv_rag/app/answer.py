@@ -11,7 +11,7 @@ from snapkv_rag.integrations import DocumentQA, DocumentStore, kept_per_document
 
 from ..errors import SnapKVRagError
 from .config import MAX_QUESTION_CHARS, Settings, checked_policy, reads_past_window
-from .views import Run, Turn, answer_markdown, md_escape, render_comparison, render_kept, render_run_caption, render_sources
+from .views import Run, Turn, md_escape, render_comparison, render_kept, render_run_caption, render_sources, streamed_markdown
 
 
 def ask_one(qa: DocumentQA, question: str, run: Run, settings: Settings, policy, target) -> None:
@@ -26,10 +26,10 @@ def ask_one(qa: DocumentQA, question: str, run: Run, settings: Settings, policy,
             for piece in stream:
                 if run.ttft is None:
                     run.ttft = time.perf_counter() - started
-                yield answer_markdown(piece)
+                yield piece
 
         try:
-            written = st.write_stream(pieces())
+            written = st.write_stream(streamed_markdown(pieces()))
         finally:
             stream.close()
         text = written if isinstance(written, str) else "".join(map(str, written))

@@ -25,7 +25,7 @@ from snapkv_rag.integrations import (
 from ..errors import SnapKVRagError
 from .config import UPLOAD_TYPES, AppConfig, ingest_lock
 from .sidebar import list_collections
-from .views import md_escape
+from .views import md_code, md_escape
 
 
 def open_store(client, embedder: Embedder, cfg: AppConfig, name: str, *, create: bool) -> DocumentStore:
@@ -72,7 +72,7 @@ def render_report(report: dict[str, Any]) -> None:
     text = f"**{report['what']}** → `{report['collection']}`: {rep.summary()}."
     (st.success if rep.files and not rep.skipped else st.warning if rep.skipped else st.info)(text)
     for s in rep.skipped:
-        st.markdown(f"- `{Path(s.source).name}` was skipped: {md_escape(s.reason)}")
+        st.markdown(f"- {md_code(Path(s.source).name)} was skipped: {md_escape(s.reason)}")
 
 
 def documents_panel(cfg: AppConfig, client, embedder: Embedder, collection: str) -> DocumentStore | None:

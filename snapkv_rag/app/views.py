@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,9 +28,22 @@ def fmt_seconds(s: float | None) -> str:
     return "–" if s is None else (f"{s * 1000:.0f} ms" if s < 1 else f"{s:.2f} s")
 
 
+# Where GFM would autolink (Streamlit's markdown does): after "http(s):/" before the second "/",
+# after "www" before ".", after "@" before a domain. A backslash escape would not do (remark-gfm looks
+# for links in the text after escapes and character references are decoded); an invisible word joiner
+# breaks the pattern. It sits before the pattern's last character, so a streamed answer can be escaped as it grows.
+_AUTOLINK = re.compile(r"(?i)(?:(?<=https:/)|(?<=http:/))(?=/)|(?<=www)(?=\.)|(?<=@)(?=[-\w])")
+WORD_JOINER = "\u2060"
+
+
+def no_autolink(text: str) -> str:
+    """Text in which no bare URL, ``www.`` address or e-mail address becomes a link."""
+    return _AUTOLINK.sub(WORD_JOINER, text)
+
+
 def md_escape(text: str) -> str:
-    """Show text as written: no markdown, HTML or LaTeX interpretation."""
-    text = re.sub(r"([\\`*_{}\[\]<>#|$~])", r"\\\1", text)
+    """Show text as written: no markdown, HTML, LaTeX or link (not even a bare URL) interpretation."""
+    text = re.sub(r"([\\`*_{}\[\]<>#|$~&])", r"\\\1", no_autolink(text))
     # List markers and numbered-list starts only matter at the start of a line.
     text = re.sub(r"(?m)^(\s*)([-+])(\s)", r"\1\\\2\3", text)
     return re.sub(r"(?m)^(\s*)(\d+)\.(\s)", r"\1\2\\.\3", text)
@@ -38,9 +52,28 @@ def md_escape(text: str) -> str:
 def answer_markdown(text: str) -> str:
     """Model text as markdown (emphasis and lists render), with ``$`` kept literal (no LaTeX) and
     no link, image or tag: an answer repeats its documents, and a document must not plant a
-    tracking pixel or an exfiltration link in it. Brackets (``[1]``), angle brackets and the
-    backslash that could undo those escapes are shown as written."""
-    return re.sub(r"([\\\[\]<>$])", r"\\\1", text)
+    tracking pixel or an exfiltration link in it. Brackets (``[1]``), angle brackets, bare URLs,
+    character references (``&#58;``) and the backslash that could undo those escapes are shown as written."""
+    return re.sub(r"([\\\[\]<>$&])", r"\\\1", no_autolink(text))
+
+
+def streamed_markdown(pieces: Iterable[str]) -> Iterator[str]:
+    """:func:`answer_markdown` of a streamed answer, piece by piece: what is yielded adds up to the
+    whole answer's markdown (a URL split across pieces is broken as in the whole text)."""
+    text, shown = "", ""
+    for piece in pieces:
+        text += piece
+        markdown = answer_markdown(text)
+        yield markdown[len(shown) :]
+        shown = markdown
+
+
+def md_code(text: str) -> str:
+    """``text`` as inline code (no markdown, no link), however many backticks or line breaks it holds."""
+    text = " ".join(text.splitlines())  # a blank line would end the code span
+    fence = "`" * (max(map(len, re.findall(r"`+", text)), default=0) + 1)
+    pad = " " if text.startswith("`") or text.endswith("`") else ""
+    return f"{fence}{pad}{text}{pad}{fence}"
 
 
 def source_label(number: int, chunk) -> str:
@@ -154,7 +187,7 @@ def render_sources(answer: Answer) -> None:
                 st.markdown("Supports: " + " ".join(f"“{md_escape(s)}”" for s in dict.fromkeys(supported)))
             with st.container(border=True):
                 st.markdown(md_escape(chunk.text))
-            st.caption(f"File: `{chunk.file}`")
+            st.caption(f"File: {md_code(chunk.file)}")
     if answer.invalid_citations:
         st.caption("The model also cited documents that were not in the prompt: " + " ".join(f"[{n}]" for n in answer.invalid_citations))
 
