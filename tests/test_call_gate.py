@@ -126,3 +126,19 @@ def test_without_a_gate_the_model_decides(engine):
     assert engine.call_gate is None  # tiny test models have no fitted gate
     result = engine.generate(PROMPT, tools=TOOLS, max_new_tokens=24)
     assert result.stats.tool_decision is None
+
+
+def test_the_gate_reads_and_writes_only_the_requests_namespace(engine):
+    """A keyed or salted request's gate teacher-forces its prompt, and the tool set's background
+    requests, in the request's own prefix-cache namespace (issue 73, defect 2)."""
+    spec = build_output_spec(TOOLS, "auto")
+    scored = [render_prompt(engine.tokenizer, text, tools=spec.tools) for text in (PROMPT, BACKGROUND_REQUESTS[0])]
+    engine.prefix_cache.clear()
+    with gate(engine, NEVER):
+        engine.generate(PROMPT, tools=TOOLS, max_new_tokens=2, cache_salt="victim")
+        assert all(engine.prefix_cache.lookup(row, "victim")[1] == len(row) for row in scored)
+        assert all(engine.prefix_cache.lookup(row, "")[1] == 0 for row in scored)  # nothing in the shared namespace
+        engine.generate(PROMPT, tools=TOOLS, max_new_tokens=2, cache_salt="attacker")  # its own prior too, not the victim's
+        assert all(engine.prefix_cache.lookup(row, "attacker")[1] == len(row) for row in scored)
+        engine.generate(PROMPT, tools=TOOLS, max_new_tokens=2, cache_salt="nothing-kept", prefix_cache=False)
+        assert all(engine.prefix_cache.lookup(row, "nothing-kept")[1] == 0 for row in scored)

@@ -36,12 +36,12 @@ from .preparation import (
     resolve_policy,
 )
 from .prompts import PromptLike, render_prompt
-from .requests import Request
+from .requests import Request, checked_cache_salt
 from .results import GenerationResult
 from .sampling import GenerationParams
 from .scheduler import Member, Scheduler, SchedulerStats, default_max_batch_size
 from .streams import AsyncGenerationStream, GenerationStream, StreamPiece, cancellable
-from .tool_decisions import CallScorer
+from .tool_decisions import CacheUse, CallScorer
 
 __all__ = ["AsyncGenerationStream", "Compression", "Engine", "GenerationStream", "ModelInfo"]
 
@@ -345,20 +345,23 @@ class Engine:
         return GenerationStream(events, first, cancel)
 
     # ----------------------------------------------------------------- tool-call decisions
-    def _teacher_force_row(self, row: list[int], ids: list[int], policy: CompressionPolicy | list | None = None, prefix_cache: bool = True) -> torch.Tensor:
+    def _teacher_force_row(
+        self, row: list[int], ids: list[int], policy: CompressionPolicy | list | None = None, prefix_cache: bool = True, namespace: str = ""
+    ) -> torch.Tensor:
         cache = self._prefix_cache_for(prefix_cache)
         params = GenerationParams(max_new_tokens=len(ids))
-        run = DecodeRun(self.model, [row], params, policy, self._pad_id, prefix_cache=cache, invariant_chunk=self._invariant_chunk)
+        run = DecodeRun(self.model, [row], params, policy, self._pad_id, prefix_cache=cache, cache_namespace=namespace, invariant_chunk=self._invariant_chunk)
         return self.run_on_model(lambda: run.teacher_force(ids).float().cpu())
 
-    def call_scores(self, row: list[int], spec: OutputSpec) -> CallScores:
+    def call_scores(self, row: list[int], spec: OutputSpec, *, cache_salt: str | None = None) -> CallScores:
         """Log-probabilities, after the rendered ``row``, of each tool's call opening and of the
-        call marker's first token (see :mod:`snapkv_rag.engine.tool_decisions`)."""
-        return self.call_scorer.scores(row, spec)
+        call marker's first token (see :mod:`snapkv_rag.engine.tool_decisions`), reusing prompt
+        K/V only under ``cache_salt``."""
+        return self.call_scorer.scores(row, spec, CacheUse(namespace=checked_cache_salt(cache_salt) or ""))
 
-    def call_prior(self, spec: OutputSpec) -> dict[str, float]:
-        """Each tool's mean opening score after requests that need no tool, rendered with these tools (cached)."""
-        return self.call_scorer.prior(spec)
+    def call_prior(self, spec: OutputSpec, *, cache_salt: str | None = None) -> dict[str, float]:
+        """Each tool's mean opening score after requests that need no tool, rendered with these tools (cached per ``cache_salt``)."""
+        return self.call_scorer.prior(spec, CacheUse(namespace=checked_cache_salt(cache_salt) or ""))
 
     # ----------------------------------------------------------------- public API
     def stream(
@@ -488,17 +491,21 @@ class Engine:
         chat: bool | None = None,
         question: str | None = None,
         prefix_cache: bool = True,
+        cache_salt: str | None = None,
     ) -> torch.Tensor:
         """Teacher-forced logits ``[len(continuation), vocab]`` of ``continuation`` after ``prompt``.
 
         With ``compression``, the prompt's cache is compressed first, exactly as in generation.
         ``continuation``: a non-empty list (or 1-D tensor) of token ids in the vocabulary.
+        ``prefix_cache`` and ``cache_salt`` as in :meth:`stream`: prompt K/V reused and stored
+        only under the salt.
         """
+        namespace = checked_cache_salt(cache_salt) or ""
         ids = check_continuation(self, continuation)
         requested = as_policy(compression)
         (row,) = render_within_context(self, [prompt], chat, len(ids), policy=requested)
         policy = resolve_policy(self, requested, [prompt], chat, [question])
-        return self._teacher_force_row(row, ids, policy, prefix_cache)
+        return self._teacher_force_row(row, ids, policy, prefix_cache, namespace)
 
     async def agenerate(self, prompt: PromptLike, **kwargs: Any) -> GenerationResult:
         """:meth:`generate` in a worker thread, so the event loop keeps running.
