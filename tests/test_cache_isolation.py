@@ -113,3 +113,64 @@ def test_several_keys_from_the_command_line_and_a_file(engine, tmp_path, monkeyp
     (tmp_path / "empty").write_text("# none\n")
     with pytest.raises(SnapKVRagError, match="holds no key"):
         build_config(build_parser().parse_args(["serve", "--api-keys-file", str(tmp_path / "empty"), "--embedder", "none"]), engine=engine)
+
+
+def test_score_reuses_and_stores_prompt_kv_only_under_its_salt(engine):
+    engine.prefix_cache.clear()
+    engine.generate(SECRET, max_new_tokens=2)  # the shared namespace holds the secret
+    before = engine.prefix_cache.stats().reused_tokens
+    engine.score(SECRET, [5, 6, 7], cache_salt="attacker")
+    assert engine.prefix_cache.stats().reused_tokens == before  # nothing read from the shared namespace
+    engine.score(SECRET, [5, 6, 7], cache_salt="victim")
+    assert engine.generate(SECRET, cache_salt="other", max_new_tokens=2).stats.reused_prompt_tokens == 0
+    assert engine.generate(SECRET, cache_salt="victim", max_new_tokens=2).stats.reused_prompt_tokens > 0  # what score stored
+
+
+# --------------------------------------------------------------------------- Ray replicas: routing and the replica header
+
+LONG_SECRET = "The vault code is 4417. " + "Answer from the harbour timetable only. " * 120
+LONG_WRONG = "The vault code is 9999. " + "Answer from the harbour timetable only. " * 120
+
+
+def test_a_prompt_has_other_affinity_keys_in_another_namespace():
+    from snapkv_rag.server.affinity import affinity_keys
+
+    alice = affinity_keys(LONG_SECRET, [DOC], namespace="alice")
+    bob = affinity_keys(LONG_SECRET, [DOC], namespace="bob")
+    assert affinity_keys(LONG_SECRET, [DOC], namespace="alice") == alice  # stable: a tenant's follow-ups keep their replica
+    assert not set(alice[0] + alice[1]) & set(bob[0] + bob[1])
+    assert not set(alice[0] + alice[1]) & set(sum(affinity_keys(LONG_SECRET, [DOC]), []))  # nor the shared namespace's
+
+
+def test_another_tenants_right_guess_routes_as_a_wrong_one():
+    from snapkv_rag.server.affinity import AffinityTable, affinity_keys
+
+    live = {"r1", "r2"}
+    table = AffinityTable()
+    table.record(sum(affinity_keys(LONG_SECRET, [DOC], namespace="victim"), []), "r1")
+    assert table.best(*affinity_keys(LONG_SECRET + " Next?", [DOC], namespace="victim"), live)[0] == "r1"  # the victim's follow-up
+    right = table.best(*affinity_keys(LONG_SECRET, [DOC], namespace="attacker"), live)
+    wrong = table.best(*affinity_keys(LONG_WRONG, [DOC], namespace="attacker"), live)
+    assert right == wrong == (None, 0.0)
+
+
+def test_the_replica_header_is_a_tag_of_the_tenant_not_the_replica(engine):
+    from snapkv_rag.server.app import InProcess
+
+    class OnReplica(InProcess):  # the engine in process, its streams named as a Ray replica's are
+        async def open(self, config, request):
+            stream = await super().open(config, request)
+            stream.replica = "replica-7f3a"
+            return stream
+
+    config = ServerConfig(engine, model_id="tiny", api_key=["key-alice", "key-bob"], backend=OnReplica(engine))
+    with TestClient(create_app(config)) as client:
+
+        def served_by(key: str, **extra) -> str:
+            response = client.post("/v1/chat/completions", json=chat("Hi", **extra), headers={"Authorization": f"Bearer {key}"})
+            assert response.status_code == 200, response.text
+            return response.headers["x-snapkv-replica"]
+
+        alice = served_by("key-alice")
+        assert served_by("key-alice") == alice  # stable within a tenant: its follow-ups show where they ran
+        assert len({alice, served_by("key-bob"), served_by("key-alice", cache_salt="s"), "replica-7f3a"}) == 4

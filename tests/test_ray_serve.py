@@ -98,19 +98,20 @@ def router(mode: str = "affinity", imbalance: int = 2):
     return r
 
 
-def pending(messages: list[dict]):
+def pending(messages: list[dict], namespace: str | None = None):
     from snapkv_rag.server.protocol import ParsedRequest
 
-    request = ParsedRequest(kind="chat", model="m", prompt=messages, stream=False, include_usage=False)
+    sampling = {"cache_salt": namespace} if namespace is not None else {}  # as the ingress sets it
+    request = ParsedRequest(kind="chat", model="m", prompt=messages, stream=False, include_usage=False, sampling=sampling)
     return type("Pending", (), {"args": [request], "metadata": None})()
 
 
-def route(r, replicas, messages) -> str:
+def route(r, replicas, messages, namespace: str | None = None) -> str:
     import asyncio
 
-    ranks = asyncio.run(r.choose_replicas(replicas, pending(messages)))
+    ranks = asyncio.run(r.choose_replicas(replicas, pending(messages, namespace)))
     chosen = ranks[0][0]
-    r.on_request_routed(pending(messages), chosen.replica_id, None)
+    r.on_request_routed(pending(messages, namespace), chosen.replica_id, None)
     return chosen.replica_id.unique_id
 
 
@@ -124,6 +125,23 @@ def test_the_router_keeps_conversations_on_their_replica_until_the_load_is_too_u
     r._replica_queue_len_cache.update({first["x"]: 3})  # 3 more: the least loaded replica
     assert route(r, replicas, conversation("x" * 3000, 3)) == first["y"]
     assert route(r, [FakeReplica(first["y"])], conversation("x" * 3000, 1)) == first["y"]  # its replica is gone
+
+
+def test_another_tenants_right_guess_is_routed_as_a_wrong_one():
+    """Issue 73, defect 1: the router keyed on the prompt alone, so a tenant's guess of another
+    tenant's prompt went to the replica that ran it, and a wrong guess elsewhere."""
+    secret, wrong = conversation("vault code 4417 " * 200, 0), conversation("vault code 9999 " * 200, 0)
+
+    def after_the_victim(guess) -> tuple[str, str]:
+        r, replicas = router(), [FakeReplica("a"), FakeReplica("b")]
+        victim = route(r, replicas, secret, "victim-namespace")
+        return victim, route(r, replicas, guess, "attacker-namespace")
+
+    (victim, right), (_, wrong_choice) = after_the_victim(secret), after_the_victim(wrong)
+    assert right == wrong_choice != victim  # both new to the attacker's namespace: the replica that started fewer
+    r, replicas = router(), [FakeReplica("a"), FakeReplica("b")]
+    first = route(r, replicas, secret, "victim-namespace")
+    assert route(r, replicas, conversation("vault code 4417 " * 200, 1), "victim-namespace") == first  # affinity within a namespace
 
 
 def test_round_robin_ignores_the_caches():
@@ -212,6 +230,8 @@ def test_two_replicas_serve_the_openai_api(ray_server):
     again = chat(ray_server, [{"role": "user", "content": "hello"}], model=model_id)
     assert first.status_code == 200, first.text
     assert first.headers["x-snapkv-replica"]
+    salted = chat(ray_server, [{"role": "user", "content": "hello"}], model=model_id, cache_salt="tenant-s")
+    assert salted.headers["x-snapkv-replica"] not in {first.headers["x-snapkv-replica"], again.headers["x-snapkv-replica"]}  # a tag of the namespace
     payload = first.json()
     assert payload["usage"]["completion_tokens"] == 6 and payload["snapkv"]["compression"]["method"] == "snapkv"
     assert again.json()["choices"][0]["message"]["content"] == payload["choices"][0]["message"]["content"]  # greedy, either replica

@@ -4,8 +4,11 @@ A replica reuses a prompt's prefix from its prefix cache, and the K/V of ``reuse
 chunks from its segment store, only if it ran them before. :func:`affinity_keys` turns a
 request into keys: one per 1 KiB block of the prompt's text, each hashing everything up to
 the block's end (so a longer shared prefix matches more keys, as vLLM's block hashes do),
-then one per reused chunk. :class:`AffinityTable` remembers which replica last ran each key.
-Both are plain Python, free of Ray, so the routing is tested without a cluster.
+then one per reused chunk. Every key is keyed by the request's cache namespace (its API key's
+tenant and ``cache_salt``, as the prefix cache is), so a tenant's guess of another tenant's
+prompt matches nothing and is routed as any new prompt. :class:`AffinityTable` remembers which
+replica last ran each key. Both are plain Python, free of Ray, so the routing is tested without
+a cluster.
 """
 
 from __future__ import annotations
@@ -26,18 +29,40 @@ def prompt_text(prompt: Any) -> str:
     return "".join(json.dumps(message, sort_keys=True, ensure_ascii=False, default=str) + "\n" for message in prompt)
 
 
-def affinity_keys(prompt: Any, segments: Iterable[str] = ()) -> tuple[list[bytes], list[bytes]]:
-    """``(prefix_keys, segment_keys)``: prefix keys longest first, one per whole block of the
-    prompt's text plus one for the whole text; a key per reused chunk."""
+def _hasher(namespace: str | None) -> Any:
+    """A hash keyed by ``namespace`` (unkeyed in the shared namespace, None): digests of one text
+    in two namespaces are unrelated."""
+    key = b"" if namespace is None else hashlib.blake2b(namespace.encode("utf-8"), digest_size=32).digest()
+    return hashlib.blake2b(digest_size=16, key=key)
+
+
+def affinity_keys(prompt: Any, segments: Iterable[str] = (), namespace: str | None = None) -> tuple[list[bytes], list[bytes]]:
+    """``(prefix_keys, segment_keys)`` in ``namespace`` (the request's ``cache_salt`` as the
+    server sets it): prefix keys longest first, one per whole block of the prompt's text plus one
+    for the whole text; a key per reused chunk."""
     text = prompt_text(prompt).encode("utf-8")
-    running = hashlib.blake2b(digest_size=16)
+    running = _hasher(namespace)
     prefix_keys = []
     for start in range(0, len(text), BLOCK_CHARS):
         running.update(text[start : start + BLOCK_CHARS])
         prefix_keys.append(running.digest())
     prefix_keys.reverse()
-    segment_keys = [b"segment:" + hashlib.blake2b(s.encode("utf-8"), digest_size=16).digest() for s in segments]
+    segment_keys = [b"segment:" + _digest(namespace, s) for s in segments]
     return prefix_keys, segment_keys
+
+
+def _digest(namespace: str | None, text: str) -> bytes:
+    hasher = _hasher(namespace)
+    hasher.update(text.encode("utf-8"))
+    return hasher.digest()
+
+
+def replica_tag(replica: str, namespace: str | None) -> str:
+    """What a response says of the replica that ran it (``X-SnapKV-Replica``): in the shared
+    namespace, whose clients share one cache anyway, the replica's id; in a tenant's or salt's
+    namespace a digest of both, stable for the tenant (its follow-ups show the same tag) and
+    unrelated to the tags another tenant sees."""
+    return replica if namespace is None else _digest(namespace, replica).hex()[:16]
 
 
 class AffinityTable:

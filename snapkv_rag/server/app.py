@@ -29,6 +29,7 @@ from starlette.routing import Route
 
 from ..compression import as_policy
 from ..engine.results import kept_tokens_text
+from .affinity import replica_tag
 from .defaults import DEFAULT_BODY_TIMEOUT, DEFAULT_COMPRESSION, DEFAULT_MAX_QUEUE, DEFAULT_MAX_REQUEST_BYTES, DEFAULT_MAX_TOKENS, DEFAULT_SHUTDOWN_GRACE
 from .draining import Drain, shutting_down
 from .metrics import PieceClock, ServerMetrics
@@ -318,10 +319,11 @@ class Admission:
             self.state.metrics.in_flight.dec()
 
 
-def _served_by(stream) -> dict[str, str]:
-    """``X-SnapKV-Replica``: the Ray Serve replica that ran the request (none in process)."""
+def _served_by(stream, namespace: str | None) -> dict[str, str]:
+    """``X-SnapKV-Replica``: the Ray Serve replica that ran the request (none in process), as a
+    tag of the request's namespace, so that one tenant learns nothing of where another's ran."""
     replica = getattr(stream, "replica", None)
-    return {"X-SnapKV-Replica": replica} if replica else {}
+    return {"X-SnapKV-Replica": replica_tag(replica, namespace)} if replica else {}
 
 
 def _queue_full(config: ServerConfig) -> JSONResponse:
@@ -409,7 +411,7 @@ def _completions(kind: str):
             if parsed.stream:
                 events = _stream(config, request_id, parsed, stream, clock, drain, admission.release)
                 admission = None  # the stream releases it when it ends
-                return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache", **_served_by(stream)})
+                return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache", **_served_by(stream, namespace)})
             try:
                 result = await _until_disconnect(request, _finish(stream, clock, drain))
             except asyncio.CancelledError:
@@ -420,7 +422,7 @@ def _completions(kind: str):
                 raise from_engine_error(exc, kind) from None
             _log(config, request_id, parsed, result)
             metrics.finished(kind, 200, result)
-            return JSONResponse(completion_response(parsed, request_id, int(time.time()), config.model_id, result), headers=_served_by(stream))
+            return JSONResponse(completion_response(parsed, request_id, int(time.time()), config.model_id, result), headers=_served_by(stream, namespace))
         except APIError as exc:
             metrics.finished(kind, exc.status)
             return _error_response(exc)

@@ -6,7 +6,8 @@ API key and metrics), with :class:`RayBackend` in place of the in-process engine
 ``EngineReplica`` (N replicas, ``--threads`` torch threads each) holds an engine and runs
 :func:`.app.open_engine_stream`, as the single-process server does, streaming the pieces
 back over Ray. Between them, :class:`CacheAffinityRouter` (Ray Serve's documented custom
-request router API) sends a request to the replica that ran its prompt's prefix or chunks.
+request router API) sends a request to the replica that ran its prompt's prefix or chunks
+in the request's cache namespace (API key and ``cache_salt``), never another tenant's.
 
 Ray's own ``PrefixCacheAffinityRouter`` lives in ``ray.serve.llm``, which cannot be imported
 without vLLM or SGLang installed, and matches message contents only (not roles, tool calls or
@@ -81,7 +82,7 @@ def _replica_lost(exc: BaseException) -> APIError:
 
 class CacheAffinityRouter(FIFOMixin, RequestRouter):
     """Sends a request to the live replica holding the longest prefix of its prompt (or the
-    most of its ``reuse_segments`` chunks), unless that replica has ``imbalance`` more requests
+    most of its ``reuse_segments`` chunks) in its cache namespace, unless that replica has ``imbalance`` more requests
     in flight than the least loaded one; requests that match nothing go to the least loaded.
     ``mode="round_robin"`` ignores the caches (the baseline of the measurement)."""
 
@@ -127,7 +128,8 @@ class CacheAffinityRouter(FIFOMixin, RequestRouter):
 
 
 def _keys(request: ParsedRequest) -> tuple[list[bytes], list[bytes]]:
-    return affinity_keys(request.prompt, request.sampling.get("reuse_segments") or ())
+    """The request's keys in its cache namespace (the ingress put it in ``cache_salt``)."""
+    return affinity_keys(request.prompt, request.sampling.get("reuse_segments") or (), request.sampling.get("cache_salt"))
 
 
 def _engine_request(pending_request: PendingRequest | None) -> ParsedRequest | None:
