@@ -4,19 +4,50 @@ device, the fp16 fallback, the attention-kernel option, multi-device loading."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import torch
 
 from snapkv_rag.model import device_clock as clock_module
 from snapkv_rag.testing import tiny_engine
 
 
-def test_the_device_clock_synchronises_cuda_before_reading(monkeypatch):
-    calls = []
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: calls.append(device))
+class SpreadModel:
+    """A model's placement under a device_map over two GPUs (no GPU here: only the devices are read)."""
+
+    def parameters(self):
+        return iter([SimpleNamespace(device=torch.device("cuda", 0)), SimpleNamespace(device=torch.device("cuda", 1))])
+
+
+def fake_gpus_with_queued_work(monkeypatch) -> tuple[dict[torch.device, bool], list[dict[torch.device, bool]]]:
+    """Two GPUs with kernels queued (True: unfinished) that only a synchronize finishes, and the
+    queue's state each time the clock is read."""
+    queued = {torch.device("cuda", 0): True, torch.device("cuda", 1): True}
+    readings: list[dict[torch.device, bool]] = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: queued.__setitem__(torch.device(device), False))
+    monkeypatch.setattr(clock_module, "time", SimpleNamespace(perf_counter=lambda: readings.append(dict(queued)) or 0.0))
+    return queued, readings
+
+
+def test_the_device_clock_reads_after_the_queued_work_is_done(monkeypatch):
+    queued, readings = fake_gpus_with_queued_work(monkeypatch)
     clock_module.device_clock(torch.device("cuda", 0))
-    assert calls == [torch.device("cuda", 0)]
+    assert readings[-1][torch.device("cuda", 0)] is False  # read once cuda:0's kernels had finished
+    queued[torch.device("cuda", 0)] = True
     clock_module.device_clock(torch.device("cpu"))
-    assert len(calls) == 1  # nothing to wait for on a CPU
+    assert readings[-1][torch.device("cuda", 0)] is True  # a CPU's reading waits for no GPU
+
+
+def test_under_a_device_map_the_clock_waits_for_every_gpu_the_model_spans(monkeypatch):
+    """The engine times from its first device; the last layers' kernels queue on the last GPU."""
+    from snapkv_rag.model.placement import note_placement
+
+    queued, readings = fake_gpus_with_queued_work(monkeypatch)
+    model = SpreadModel()
+    note_placement(model)
+    clock_module.device_clock(torch.device("cuda", 0))
+    assert readings[-1] == {torch.device("cuda", 0): False, torch.device("cuda", 1): False}
+    del model  # forgotten with the model
 
 
 def test_prefill_and_decode_times_are_read_through_the_device_clock(tokenizer, monkeypatch):
@@ -66,6 +97,26 @@ def test_concurrent_cuda_measurements_do_not_reset_each_other(monkeypatch):
     assert first.peak_bytes == 5 << 30 and first.shared and second.shared
     PeakMemory(device).__enter__().__exit__(None, None, None)
     assert len(resets) == 2  # alone again: reset
+
+
+def test_under_a_device_map_peaks_add_up_every_gpu_the_model_spans(monkeypatch):
+    from snapkv_rag.model.peak_memory import PeakMemory
+    from snapkv_rag.model.placement import note_placement
+
+    gpus = [torch.device("cuda", 0), torch.device("cuda", 1)]
+    allocated = {gpus[0]: 6 << 30, gpus[1]: 5 << 30}  # the weights, split over two GPUs
+    peak = dict(allocated)
+    resets = []
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device=None: resets.append(torch.device(device)))
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: allocated[torch.device(device)])
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: peak[torch.device(device)])
+    model = SpreadModel()
+    note_placement(model)
+    with PeakMemory(gpus[0]) as measured:
+        peak[gpus[0]] += 1 << 30  # the first layers' K/V ...
+        peak[gpus[1]] += 2 << 30  # ... and the last layers', on the second GPU
+    assert resets == gpus
+    assert measured.baseline_bytes == 11 << 30 and measured.peak_bytes == 14 << 30 and measured.added_bytes == 3 << 30
 
 
 def test_less_kl_runs_on_the_models_device():
@@ -176,6 +227,10 @@ def test_a_device_map_loads_and_generates_and_refuses_one_device_paths(tokenizer
     plain = tiny_engine("llama", tokenizer)
     prompt = "The ferry leaves at nine and returns at noon. " * 4
     assert engine.generate(prompt, max_new_tokens=5, ignore_eos=True).token_ids == plain.generate(prompt, max_new_tokens=5, ignore_eos=True).token_ids
+    follow_up = prompt + "When does it come back?"  # opens with the stored prompt: its K/V come back layer by layer
+    reused = engine.generate(follow_up, max_new_tokens=5, ignore_eos=True)
+    assert reused.stats.reused_prompt_tokens > 0
+    assert reused.token_ids == plain.generate(follow_up, max_new_tokens=5, ignore_eos=True, prefix_cache=False).token_ids
 
     monkeypatch.setattr(preparation, "spans_devices", lambda model: True)  # as if its layers sat on two GPUs
     with pytest.raises(InvalidCompressionError, match="device_map"):

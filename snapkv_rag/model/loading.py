@@ -24,6 +24,7 @@ import torch
 
 from ..errors import InvalidDeviceError, ModelNotFoundError
 from .packed_linear import pack_linear_weights
+from .placement import note_placement
 from .portable import portable_enabled
 from .quantization import choose_weights, quantize_linear_weights
 
@@ -308,6 +309,7 @@ def load_model_and_tokenizer(
         raise InvalidDeviceError("int8 or packed weights are for one CPU device; leave them out with device_map")
     else:
         pack_weights = False
+        note_placement(model)
     model.eval()
     from .adapters import merge_adapter
     from .shipped_adapters import resolve_adapter

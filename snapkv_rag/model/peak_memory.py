@@ -9,6 +9,8 @@ import time
 
 import torch
 
+from .placement import placed_with
+
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 
@@ -63,13 +65,15 @@ class PeakMemory:
 
     On CUDA the allocator's peak counter is process-wide: it is reset only when no other block
     on the device is being measured (concurrent requests would reset each other's peaks), so a
-    block that overlaps another reports the peak of both (``shared`` says so)."""
+    block that overlaps another reports the peak of both (``shared`` says so). Under a
+    ``device_map`` the figures add up every GPU the model spans (:func:`.placement.placed_with`)."""
 
     _open_on_cuda: dict[torch.device, set[PeakMemory]] = {}
     _lock = threading.Lock()
 
     def __init__(self, device: torch.device):
         self.device = device
+        self.gpus = [d for d in placed_with(device) if d.type == "cuda"] if device.type == "cuda" else []
         self.peak_bytes = 0
         self.baseline_bytes = 0
         self.shared = False
@@ -82,25 +86,30 @@ class PeakMemory:
     def __enter__(self) -> PeakMemory:
         if self.device.type == "cuda":
             with PeakMemory._lock:
-                others = PeakMemory._open_on_cuda.setdefault(self.device, set())
-                if others:
-                    for other in others:
-                        other.shared = True
-                    self.shared = True
-                else:
-                    torch.cuda.reset_peak_memory_stats(self.device)
-                others.add(self)
-                self.baseline_bytes = int(torch.cuda.memory_allocated(self.device))
+                for gpu in self.gpus:
+                    self._open_on(gpu)
+                self.baseline_bytes = sum(int(torch.cuda.memory_allocated(gpu)) for gpu in self.gpus)
         else:
             self.peak_bytes = self.baseline_bytes = current_rss_bytes()
             _SAMPLER.add(self)
         return self
 
+    def _open_on(self, gpu: torch.device) -> None:
+        others = PeakMemory._open_on_cuda.setdefault(gpu, set())
+        if others:
+            for other in others:
+                other.shared = True
+            self.shared = True
+        else:
+            torch.cuda.reset_peak_memory_stats(gpu)
+        others.add(self)
+
     def __exit__(self, *exc) -> None:
         if self.device.type == "cuda":
             with PeakMemory._lock:
-                self.peak_bytes = int(torch.cuda.max_memory_allocated(self.device))
-                PeakMemory._open_on_cuda.get(self.device, set()).discard(self)
+                self.peak_bytes = sum(int(torch.cuda.max_memory_allocated(gpu)) for gpu in self.gpus)
+                for gpu in self.gpus:
+                    PeakMemory._open_on_cuda.get(gpu, set()).discard(self)
         else:
             _SAMPLER.remove(self)
             self.peak_bytes = max(self.peak_bytes, current_rss_bytes())
