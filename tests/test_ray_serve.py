@@ -348,3 +348,34 @@ def test_replicas_ask_ray_for_their_share_of_a_gpu():
     assert options("--device", "cuda", "--gpus-per-replica", "0.5")["num_gpus"] == 0.5
     assert options("--device", "cuda")["num_gpus"] == 1.0
     assert options("--device", "cpu") == {"num_cpus": 3, "num_gpus": 0, "runtime_env": {"env_vars": {"OMP_NUM_THREADS": "3"}}}
+
+
+def test_replicas_take_their_share_of_a_gpu_without_device_cuda():
+    """Replicas run on CUDA by default (no --device) where there is a GPU: --gpus-per-replica was refused
+    there, and Ray was asked for a GPU only if the machine starting them had one."""
+    from snapkv_rag.cli import build_parser
+    from snapkv_rag.server.config import check_args
+    from snapkv_rag.server.ray_serve import replica_actor_options
+
+    args = build_parser().parse_args(["serve", "--replicas", "2", "--threads", "1", "--gpus-per-replica", "0.5"])
+    check_args(args)
+    assert replica_actor_options(args)["num_gpus"] == 0.5  # this machine has no GPU; the cluster's replicas do
+
+
+@pytest.mark.parametrize("replicas_invariant", [True, False])
+def test_models_reports_the_replicas_invariant_mode_not_the_ingress(monkeypatch, replicas_invariant):
+    """The replicas' options and environment decide their mode; /v1/models reported the ingress's."""
+    from starlette.testclient import TestClient
+
+    from snapkv_rag.cli import build_parser
+    from snapkv_rag.server import create_app
+    from snapkv_rag.server.config import build_config
+    from snapkv_rag.server.ray_serve import RayBackend
+
+    monkeypatch.setenv("SNAPKV_RAG_INVARIANT", "0" if replicas_invariant else "1")  # the ingress's environment says otherwise
+    description = {"context_length": 2048, "device": "cpu", "replica": "r1", "invariant": replicas_invariant}
+    args = build_parser().parse_args(["serve", "--replicas", "2", "--embedder", "none", "--served-model-name", "m"])
+    config = build_config(args, backend=RayBackend(None, description))
+    with TestClient(create_app(config)) as client:
+        card = client.get("/v1/models/m").json()
+    assert card["snapkv"]["invariant"] is replicas_invariant

@@ -116,7 +116,7 @@ def add_serve_parser(sub) -> None:
         "--gpus-per-replica",
         type=float,
         default=None,
-        help="GPUs Ray gives each replica with --device cuda (default 1; 0.5 puts two replicas on one GPU); Ray picks which GPU",
+        help="GPUs Ray gives each replica on CUDA (the default where there is a GPU): default 1; 0.5 puts two replicas on one GPU; Ray picks which",
     )
     p.add_argument(
         "--routing",

@@ -61,8 +61,8 @@ def check_args(args: argparse.Namespace) -> None:
         )
     gpus = getattr(args, "gpus_per_replica", None)
     if gpus is not None:
-        if not replicated or not device.startswith("cuda"):
-            raise SnapKVRagError("--gpus-per-replica applies to --replicas (or --ray-address) with --device cuda")
+        if not replicated or (args.device is not None and not device.startswith("cuda")):  # no --device: replicas take their GPU
+            raise SnapKVRagError("--gpus-per-replica applies to --replicas (or --ray-address) on GPUs: without --device, or with --device cuda")
         if not 0 < gpus <= 8:  # NaN fails too
             raise SnapKVRagError(f"--gpus-per-replica must be more than 0 and at most 8, got {gpus}")
     if not 0 <= args.shutdown_grace <= 3600:  # NaN fails too
@@ -126,7 +126,6 @@ def load_served_engine(args: argparse.Namespace):
 def build_config(args: argparse.Namespace, engine=None, backend=None):
     """The server's configuration from the command line. Without ``backend`` the engine is
     loaded here (unless given); with one (Ray Serve) the engines live in its replicas."""
-    from ..engine.invariant import invariant_from_environment
     from .app import ServerConfig
 
     check_args(args)
@@ -160,5 +159,17 @@ def build_config(args: argparse.Namespace, engine=None, backend=None):
         public_metrics=getattr(args, "public_metrics", False),
         body_timeout=getattr(args, "body_timeout", DEFAULT_BODY_TIMEOUT),
         max_prompt_tokens=getattr(args, "max_prompt_tokens", None),
-        invariant=invariant_from_environment() if getattr(args, "invariant", None) is None else args.invariant,
+        invariant=served_invariant(args, backend),
     )
+
+
+def served_invariant(args: argparse.Namespace, backend=None) -> bool:
+    """The engines' invariant mode, as ``/v1/models`` reports it: with Ray replicas what they
+    describe (their options and environment decide it, not the ingress's); else ``--invariant``
+    or ``$SNAPKV_RAG_INVARIANT``."""
+    from ..engine.invariant import invariant_from_environment
+
+    described = getattr(backend, "description", {}).get("invariant")
+    if described is not None:
+        return bool(described)
+    return invariant_from_environment() if getattr(args, "invariant", None) is None else bool(args.invariant)

@@ -185,7 +185,7 @@ class EngineReplica:
 
     def describe(self) -> dict[str, Any]:
         info = self.engine.info()
-        return {"context_length": info.context_length, "device": info.device, "replica": self.id}
+        return {"context_length": info.context_length, "device": info.device, "replica": self.id, "invariant": bool(self.engine.invariant)}
 
     def record_routing_stats(self) -> dict[str, Any]:
         stats = self.engine.scheduler_stats()
@@ -310,10 +310,12 @@ def _uses_gpu(device: str | None) -> bool:
 
 
 def replica_actor_options(args: argparse.Namespace) -> dict[str, Any]:
-    """What Ray gives each engine replica: ``threads`` CPUs and, with ``--device cuda``,
-    ``--gpus-per-replica`` GPUs (1 by default; Ray hides the GPUs from an actor that asks for none)."""
+    """What Ray gives each engine replica: ``threads`` CPUs and ``--gpus-per-replica`` GPUs, else
+    one GPU with ``--device cuda`` or, without ``--device``, where this machine has one (Ray hides
+    the GPUs from an actor that asks for none)."""
     threads = replica_threads(args)
-    gpus = (getattr(args, "gpus_per_replica", None) or 1.0) if _uses_gpu(args.device) else 0
+    asked = getattr(args, "gpus_per_replica", None)  # check_args refused it with a device other than cuda
+    gpus = asked if asked is not None else 1.0 if _uses_gpu(args.device) else 0
     return {"num_cpus": threads, "num_gpus": gpus, "runtime_env": {"env_vars": {"OMP_NUM_THREADS": str(threads)}}}
 
 
