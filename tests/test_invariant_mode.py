@@ -193,3 +193,52 @@ def test_every_family_answers_alike_cold_reused_and_batched(tokenizer, family):
         assert [greedy(engine, p, spec).token_ids for p in prompts] == cold, (family, spec)
         batch = engine.generate_batch(prompts, compression=spec, max_new_tokens=10, ignore_eos=True, chat=False, prefix_cache=False)
         assert [r.token_ids for r in batch] == cold, (family, spec)
+
+
+def test_a_prefix_aligned_in_another_chunk_size_is_not_reused(tokenizer):
+    """Chunks of another size are other forwards (other bytes in bf16): a stored prefix records the
+    size it was aligned to, and only a prompt chunked alike reuses it."""
+    engine = engine_for(tokenizer, torch.bfloat16)
+    spec, prompt = "snapkv:budget=64,window=8", DOC + QUESTIONS[1]
+    greedy(engine, DOC + "\nFirst?", spec)  # stored in 32-token chunks
+    engine.invariant_chunk_tokens = 48
+    cold = greedy(engine, prompt, spec, prefix_cache=False).token_ids
+    again = greedy(engine, prompt, spec)
+    assert again.stats.reused_prompt_tokens == 0 and again.token_ids == cold
+    third = greedy(engine, prompt, spec)  # the prompt stored in 48-token chunks serves it now
+    assert third.stats.reused_prompt_tokens > 0 and third.stats.reused_prompt_tokens % 48 == 0 and third.token_ids == cold
+
+
+def test_an_entry_records_its_chunk_size_and_lookups_skip_other_sizes():
+    from snapkv_rag.reuse.prefix_cache import PrefixCache, aligned_reuse
+
+    cache = PrefixCache(1 << 20, admission="always")
+    kv = [torch.zeros(1, 1, 200, 2)]
+    cache.insert(list(range(200)), kv, kv, aligned=192, chunk=64)
+    cache.insert([*range(100), *range(500, 600)], kv, kv, aligned=192, chunk=32)
+    row = list(range(300))
+    assert aligned_reuse(cache, row, "", end=288, chunk=64)[1] == 192
+    assert aligned_reuse(cache, row, "", end=288, chunk=32)[1] == 96  # the other entry, of the same size
+    assert aligned_reuse(cache, row, "", end=288, chunk=16) == (None, 0)
+    cache.insert(list(range(250)), kv, kv)  # not aligned: nothing for the invariant mode
+    assert cache.entries()[-1].chunk == 0 and aligned_reuse(cache, row, "", end=288, chunk=64)[1] == 0
+
+
+def test_the_repeat_admission_stores_what_the_invariant_mode_would_reuse(tokenizer):
+    """The "repeat" admission keeps a long compressed prompt's K/V when a prompt seen before shares
+    enough of it to be reused; in bf16 that was half the prompt outside the mode, but the mode
+    reuses (bit-exact) from a tenth, so it must store by its own rule."""
+    engine = engine_for(tokenizer, torch.bfloat16)
+    engine.prefix_cache.admission, engine.prefix_cache.first_sight_bytes = "repeat", 0  # every prompt counts as long
+    spec, prompt = "snapkv:budget=64,window=8", DOC + QUESTIONS[1]
+    ids = engine.tokenizer(prompt)["input_ids"]
+    other = engine.tokenizer.decode(ids[:80]) + " " + " ".join(f"Note {i}: crane {i} lifted {i * 11 % 70} crates." for i in range(12))
+    shared = 80 / len(engine.tokenizer(other)["input_ids"])
+    assert 0.1 < shared < 0.5
+    greedy(engine, prompt, spec)  # first sight: not stored
+    assert len(engine.prefix_cache) == 0
+    greedy(engine, other, spec)  # shares whole chunks with the prompt seen: stored
+    assert len(engine.prefix_cache) == 1
+    cold = greedy(engine, prompt, spec, prefix_cache=False).token_ids
+    again = greedy(engine, prompt, spec)
+    assert again.stats.reused_prompt_tokens >= CHUNK and again.token_ids == cold

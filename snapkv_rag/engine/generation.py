@@ -396,7 +396,7 @@ class DecodeRun:
             else:
                 layers: list = list(self.cache.layers)  # DynamicLayer: keys and values set by the forward
                 full_kv = {i: (layer.keys, layer.values) for i, layer in enumerate(layers)}
-            store_prompts(self.prefix_cache, self.rows, full_kv, self.cache_namespace, keep, aligned or 0)
+            store_prompts(self.prefix_cache, self.rows, full_kv, self.cache_namespace, keep, aligned or 0, self.invariant_chunk or 0)
             if self.session is not None:
                 self.session.full_kv = None  # the stored copies are the prefix cache's now
         return self._finish_prefill(seconds + device_clock(self.device) - start, mask)
@@ -433,7 +433,8 @@ class DecodeRun:
         layers, kv_heads, head_dim = kv_shape(self.model)
         per_token = 2 * layers * kv_heads * head_dim * self.model.dtype.itemsize
         cache = self.prefix_cache
-        return [cache.admits(row, self.cache_namespace, len(row) * per_token, self._row_policy(i), self.model.dtype) for i, row in enumerate(self.rows)]
+        dtype, chunk = self.model.dtype, self.invariant_chunk
+        return [cache.admits(row, self.cache_namespace, len(row) * per_token, self._row_policy(i), dtype, chunk) for i, row in enumerate(self.rows)]
 
     def _rolling_prefill(self, plan: RollingPlan) -> Generator[None, None, torch.Tensor]:
         """The prompt read a chunk at a time into the budget (:mod:`snapkv_rag.engine.rolling`)."""

@@ -13,9 +13,12 @@ In the invariant mode every computation has one shape, whatever the circumstance
 - **Prefill in position-aligned chunks.** The prompt runs in forwards of ``invariant_chunk_tokens``
   tokens at positions ``0, C, 2C, ...``, then one last forward over the rest (at least the
   policy's observation window, where the compression selects). A stored prefix is reused only
-  in whole chunks of a prompt that was itself computed so (``PrefixEntry.aligned``): the reused
-  keys are the bytes a cold prefill would compute, and the remaining chunks run on the same
-  inputs, so a reused prompt and a cold one end in the same cache and the same logits.
+  in whole chunks of a prompt that was itself computed so, in chunks of the same size
+  (``PrefixEntry.aligned`` and ``PrefixEntry.chunk``): the reused keys are the bytes a cold
+  prefill would compute, and the remaining chunks run on the same inputs, so a reused prompt and a
+  cold one end in the same cache and the same logits. Being exact in every dtype, that reuse starts
+  at ``MIN_REUSE_SHARE`` of the prompt in bf16 too, and the ``"repeat"`` admission stores by the
+  same rule (``reuse.prefix_cache.whole_chunks``).
 - **One prompt per prefill, one row per decode forward.** ``generate_batch`` prefills its rows
   one by one, and every request decodes on its own cache in its own forward (the scheduler's
   solo groups), so no row's arithmetic sees another's padding or length; the chunking does not

@@ -17,12 +17,12 @@ What is stored (``PrefixCache.admission``): a full-cache prefill's K/V always (i
 anyway). A compressed prefill's full K/V is what layer-wise compression exists not to hold, so
 with ``"repeat"`` (the default) a long one (over ``first_sight_bytes``, a sixteenth of the bound:
 64 MiB on a CPU, about 2,800 tokens of the embedded model in bf16) is kept only when a prompt
-seen before shares enough of its opening to be reused (:func:`reusable_tokens`'s rule): a one-off
-long prompt then peaks as compressed; a repeated one is stored on its second read and reused
-from its third. Shorter ones are stored at once (an agent's first turns, a chat's first
-messages: reused by the next turn, for little memory); an agent's history, each turn extending
-the last, is then stored at every turn. ``"always"``
-stores every prompt (the second read reuses; every compressed prefill peaks like a full one).
+seen before shares enough of its opening to be reused (:func:`reusable_tokens`'s rule; in the
+invariant mode :func:`whole_chunks`'): a one-off long prompt then peaks as compressed; a repeated
+one is stored on its second read and reused from its third. Shorter ones are stored at once (an
+agent's first turns, a chat's first messages: reused by the next turn, for little memory); an
+agent's history, each turn extending the last, is then stored at every turn. ``"always"`` stores
+every prompt (the second read reuses; every compressed prefill peaks like a full one).
 An entry larger than the whole bound is never collected.
 
 Entries live in namespaces (a request's ``cache_salt``; the server adds its API key's tenant):
@@ -63,6 +63,7 @@ class PrefixEntry:
     nbytes: int = 0
     namespace: str = ""  # only prompts of the same namespace reuse it
     aligned: int = 0  # leading tokens computed in position-aligned chunks (the invariant mode); 0: none
+    chunk: int = 0  # the tokens per chunk those were computed in: only prompts chunked alike reuse them
 
     def __len__(self) -> int:
         return int(self.tokens.numel())
@@ -127,9 +128,12 @@ class PrefixCache:
             self._seen.clear()
             self._bytes = 0
 
-    def admits(self, tokens: list[int], namespace: str, nbytes: int, policy: CompressionPolicy | None, dtype: torch.dtype) -> bool:
+    def admits(
+        self, tokens: list[int], namespace: str, nbytes: int, policy: CompressionPolicy | None, dtype: torch.dtype, invariant_chunk: int | None = None
+    ) -> bool:
         """Whether a prefill of ``tokens`` under ``policy`` should collect its full K/V
-        (``nbytes``) for this cache; then remembers the prompt as seen."""
+        (``nbytes``) for this cache; then remembers the prompt as seen. ``invariant_chunk``: the
+        prefill runs in the invariant mode's chunks of that size, whose reuse rule then decides."""
         if self.admission not in ADMISSIONS:
             raise ValueError(f"prefix cache admission must be one of {ADMISSIONS}, got {self.admission!r}")
         with self._lock:
@@ -138,13 +142,21 @@ class PrefixCache:
             first_sight = self.max_bytes // 16 if self.first_sight_bytes is None else self.first_sight_bytes
             if admitted and policy is not None and self.admission == "repeat" and nbytes > first_sight:
                 shared = max((self._common_prefix(seen, query) for (space, _), seen in self._seen.items() if space == namespace), default=0)
-                admitted = reusable_tokens(shared, len(tokens), policy, dtype) > 0
+                admitted = self._would_reuse(shared, len(tokens), policy, dtype, invariant_chunk)
             key = (namespace, hashlib.sha1(query.numpy().tobytes()).digest())
             self._seen.pop(key, None)
             self._seen[key] = query
             while len(self._seen) > SEEN_PROMPTS or sum(t.numel() for t in self._seen.values()) > SEEN_TOKENS:
                 self._seen.popitem(last=False)
             return admitted
+
+    @staticmethod
+    def _would_reuse(shared: int, prompt_length: int, policy: CompressionPolicy, dtype: torch.dtype, invariant_chunk: int | None) -> bool:
+        """Whether a prompt sharing ``shared`` leading tokens with a stored one would reuse them."""
+        if invariant_chunk is None:
+            return reusable_tokens(shared, prompt_length, policy, dtype) > 0
+        end = aligned_end(prompt_length, policy, invariant_chunk)
+        return end is not None and whole_chunks(shared, prompt_length, end, invariant_chunk) > 0
 
     @staticmethod
     def _common_prefix(stored: torch.Tensor, query: torch.Tensor) -> int:
@@ -154,15 +166,16 @@ class PrefixCache:
         differs = (stored[:m] != query[:m]).nonzero()
         return int(differs[0, 0]) if differs.numel() else m
 
-    def lookup(self, tokens: list[int], namespace: str = "") -> tuple[PrefixEntry | None, int]:
+    def lookup(self, tokens: list[int], namespace: str = "", chunk: int | None = None) -> tuple[PrefixEntry | None, int]:
         """The entry of ``namespace`` sharing the longest token prefix with ``tokens`` and that
-        length, or ``(None, 0)``. Recency changes only when the entry is used (:meth:`record_reuse`)."""
+        length, or ``(None, 0)``; with ``chunk``, only among entries aligned in chunks of that size.
+        Recency changes only when the entry is used (:meth:`record_reuse`)."""
         with self._lock:
             self.lookups += 1
             query = torch.tensor(tokens, dtype=torch.long)
             best, best_len = None, 0
             for entry in self._entries.values():
-                if entry.namespace != namespace:
+                if entry.namespace != namespace or (chunk is not None and (entry.chunk != chunk or not entry.aligned)):
                     continue
                 n = self._common_prefix(entry.tokens, query)
                 if n > best_len:
@@ -181,8 +194,9 @@ class PrefixCache:
                     self._entries.move_to_end(key)
                     break
 
-    def insert(self, tokens: list[int], keys: list[torch.Tensor], values: list[torch.Tensor], namespace: str = "", aligned: int = 0) -> bool:
-        """Store a prompt's full K/V under ``namespace``; returns False when it alone exceeds the bound."""
+    def insert(self, tokens: list[int], keys: list[torch.Tensor], values: list[torch.Tensor], namespace: str = "", aligned: int = 0, chunk: int = 0) -> bool:
+        """Store a prompt's full K/V under ``namespace`` (its first ``aligned`` tokens computed in
+        ``chunk``-token forwards); returns False when it alone exceeds the bound."""
         nbytes = sum(t.numel() * t.element_size() for t in (*keys, *values))
         if self.max_bytes <= 0 or nbytes > self.max_bytes:
             return False
@@ -192,7 +206,7 @@ class PrefixCache:
             subsumed = [k for k, e in self._entries.items() if e.namespace == namespace and len(e) <= len(ids) and self._common_prefix(e.tokens, ids) == len(e)]
             for key in subsumed:
                 self._bytes -= self._entries.pop(key).nbytes
-            self._entries[self._next_id] = PrefixEntry(ids, keys, values, nbytes, namespace, aligned)
+            self._entries[self._next_id] = PrefixEntry(ids, keys, values, nbytes, namespace, aligned, chunk if aligned else 0)
             self._next_id += 1
             self._bytes += nbytes
             while self._bytes > self.max_bytes:
@@ -290,10 +304,12 @@ def store_prompts(
     namespace: str = "",
     keep: list[bool] | None = None,
     aligned: int = 0,
+    chunk: int = 0,
 ) -> None:
     """Put each row's full (uncompressed) prompt K/V, from the batch's left-padded ``full_kv``
     (layer -> ``[batch, kv_heads, width, d]`` K and V), into ``cache`` under ``namespace``
-    (only the rows ``keep`` marks, when given)."""
+    (only the rows ``keep`` marks, when given; the first ``aligned`` tokens computed in
+    ``chunk``-token forwards)."""
     width = max(len(row) for row in rows)
     layers = sorted(full_kv)
     for i, row in enumerate(rows):
@@ -308,7 +324,7 @@ def store_prompts(
             else:
                 keys.append(k[i : i + 1, :, width - len(row) :].clone())
                 values.append(v[i : i + 1, :, width - len(row) :].clone())
-        cache.insert(row, keys, values, namespace, aligned)
+        cache.insert(row, keys, values, namespace, aligned, chunk)
 
 
 # ------------------------------------------------------------------ the invariant mode
@@ -324,12 +340,19 @@ def aligned_end(prompt_length: int, policy: CompressionPolicy | None, chunk: int
     return max(0, prompt_length - tail) // chunk * chunk
 
 
+def whole_chunks(shared: int, prompt_length: int, end: int, chunk: int) -> int:
+    """The invariant mode's :func:`reusable_tokens`: the whole chunks of ``shared`` leading tokens
+    up to ``end`` (:func:`aligned_end`), or 0 when they make less than :data:`MIN_REUSE_SHARE` of
+    the prompt (reuse is bit-exact here, in every dtype, so the fp32 bar holds for all)."""
+    take = min(shared, end) // chunk * chunk
+    return take if take > 0 and take >= MIN_REUSE_SHARE * prompt_length else 0
+
+
 def aligned_reuse(cache: PrefixCache, row: list[int], namespace: str, end: int, chunk: int) -> tuple[PrefixEntry | None, int]:
-    """The invariant mode's reuse: whole chunks of a stored prompt's aligned part, up to ``end``
-    (:func:`aligned_end`), when they make at least :data:`MIN_REUSE_SHARE` of the prompt (reuse is
-    bit-exact here, in every dtype)."""
-    entry, common = cache.lookup(row, namespace)
+    """The invariant mode's reuse: :func:`whole_chunks` of a stored prompt's aligned part, from an
+    entry aligned in chunks of the same size (another size's chunks are other forwards)."""
+    entry, common = cache.lookup(row, namespace, chunk)
     if entry is None:
         return None, 0
-    take = min(common, entry.aligned, end) // chunk * chunk
-    return (entry, take) if take > 0 and take >= MIN_REUSE_SHARE * len(row) else (None, 0)
+    take = whole_chunks(min(common, entry.aligned), len(row), end, chunk)
+    return (entry, take) if take else (None, 0)
