@@ -34,8 +34,9 @@ def _add_generation_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--compression",
-        default=None,
-        help="policy spec, e.g. snapkv:budget=1024,window=32,kernel=7,pooling=max | streamingllm:budget=1024 | h2o:budget=1024 | random:budget=1024 | full",
+        default="default",
+        help="policy spec: default (the one default compression, printed by 'snapkv-rag info') | snapkv:budget=1024,window=32,kernel=7,pooling=max | "
+        "streamingllm:budget=1024 | h2o:budget=1024 | random:budget=1024 | full (none). A prompt past the model's window is read rolled.",
     )
 
 
@@ -122,7 +123,14 @@ def cmd_info(args) -> int:
     from .model.shipped_adapters import adapter_note
 
     info = load_engine(args).info()
-    details = {**info.to_dict(), "cpu_native_bf16": cpu_bf16_support() or "no", "kv_bits": kv_bits_supported()}
+    from .compression import DEFAULT_COMPRESSION
+
+    details = {
+        **info.to_dict(),
+        "default_compression": DEFAULT_COMPRESSION.spec(),
+        "cpu_native_bf16": cpu_bf16_support() or "no",
+        "kv_bits": kv_bits_supported(),
+    }
     if info.adapter is None and not args.json:
         details["adapter"] = adapter_note(chosen_adapter(args), embedded=args.model == DEFAULT_MODEL)
     if args.json:

@@ -49,8 +49,8 @@ class PromptTooLongError(SnapKVRagError, ValueError):
         if rolled_positions is None:
             needed = prompt_tokens
             remedy = (
-                "shorten the prompt, lower max_new_tokens, or let a sparse policy read it a chunk at a time "
-                "(rolling=, e.g. compression='snapkv:budget=1024,window=question,rolling=2048')"
+                "shorten the prompt, lower max_new_tokens, or read it with a sparse policy (e.g. compression='default'), "
+                "which reads a prompt past the window a chunk at a time (rolling=)"
             )
         else:
             needed = rolled_positions

@@ -8,7 +8,9 @@ the connectors and the app import only this module, :mod:`snapkv_rag` and :mod:`
 Loaded on first use, so importing this module imports no torch.
 
 - **Engines**: :func:`shared_engine` (one engine per model and options, shared by every wrapper in
-  the process), :func:`as_policy` (a spec string, a policy or None to a policy), :class:`LESS`,
+  the process), :data:`DEFAULT_COMPRESSION` (the one default of every interface), :func:`as_policy` and
+  :func:`parse_compression` (a spec string, a policy or None to a policy), :func:`can_roll`,
+  :func:`reads_past_window` and :func:`fit_to_window` (the one rule for prompts past the window), :class:`LESS`,
   :func:`recording_kept_indices` (which prompt entries each layer kept).
 - **Documents**: :class:`DocumentStore` (its errors :class:`StoreError`, :class:`StoreUnavailableError`,
   :class:`EmptyCollectionError`), :class:`DocumentQA` and its :class:`Answer`,
@@ -37,6 +39,11 @@ _LAZY = {
     # engines and compression
     "shared_engine": "engine.shared",
     "as_policy": "compression",
+    "parse_compression": "compression",
+    "DEFAULT_COMPRESSION": "compression",
+    "can_roll": "compression",
+    "fit_to_window": "compression",
+    "reads_past_window": "compression",
     "LESS": "compression",
     "recording_kept_indices": "compression",
     # documents
@@ -53,7 +60,6 @@ _LAZY = {
     "TEXT_ROUTES": "rag.qa",
     "cite_with_support": "rag.qa",
     "small_model_note": "rag.qa",
-    "rolls": "rag.qa",
     "StuffingRetriever": "rag.stuffing",
     "StuffedContext": "rag.stuffing",
     "ContextBudgetError": "rag.stuffing",
@@ -98,8 +104,13 @@ _LAZY = {
 if TYPE_CHECKING:  # the same names for type checkers (a test keeps these and _LAZY equal)
     from .agents import AgentMemory as AgentMemory
     from .agents import RenderedHistory as RenderedHistory
+    from .compression import DEFAULT_COMPRESSION as DEFAULT_COMPRESSION
     from .compression import LESS as LESS
     from .compression import as_policy as as_policy
+    from .compression import can_roll as can_roll
+    from .compression import fit_to_window as fit_to_window
+    from .compression import parse_compression as parse_compression
+    from .compression import reads_past_window as reads_past_window
     from .compression import recording_kept_indices as recording_kept_indices
     from .engine.shared import shared_engine as shared_engine
     from .harness.metrics import citation_prf as citation_prf
@@ -127,7 +138,6 @@ if TYPE_CHECKING:  # the same names for type checkers (a test keeps these and _L
     from .rag.qa import Answer as Answer
     from .rag.qa import DocumentQA as DocumentQA
     from .rag.qa import cite_with_support as cite_with_support
-    from .rag.qa import rolls as rolls
     from .rag.qa import small_model_note as small_model_note
     from .rag.store import DocumentStore as DocumentStore
     from .rag.store import IngestReport as IngestReport

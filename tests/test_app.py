@@ -18,6 +18,8 @@ pytest.importorskip("streamlit")
 from conftest import build_tokenizer, tiny_model  # noqa: E402
 from streamlit.testing.v1 import AppTest  # noqa: E402
 
+from snapkv_rag.compression import DEFAULT_COMPRESSION, parse_compression  # noqa: E402
+
 APP = str(Path(__file__).resolve().parents[1] / "snapkv_rag" / "app" / "page.py")
 TIMEOUT = 240
 
@@ -391,11 +393,12 @@ def test_app_reads_its_options_after_the_double_dash(monkeypatch):
     monkeypatch.setenv("SNAPKV_RAG_APP_ADAPTER", "/b")
     assert ui_config.app_config([]).adapter == "/b"
     settings = ui_config.Settings("snapkv", 256, "question", 32, 1024, 96, 0.0, True)
-    assert settings.policy().window_size == "question" and settings.spec() == "snapkv:budget=256,window=question"
-    assert ui_config.Settings("less", 128, "fixed", 16, 1024, 96, 0.0, True).spec() == "less:base=snapkv,budget=128,window=16"
+    assert settings.policy() == DEFAULT_COMPRESSION.with_settings(budget=256) and parse_compression(settings.spec()) == settings.policy()
+    less = ui_config.Settings("less", 128, "fixed", 16, 1024, 96, 0.0, True)
+    assert parse_compression(less.spec()) == parse_compression("less:base=snapkv,budget=128,window=16") == less.policy()
     assert ui_config.Settings("full", 128, "fixed", 16, 1024, 96, 0.0, True).policy() is None
     four = ui_config.Settings("snapkv", 256, "question", 32, 1024, 96, 0.0, True, "prefix", 4)
-    assert four.spec() == "snapkv:budget=256,window=question,kv_bits=4" and four.policy().kv_bits == 4 and "4-bit" in four.label
+    assert parse_compression(four.spec()) == DEFAULT_COMPRESSION.with_settings(budget=256, kv_bits=4) and four.policy().kv_bits == 4 and "4-bit" in four.label
     assert ui_config.Settings("full", 128, "fixed", 16, 1024, 96, 0.0, True, "prefix", 8).policy().kv_bits == 8
 
 

@@ -170,7 +170,7 @@ def test_the_server_and_the_cli_say_whether_the_mode_is_on(tokenizer):
         engine.invariant = mode
         with TestClient(create_app(ServerConfig(engine, model_id="tiny"))) as client:
             cards = client.get("/v1/models").json()["data"]
-        assert cards[0]["snapkv"] == {"invariant": mode}
+        assert cards[0]["snapkv"]["invariant"] == mode
         assert engine.info().to_dict()["invariant"] is mode
     assert build_parser().parse_args(["info", "--invariant"]).invariant is True
     assert build_parser().parse_args(["serve", "--no-invariant"]).invariant is False

@@ -260,14 +260,14 @@ def test_the_package_never_imports_the_benchmarks():
 
 # The public surface for integrations, pinned: removing or renaming a name breaks connectors and users.
 INTEGRATIONS = [
-    "AUTO", "AUTOS", "AUTO_DOCUMENTS", "AgentMemory", "Answer", "ContextBudgetError", "DEFAULT_MAX_FILE_BYTES", "DocumentKept",
+    "AUTO", "AUTOS", "AUTO_DOCUMENTS", "AgentMemory", "Answer", "ContextBudgetError", "DEFAULT_COMPRESSION", "DEFAULT_MAX_FILE_BYTES", "DocumentKept",
     "DocumentQA", "DocumentStore", "Embedder",
     "EmptyCollectionError", "EvidenceAttributor", "IngestReport", "IntakeError", "LESS", "RenderedHistory", "SUPPORTED_SUFFIXES",
     "SYSTEM_PROMPT", "Skipped", "StoreError", "StoreUnavailableError", "StoredChunk", "StuffedContext", "StuffingRetriever",
     "TEXT_ROUTES", "Upload", "adapter_option", "as_policy",
-    "build_messages", "cache_root", "check_kv_reuse", "citation_prf", "cite_with_support", "default_embedder_path",
+    "build_messages", "can_roll", "fit_to_window", "parse_compression", "reads_past_window", "cache_root", "check_kv_reuse", "citation_prf", "cite_with_support", "default_embedder_path",
     "default_store_dir", "folder_files", "kept_per_document", "make_client", "offer_segments", "pack_greedy", "parse_citations",
-    "recording_kept_indices", "remove_skipped_uploads", "resolve_kv_reuse", "reuse_kwargs", "rolls", "save_uploads",
+    "recording_kept_indices", "remove_skipped_uploads", "resolve_kv_reuse", "reuse_kwargs", "save_uploads",
     "segment_store_at", "shared_engine", "small_model_note", "validate_collection_name",
 ]  # fmt: skip
 

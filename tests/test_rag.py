@@ -662,7 +662,6 @@ def test_document_qa_stuffs_past_the_window_and_rolls_by_itself(filled_store, to
     """context_tokens beyond the model's window: the sparse default policy reads the prompt with a
     rolling prefill (named on the stats line); the full cache cannot, and says how to."""
     from snapkv_rag.rag.cli import _rolling_note
-    from snapkv_rag.rag.qa import ROLLING_CHUNK, rolled_if_needed
     from snapkv_rag.rag.stuffing import ContextBudgetError
 
     short = tiny_engine("llama", tokenizer, context=512)
@@ -677,10 +676,6 @@ def test_document_qa_stuffs_past_the_window_and_rolls_by_itself(filled_store, to
     assert small.result.stats.policy_stats["rolled_chunks"] >= 6
     with pytest.raises(ContextBudgetError, match="rolling="):
         DocumentQA(short, filled_store, context_tokens=1500, compression=None).ask("When did the garden open?", max_new_tokens=4)
-    policy = SnapKV(max_capacity_prompt=128)
-    assert rolled_if_needed(policy, 400, 100, 512) is policy and rolled_if_needed(None, 40000, 100, 8192) is None
-    assert rolled_if_needed(policy, 40000, 100, 8192).rolling == ROLLING_CHUNK
-    assert rolled_if_needed("snapkv:budget=128,rolling=64", 4000, 100, 512).rolling == 64
 
 
 def test_choosing_chunk_reuse_against_the_models_recommendation_gets_a_note():

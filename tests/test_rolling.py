@@ -120,10 +120,18 @@ def test_every_sparse_policy_reads_past_the_window_within_the_bound(short_engine
     assert result.usage.prompt_tokens == n and result.usage.completion_tokens == 8
 
 
-def test_a_prompt_past_the_window_that_does_not_roll_names_rolling(short_engine):
+def test_a_sparse_policy_reads_past_the_window_by_the_one_rule_and_the_full_cache_names_rolling(short_engine):
+    """The engine asks fit_to_window for every call: a sparse policy without rolling= is read rolled in
+    the largest chunk that fits (budget + chunk + window + answer <= the window); the full cache cannot."""
     prompt = long_text(600, seed=2)
-    with pytest.raises(PromptTooLongError, match="rolling="):
-        short_engine.generate(prompt, compression="snapkv:budget=48", max_new_tokens=4)
+    result = short_engine.generate(prompt, compression="snapkv:budget=48,window=16", max_new_tokens=4)
+    assert result.stats.compression["rolling"] == 256 - 48 - 16 - 4
+    assert result.stats.policy_stats["rolled_chunks"] >= 3 and max(result.stats.kept_tokens_per_layer) <= 48
+    fits = short_engine.generate("A short prompt.", compression="snapkv:budget=48,window=16", max_new_tokens=4)
+    assert "rolling" not in fits.stats.compression
+    for full in (None, "full", "less:base=snapkv,budget=48,window=16"):
+        with pytest.raises((PromptTooLongError, InvalidCompressionError), match="rolling=|LESS"):
+            short_engine.generate(prompt, compression=full, max_new_tokens=4)
     with pytest.raises(PromptTooLongError, match="rolling="):
         short_engine.generate(prompt, max_new_tokens=4)
 

@@ -20,6 +20,7 @@ import pytest
 import torch
 from conftest import running, terse_bias, tiny_engine, tiny_tool_engine
 
+from snapkv_rag.compression import parse_compression
 from snapkv_rag.server import ServerConfig
 
 MAGIC = {
@@ -208,8 +209,12 @@ def test_a_prompt_past_the_window_answers_when_its_compression_rolls(client, eng
     assert reply.usage.prompt_tokens > engine.context_length
     uncapped = client.chat.completions.create(model="tiny", messages=messages, extra_body=rolled)  # the room left is the rolled bound's
     assert uncapped.usage.completion_tokens >= 1
+    # the server's own sparse policy names no rolling=: the one rule reads the prompt rolled all the same
+    for max_tokens in (4, None):
+        by_rule = client.chat.completions.create(model="tiny", messages=messages, max_tokens=max_tokens)
+        assert by_rule.usage.prompt_tokens > engine.context_length and by_rule.usage.completion_tokens >= 1
     with pytest.raises(openai.BadRequestError, match="rolling="):
-        client.chat.completions.create(model="tiny", messages=messages, max_tokens=4)
+        client.chat.completions.create(model="tiny", messages=messages, max_tokens=4, extra_body={"compression": "full"})
 
 
 def test_nan_sampling_and_repeated_settings_get_errors_that_say_so(base_url):
@@ -238,7 +243,7 @@ BAD_REQUESTS = [
     (ask(compression="snapkv:budget=64,kv_bits=2"), 400, "compression", None),
     (ask(max_tokens=0), 400, "max_tokens", None),
     (ask(max_tokens=100_000), 400, "messages", "context_length_exceeded"),
-    (ask(messages=[{"role": "user", "content": "word " * 3000}]), 400, "messages", "context_length_exceeded"),
+    (ask(messages=[{"role": "user", "content": "word " * 3000}], compression="full"), 400, "messages", "context_length_exceeded"),
     (ask(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]), 400, "messages", "unsupported_parameter"),
     (ask(messages=[{"role": "user", "content": "\ud83d hi"}]), 400, None, None),  # a lone surrogate escape
     (ask(messages=[{"role": "user", "content": "hi"}, {"role": "assistant", "content": "", "tool_calls": -1}]), 400, "messages", None),
@@ -296,7 +301,7 @@ def test_malformed_bodies_and_routes(base_url):
     assert bad_embedding.status_code == 400 and bad_embedding.json()["error"]["code"] == "input_too_long"
     assert httpx.post(base_url + "/v1/embeddings", json={"model": "all-MiniLM-L6-v2", "input": [""]}).status_code == 400
     assert httpx.post(base_url + "/v1/completions", json={"model": "tiny", "prompt": [1, 2, 3]}).json()["error"]["param"] == "prompt"
-    too_long = httpx.post(base_url + "/v1/completions", json={"model": "tiny", "prompt": "word " * 3000}).json()["error"]
+    too_long = httpx.post(base_url + "/v1/completions", json={"model": "tiny", "prompt": "word " * 3000, "compression": "full"}).json()["error"]
     assert (too_long["param"], too_long["code"]) == ("prompt", "context_length_exceeded")
     deep = b'{"model": "tiny", "metadata": ' + b"[" * 5000 + b"]" * 5000 + b"}"
     assert httpx.post(base_url + "/v1/chat/completions", content=deep, headers={"content-type": "application/json"}).status_code == 400
@@ -305,7 +310,7 @@ def test_malformed_bodies_and_routes(base_url):
     assert httpx.get(base_url + "/v1/models/tiny").json()["id"] == "tiny"
     assert httpx.get(base_url + "/v1/models/gpt-4o").json()["error"]["code"] == "model_not_found"
     health = httpx.get(base_url + "/health").json()
-    assert health["status"] == "ok" and health["compression"] == "snapkv:budget=64"
+    assert health["status"] == "ok" and health["compression"] == parse_compression("snapkv:budget=64").spec()
 
 
 def test_a_server_fault_is_still_one_openai_shaped_error(base_url, engine, monkeypatch):

@@ -45,9 +45,19 @@ def settings(prompt_tokens: int) -> dict[str, str]:
 
 
 def with_bits(spec: str, bits: int | None) -> str | None:
-    if bits is None:
-        return None if spec == "full" else spec
-    return f"full:kv_bits={bits}" if spec == "full" else f"{spec},kv_bits={bits}"
+    """``spec`` storing its entries in ``bits`` (None: full width), as the spec the records name."""
+    from snapkv_rag.compression import as_policy, parse_compression
+
+    policy = as_policy(parse_compression(spec).with_bits(bits))
+    return None if policy is None else policy.spec()
+
+
+def fixed_window(spec: str) -> str:
+    """``spec`` voting with the last 32 tokens instead of the question's (teacher-forced text has no question)."""
+    from snapkv_rag.compression import parse_compression
+
+    policy = parse_compression(spec)
+    return spec if policy.query_window == 0 and not policy.needs_question_span else policy.with_settings(window=32).spec()
 
 
 def answers(args, records: list[dict]) -> None:
@@ -119,7 +129,7 @@ def kl(args, records: list[dict]) -> None:
         logits = {}
         for name, spec in settings(2000).items():
             for bits in BITS:
-                policy = with_bits(spec.replace(",window=question", ",window=32"), bits)
+                policy = with_bits(fixed_window(spec), bits)
                 logits[name, bits] = engine.score(prompt, continuation, compression=policy, chat=False)
         for (name, bits), got in logits.items():
             against_width, _ = next_token_kl(logits[name, None], got)

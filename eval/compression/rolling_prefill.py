@@ -133,7 +133,11 @@ def needle_grid(records: list[dict]) -> list[str]:
 
 
 def spec_setting(spec: str) -> str:
-    return ",".join(part for part in spec.split(":", 1)[1].split(",") if part != "window=question")
+    """The table's column of a record's spec: its budget and chunk (``budget=512,rolling=1024``)."""
+    from snapkv_rag.compression import parse_compression
+
+    policy = parse_compression(spec)
+    return f"budget={policy.max_capacity_prompt}" + (f",rolling={policy.rolling}" if policy.rolling is not None else "")
 
 
 def one_part(args) -> None:
@@ -197,22 +201,15 @@ def memory_part(args) -> None:
 
 
 def tiny_part(args) -> None:
-    from snapkv_rag.compression import parse_compression
-    from snapkv_rag.engine.generation import DecodeRun
-    from snapkv_rag.engine.preparation import resolve_policy
-    from snapkv_rag.engine.prompts import render_prompt
-    from snapkv_rag.engine.sampling import GenerationParams
+    from snapkv_rag.compression import SnapKV
     from snapkv_rag.testing import build_tokenizer, tiny_model
 
     tokenizer = build_tokenizer()
     engine = Engine(tiny_model("llama", len(tokenizer), context=65536), tokenizer, name="tiny-llama-64k")
     words = "alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike november oscar papa".split()
 
-    def logits(prompt: str, spec: str | None) -> torch.Tensor:
-        row = render_prompt(tokenizer, prompt)
-        policy = resolve_policy(engine, parse_compression(spec) if spec else None, [prompt], None, [None])
-        policy = policy[0] if isinstance(policy, list) else policy
-        return DecodeRun(engine.model, [row], GenerationParams(max_new_tokens=1), policy, tokenizer.pad_token_id).prefill()
+    def logits(prompt: str, policy) -> torch.Tensor:
+        return engine.score(prompt, [0], compression=policy, prefix_cache=False)[:1]  # row 0: the prefill's prediction
 
     records = []
     for words_n in (int(x) for x in args.tiny_words.split(",")):
@@ -221,9 +218,10 @@ def tiny_part(args) -> None:
             prompt = " ".join(words[i] for i in torch.randint(len(words), (words_n,), generator=g).tolist()) + "\nWhich word comes first?"
             full = logits(prompt, None)
             for budget in (256, 1024):
-                whole = logits(prompt, f"snapkv:budget={budget},window=question")
+                whole_policy = SnapKV(max_capacity_prompt=budget, window_size="question")
+                whole = logits(prompt, whole_policy)
                 for chunk in (256, 1024):
-                    rolled = logits(prompt, f"snapkv:budget={budget},window=question,rolling={chunk}")
+                    rolled = logits(prompt, whole_policy.with_rolling(chunk))
                     records.append(
                         {
                             "prompt_tokens": engine.count_tokens(prompt),

@@ -671,6 +671,8 @@ def device_vs_cpu(check: Check) -> dict[str, Any]:
 
 # --------------------------------------------------------------------------- 3. decode speed
 def decode_speed(check: Check) -> dict[str, Any]:
+    from snapkv_rag.compression import parse_compression
+
     s, big = check.sizes, check.big()
     bandwidth = copy_bandwidth(check)
     short, long = s.speed_lengths
@@ -685,7 +687,7 @@ def decode_speed(check: Check) -> dict[str, Any]:
         big.engine.prefix_cache.clear()
         check.clean()
         for spec in policies:
-            budget = None if spec is None else int(spec.split("budget=")[1].split(",")[0])
+            budget = None if spec is None else parse_compression(spec).max_capacity_prompt
             row: dict[str, Any] = {"length": length, "batch": batch, "policy": "full" if spec is None else f"snapkv {budget}"}
             rows.append(row)
             # batch 8 is worth less than the parts after this one: it runs only with their time left over

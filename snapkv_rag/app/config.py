@@ -17,6 +17,7 @@ from snapkv_rag.cli_common import add_model_args
 from snapkv_rag.integrations import (
     AUTO_DOCUMENTS,
     AUTOS,
+    DEFAULT_COMPRESSION,
     LESS,
     SUPPORTED_SUFFIXES,
     Embedder,
@@ -25,7 +26,9 @@ from snapkv_rag.integrations import (
     cache_root,
     default_store_dir,
     make_client,
+    parse_compression,
 )
+from snapkv_rag.integrations import reads_past_window as rolls_past_window
 
 MAX_QUESTION_CHARS = 2000
 
@@ -210,16 +213,21 @@ class Settings:
 
     def spec(self) -> str:
         """The compression spec string (``snapkv_rag.compression.parse_compression``'s)."""
-        bits = f"kv_bits={self.kv_bits}" if self.kv_bits else ""
-        if self.method == "full":
-            return f"full:{bits}" if bits else "full"
-        window = f",window={'question' if self.window == 'question' else self.window_size}" if self.method in ("snapkv", "less") else ""
-        base = "less:base=snapkv," if self.method == "less" else f"{self.method}:"
-        return f"{base}budget={self.budget}{window}" + (f",{bits}" if bits else "")
+        policy = self.policy()
+        return policy.spec() if policy is not None else "full"
 
     def policy(self):
-        """The compression policy (None for the full cache); raises InvalidCompressionError."""
-        return as_policy(self.spec())
+        """The compression policy (None for the full cache); raises InvalidCompressionError. SnapKV is
+        the one default compression (``DEFAULT_COMPRESSION``) at the chosen budget and window."""
+        bits = self.kv_bits or None
+        if self.method == "full":
+            return as_policy(parse_compression("full").with_bits(bits))
+        if self.method not in ("snapkv", "less"):
+            return parse_compression(self.method).with_settings(budget=self.budget).with_bits(bits)
+        window = "question" if self.window == "question" else self.window_size
+        if self.method == "less":  # LESS's kernels were fitted over SnapKV's own settings
+            return LESS(base=parse_compression("snapkv").with_settings(budget=self.budget, window=window).with_bits(bits))
+        return DEFAULT_COMPRESSION.with_settings(budget=self.budget, window=window).with_bits(bits)
 
     @property
     def label(self) -> str:
@@ -238,13 +246,8 @@ class Settings:
 
 def reads_past_window(settings: Settings, engine: Engine | None, policy) -> bool:
     """Whether the stuffed context plus the answer exceed the model's window and ``policy`` reads
-    such a prompt with a rolling prefill (the full cache cannot read it at all)."""
-    from snapkv_rag.integrations import rolls
-
-    context = engine.context_length if engine is not None else None
-    if not context:
-        return False
-    return settings.context_tokens + settings.max_new_tokens > context and policy is not None and rolls(policy)
+    such a prompt rolled (the one rule; the full cache cannot read it at all)."""
+    return rolls_past_window(policy, settings.context_tokens, settings.max_new_tokens, engine.context_length if engine is not None else None)
 
 
 def checked_policy(settings: Settings, engine: Engine | None):

@@ -10,7 +10,19 @@ import streamlit as st
 from snapkv_rag import Engine
 
 from ..errors import SnapKVRagError
-from .config import KV_REUSE, KV_WIDTHS, METHODS, NEW_COLLECTION, AppConfig, Settings, checked_policy, load_engine, model_names, reads_past_window
+from .config import (
+    DEFAULT_COMPRESSION,
+    KV_REUSE,
+    KV_WIDTHS,
+    METHODS,
+    NEW_COLLECTION,
+    AppConfig,
+    Settings,
+    checked_policy,
+    load_engine,
+    model_names,
+    reads_past_window,
+)
 from .views import fmt_bytes, md_escape
 
 log = logging.getLogger(__name__)
@@ -82,7 +94,13 @@ def sidebar_settings(engine: Engine | None) -> Settings:
     st.sidebar.subheader("Compression")
     method = st.sidebar.selectbox("Method", list(METHODS), format_func=METHODS.__getitem__, index=1, key="method") or "snapkv"
     budget = st.sidebar.number_input(
-        "KV budget (entries per layer and head)", min_value=8, max_value=1_000_000, value=256, step=64, key="budget", disabled=method == "full"
+        "KV budget (entries per layer and head)",
+        min_value=8,
+        max_value=1_000_000,
+        value=DEFAULT_COMPRESSION.max_capacity_prompt,
+        step=64,
+        key="budget",
+        disabled=method == "full",
     )
     window, window_size = "question", 32
     if method in ("snapkv", "less"):

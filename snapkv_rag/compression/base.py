@@ -105,6 +105,27 @@ class CompressionPolicy(ABC):
         """This policy voting with ``window`` trailing queries (policies without a window ignore it)."""
         return self
 
+    @property
+    def can_roll(self) -> bool:
+        """Whether this policy can read a prompt past the model's window (``rolling=``)."""
+        return False
+
+    def with_rolling(self, chunk: int | None) -> CompressionPolicy:
+        """This policy reading the prompt ``chunk`` tokens at a time (None: whole)."""
+        if chunk is None:
+            return self
+        raise InvalidCompressionError(f"{type(self).__name__} cannot read a prompt past the window (rolling=); use a sparse policy such as SnapKV")
+
+    def with_bits(self, bits: int | None) -> CompressionPolicy:
+        """This policy storing its kept entries in ``bits`` (8 or 4; None: full width)."""
+        return self if bits == self.kv_bits else dataclasses.replace(self, kv_bits=bits)
+
+    def with_settings(self, **settings: Any) -> CompressionPolicy:
+        """This policy with other settings, named as in a spec (``chunk=16``, ``budget=512``) or by field."""
+        from .settings import replaced_settings
+
+        return replaced_settings(self, settings)
+
     def for_layer(self, position: int, layers: int) -> CompressionPolicy:
         """The policy for the ``position``-th of ``layers`` compressed layers (bottom first).
 
@@ -208,6 +229,13 @@ class SparsePolicy(CompressionPolicy):
     decode_interval: int | None = field(default=None, kw_only=True)  # ... every this many generated tokens (None: 64)
     rolling: int | None = field(default=None, kw_only=True)  # prefill this many prompt tokens at a time, cut back to the budget after each (engine/rolling.py)
     kv_bits: int | None = field(default=None, kw_only=True)  # store kept entries in 8 or 4 bits (compression/quantized.py)
+
+    @property
+    def can_roll(self) -> bool:
+        return True
+
+    def with_rolling(self, chunk: int | None) -> CompressionPolicy:
+        return self if chunk == self.rolling else dataclasses.replace(self, rolling=chunk)
 
     def check_shared_options(self) -> None:
         """Validate the options above (call from ``__post_init__``)."""

@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
-import dataclasses
-import re
 from typing import Any
 
 from ..errors import InvalidCompressionError
 from .base import CompressionPolicy
+from .defaults import DEFAULT_COMPRESSION, DEFAULT_SPEC
 from .full import FullCache
 from .h2o import H2O
 from .random_keep import RandomKeep
+from .settings import built, named_fields
 from .snapkv import SnapKV
 from .streaming_llm import StreamingLLM
 
@@ -22,22 +22,6 @@ POLICIES: dict[str, type[CompressionPolicy]] = {
     "random": RandomKeep,
     "full": FullCache,
     "none": FullCache,
-}
-
-ALIASES = {
-    "budget": "max_capacity_prompt",
-    "capacity": "max_capacity_prompt",
-    "window": "window_size",
-    "kernel": "kernel_size",
-    "sinks": "sink_tokens",
-    "gqa": "gqa_reduce",
-    "chunk": "chunk_size",
-    "chunk_from": "chunk_min_ratio",
-    "layers": "layer_budgets",
-    "beta": "pyramid_beta",
-    "heads": "head_budgets",
-    "floor": "head_floor",
-    "whole": "whole_layers",
 }
 
 
@@ -93,44 +77,21 @@ def _parse_less(rest: str) -> CompressionPolicy:
 def parse_compression(spec: str) -> CompressionPolicy:
     """Parse ``name[:key=value,...]``; keys may use the short aliases in ``ALIASES``.
 
-    ``less:base=snapkv,budget=256`` wraps the base policy (with the other settings) in LESS.
+    ``less:base=snapkv,budget=256`` wraps the base policy (with the other settings) in LESS;
+    ``default`` is :data:`~.defaults.DEFAULT_COMPRESSION` itself.
     """
     if not isinstance(spec, str) or not spec.strip():
         raise InvalidCompressionError("empty compression spec; try 'snapkv:budget=1024'")
+    if spec.strip().lower() == DEFAULT_SPEC:
+        return DEFAULT_COMPRESSION
     name, _, rest = spec.strip().partition(":")
     if name.strip().lower() == "less":
         return _parse_less(rest)
     cls = POLICIES.get(name.strip().lower())
     if cls is None:
-        raise InvalidCompressionError(f"unknown compression method {name!r}; choose one of {', '.join(sorted({*POLICIES, 'less'}))}")
-    allowed = {f.name for f in dataclasses.fields(cls)}
-    kwargs: dict[str, Any] = {}
-    typed: dict[str, str] = {}  # field -> the name the user wrote, for errors in their words
-    for key, value in _items(rest):
-        field = ALIASES.get(key, key)
-        if field not in allowed:
-            raise InvalidCompressionError(f"{cls.name} has no setting {key!r}; settings: {', '.join(setting_names(allowed)) or 'none'}")
-        if field in kwargs:
-            same = f"{key!r} is given twice" if typed[field] == key else f"{typed[field]!r} and {key!r} name the same setting"
-            raise InvalidCompressionError(f"{cls.name}: {same}; give each setting once")
-        kwargs[field] = _coerce(value)
-        typed[field] = key
-    try:
-        return cls(**kwargs)
-    except InvalidCompressionError as error:
-        message = str(error)
-        for field in allowed:
-            message = re.sub(rf"\b{field}\b", typed.get(field) or _short_name(field), message)
-        raise InvalidCompressionError(message) from None
-
-
-def _short_name(field: str) -> str:
-    return next((alias for alias, target in ALIASES.items() if target == field), field)
-
-
-def setting_names(fields: set[str]) -> list[str]:
-    """The settings a spec may name: a field's short alias where it has one (``budget``), else the field."""
-    return sorted(_short_name(field) for field in fields)
+        raise InvalidCompressionError(f"unknown compression method {name!r}; choose one of {', '.join(sorted({*POLICIES, 'less', DEFAULT_SPEC}))}")
+    kwargs, typed = named_fields(cls, [(key, _coerce(value)) for key, value in _items(rest)])
+    return built(cls, kwargs, typed)
 
 
 def as_policy(compression: CompressionPolicy | str | None) -> CompressionPolicy | None:
@@ -142,9 +103,3 @@ def as_policy(compression: CompressionPolicy | str | None) -> CompressionPolicy 
     if not isinstance(compression, CompressionPolicy):
         raise InvalidCompressionError(f"compression must be a policy, a spec string or None, got {type(compression).__name__}")
     return None if isinstance(compression, FullCache) and compression.kv_bits is None else compression
-
-
-def rolls(compression: CompressionPolicy | str | None) -> bool:
-    """Whether ``compression`` is a sparse policy that can read a prompt past the window (``rolling=``)."""
-    policy = as_policy(compression) if isinstance(compression, str) else compression
-    return isinstance(policy, CompressionPolicy) and "rolling" in {f.name for f in dataclasses.fields(policy)}

@@ -14,7 +14,7 @@ from typing import Any, Protocol
 
 import torch
 
-from ..compression import CompressionPolicy, as_policy
+from ..compression import CompressionPolicy, as_policy, fit_to_window
 from ..compression.runtime import attention_kernel, sliding_layers
 from ..errors import EmptyPromptError, InvalidCompressionError, InvalidGenerationParameterError, InvalidPromptError, PromptTooLongError
 from ..model.placement import spans_devices
@@ -101,19 +101,22 @@ def render_within_context(
     new_tokens: int,
     specs: Sequence[OutputSpec] | None = None,
     policy: CompressionPolicy | None = None,
-) -> list[list[int]]:
-    """Token ids of each prompt; raises when one plus ``new_tokens`` exceeds the context (under
-    ``rolling=`` a prompt takes at most ``budget + rolling + window`` positions, whatever its length)."""
+) -> tuple[list[list[int]], CompressionPolicy | None]:
+    """Token ids of each prompt and the policy they are read with: rolled past the window where the
+    longest does not fit and the policy can roll (:func:`~snapkv_rag.compression.fit_to_window`, the one
+    rule). Raises when a prompt plus ``new_tokens`` still exceeds the context (under ``rolling=`` a
+    prompt takes at most ``budget + rolling + window`` positions, whatever its length)."""
     specs = specs or [TEXT] * len(prompts)
     rows = [render_prompt(engine.tokenizer, p, chat=chat, tools=s.tools if s.renders_tools else ()) for p, s in zip(prompts, specs)]
     if not rows:
         raise EmptyPromptError("no prompts given")
     limit = engine.context_length
+    policy = fit_to_window(policy, max(len(row) for row in rows), new_tokens, limit)
     for row in rows:
         positions = policy.prompt_positions(len(row)) if policy is not None else len(row)
         if limit is not None and positions + new_tokens > limit:
             raise PromptTooLongError(len(row), new_tokens, limit, positions if policy is not None and policy.rolling is not None else None)
-    return rows
+    return rows, policy
 
 
 def prepare_request(
@@ -152,7 +155,7 @@ def prepare_request(
     if params.min_new_tokens and any(s.constrained for s in specs):
         raise InvalidGenerationParameterError("min_new_tokens cannot be combined with tools or response_format", param="min_new_tokens")
     policy = as_policy(compression)
-    rows = render_within_context(engine, prompts, chat, params.max_new_tokens, specs, policy)
+    rows, policy = render_within_context(engine, prompts, chat, params.max_new_tokens, specs, policy)
     if policy is not None and policy.rolling is not None:
         check_rolls(engine)
         if keep_texts is not None:

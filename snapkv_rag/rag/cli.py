@@ -137,7 +137,7 @@ def _qa_kwargs(args) -> tuple[dict[str, Any], dict[str, Any]]:
     if args.prompt_lookup_num_tokens is not None:  # else DocumentQA's default
         sampling["prompt_lookup_num_tokens"] = args.prompt_lookup_num_tokens
     GenerationParams.build(**sampling)
-    compression = {} if args.compression == "default" else {"compression": as_policy(args.compression)}
+    compression = {"compression": as_policy(args.compression)}  # "default": DocumentQA's, the one default
     return sampling, compression
 
 

@@ -106,21 +106,11 @@ def combined_scores(per_head: Sequence[Sequence[float]]) -> list[float]:
 
 
 def skim_policy(policy, prompt_tokens: int, context_length: int | None):
-    """``policy`` as the skim reads with it: rolled in :data:`SKIM_ROLLING`-token chunks unless it
-    names its own ``rolling=`` (fewer where budget + chunk + window would not fit the window)."""
-    import dataclasses
+    """``policy`` as the skim reads with it: always rolled, in :data:`SKIM_ROLLING`-token chunks unless
+    it names its own ``rolling=`` (the one rule, :func:`~snapkv_rag.compression.fit_to_window`)."""
+    from ..compression import as_policy, fit_to_window
 
-    from ..compression import as_policy
-    from ..compression.base import MIN_ROLLING
-    from ..compression.parsing import rolls
-
-    if policy is None or not rolls(policy):
-        return policy
-    policy = as_policy(policy)
-    if policy.rolling is not None:
-        return policy
-    room = SKIM_ROLLING if context_length is None else min(SKIM_ROLLING, context_length - policy.max_capacity_prompt - policy.window_bound - 1)
-    return dataclasses.replace(policy, rolling=room) if room >= MIN_ROLLING else policy
+    return fit_to_window(as_policy(policy), prompt_tokens, 1, context_length, chunk=SKIM_ROLLING, always=True)
 
 
 def skim(

@@ -27,7 +27,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from ..compression import as_policy
+from ..compression import CompressionPolicy, as_policy, can_roll, fit_to_window
 from ..engine.results import kept_tokens_text
 from .affinity import replica_tag
 from .defaults import DEFAULT_BODY_TIMEOUT, DEFAULT_COMPRESSION, DEFAULT_MAX_QUEUE, DEFAULT_MAX_REQUEST_BYTES, DEFAULT_MAX_TOKENS, DEFAULT_SHUTDOWN_GRACE
@@ -73,7 +73,7 @@ class ServerConfig:
         *,
         model_id: str | None = None,
         aliases: tuple[str, ...] = (),
-        compression: str | None = DEFAULT_COMPRESSION,
+        compression: CompressionPolicy | str | None = DEFAULT_COMPRESSION,
         default_max_tokens: int = DEFAULT_MAX_TOKENS,
         api_key: str | Sequence[str] | None = None,
         embedder=None,
@@ -100,8 +100,8 @@ class ServerConfig:
         self.backend = backend or InProcess(engine)
         self.model_id = model_id or engine.name
         self.aliases = {self.model_id, *aliases}  # ids a request may name for the model
-        self.compression_spec = compression or "full"
         self.compression = as_policy(compression)  # an invalid spec fails at start, not on the first request
+        self.compression_spec = self.compression.spec() if self.compression is not None else "full"
         self.default_max_tokens = default_max_tokens
         keys = [api_key] if isinstance(api_key, str) else list(api_key or ())
         if not all(isinstance(k, str) and k.strip() == k and k for k in keys):
@@ -240,12 +240,11 @@ def open_engine_stream(engine, request: ParsedRequest, compression, default_max_
     if request.compression is not None:
         compression = as_policy(request.compression)
     max_new = request.max_tokens
-    rolling = compression is not None and getattr(compression, "rolling", None) is not None
-    if max_new is None or rolling:
+    if max_new is None or can_roll(compression):
         tools = request.constraints.get("tools") if request.constraints.get("tool_choice") != "none" else None
         prompt_tokens = engine.count_tokens(request.prompt, chat=False if request.kind == "completion" else None, tools=tools)
         limit = max_prompt_tokens or engine.context_length
-        if rolling and limit and prompt_tokens > limit:
+        if can_roll(compression) and limit and prompt_tokens > limit:
             raise invalid(
                 f"the prompt has {prompt_tokens} tokens; this server reads at most {limit} prompt tokens, rolling prefill or not "
                 "(its operator sets --max-prompt-tokens)",
@@ -254,13 +253,15 @@ def open_engine_stream(engine, request: ParsedRequest, compression, default_max_
             )
     if max_new is None:
         context = engine.context_length
+        if context and prompt_tokens >= context:  # past the window: the one rule rolls it, leaving room for default_max_tokens
+            compression = fit_to_window(compression, prompt_tokens, default_max_tokens, context)
         positions = compression.prompt_positions(prompt_tokens) if compression is not None else prompt_tokens  # fewer under rolling=
         room = (context - positions) if context else default_max_tokens
         if room < 1:
             field = "messages" if request.kind == "chat" else "prompt"
             raise invalid(
-                f"the prompt has {prompt_tokens} tokens and fills the model's {context}-token context; shorten it, or read it with a rolling prefill "
-                "(compression 'snapkv:budget=1024,window=question,rolling=2048')",
+                f"the prompt has {prompt_tokens} tokens and fills the model's {context}-token context; shorten it, or read it with a sparse policy "
+                "(compression 'default'), which reads a prompt past the window a chunk at a time",
                 field,
                 "context_length_exceeded",
             )
@@ -512,7 +513,10 @@ async def embeddings(request: Request):
 def _model_card(config: ServerConfig, model: str) -> dict[str, Any]:
     card: dict[str, Any] = {"id": model, "object": "model", "created": config.started, "owned_by": "snapkv-rag"}
     if model == config.model_id:
-        card["snapkv"] = {"invariant": config.invariant}  # greedy output independent of reuse and batching (snapkv_rag.engine.invariant)
+        card["snapkv"] = {
+            "invariant": config.invariant,
+            "compression": config.compression_spec,
+        }  # greedy output independent of reuse and batching (snapkv_rag.engine.invariant)
     return card
 
 

@@ -20,7 +20,10 @@ def add_serve_parser(sub) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: this machine only; 0.0.0.0 for all)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument(
-        "--compression", default=DEFAULT_COMPRESSION, help=f"default policy spec for requests that name none (default {DEFAULT_COMPRESSION}; 'full' for none)"
+        "--compression",
+        default=DEFAULT_COMPRESSION,
+        help=f"default policy spec for requests that name none (default {DEFAULT_COMPRESSION!r}: the one default compression, "
+        "printed by snapkv-rag info; 'full' for none)",
     )
     p.add_argument(
         "--served-model-name",

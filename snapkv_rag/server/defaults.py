@@ -1,6 +1,8 @@
 """The server's defaults, for the command line and for :class:`~.app.ServerConfig`."""
 
-DEFAULT_COMPRESSION = "snapkv:budget=1024"  # for requests that name no policy
+# For requests that name no policy: the one default compression (snapkv_rag.compression.DEFAULT_COMPRESSION)
+# by its spec name, so that parsing the command line loads no torch.
+DEFAULT_COMPRESSION = "default"
 DEFAULT_MAX_TOKENS = 1024  # for requests that give no max_tokens (the room in the context caps it too)
 DEFAULT_MAX_REQUEST_BYTES = 8 << 20  # a full 128K-token prompt is about 0.5 MB of text
 # Completion requests admitted at once (waiting or generating); beyond it, 429 with Retry-After.

@@ -30,9 +30,8 @@ from .examples import Example
 from .qa_data import QAGenerator, answer, question
 from .world import Entity, make_entity
 
-# DocumentQA's default compression (snapkv_rag.rag.qa.DEFAULT_COMPRESSION) as a spec; rolled past
-# ROLL_FROM stuffed tokens, and a third of the shorter reads rolled too (the skim always rolls)
-READ_SPEC = "snapkv:budget=1024,window=question,chunk=16,chunk_from=2"
+# The one default compression (snapkv_rag.compression.DEFAULT_COMPRESSION); rolled past ROLL_FROM
+# stuffed tokens, and a third of the shorter reads rolled too (the skim always rolls)
 ROLLING = 2048
 ROLL_FROM = 6000
 READ_BUDGETS = (2000, 4000, 8000, 16000)
@@ -55,7 +54,11 @@ CUE_ASKS: dict[str, str] = {
 
 
 def read_spec(budget: int, rng: random.Random) -> str:
-    return f"{READ_SPEC},rolling={ROLLING}" if budget > ROLL_FROM or rng.random() < 1 / 3 else READ_SPEC
+    """The spec an example of ``budget`` stuffed tokens is read under (stored with the example)."""
+    from ..compression import DEFAULT_COMPRESSION
+
+    rolled = budget > ROLL_FROM or rng.random() < 1 / 3
+    return (DEFAULT_COMPRESSION.with_rolling(ROLLING) if rolled else DEFAULT_COMPRESSION).spec()
 
 
 def cue_question(rng: random.Random, entity: Entity) -> tuple[str, str, str]:

@@ -184,9 +184,10 @@ class ChatSnapKV(BaseChatModel):
         model: ``"default"`` (the embedded model), a path or a hub id. Engines built by name are
             shared per (model, device, dtype, prefix_cache_bytes) and load on first use.
         engine: a ready :class:`snapkv_rag.Engine` instead of ``model``.
-        compression: a policy or spec string, e.g. ``"snapkv:budget=512"``, or
+        compression: a policy or spec string: ``"default"`` (the toolkit's one default compression,
+            ``snapkv_rag.compression.DEFAULT_COMPRESSION``), e.g. ``"snapkv:budget=512"``, or
             ``"snapkv:budget=512,decode_budget=512"`` to bound long generations too;
-            ``"full"``/None keeps the whole cache.
+            ``"full"``/None keeps the whole cache. A history past the model's window is read rolled.
         max_tokens, temperature, top_p, seed, stop: sampling (temperature 0 is greedy).
         kv_reuse, kv_dir, recompute: reuse of document and tool-log K/V across prompts.
 
@@ -195,7 +196,7 @@ class ChatSnapKV(BaseChatModel):
 
             from langchain_snapkv import ChatSnapKV
 
-            llm = ChatSnapKV(model="default", compression="snapkv:budget=1024", max_tokens=128)
+            llm = ChatSnapKV(model="default", max_tokens=128)
 
     Invoke:
         .. code-block:: python
@@ -249,8 +250,8 @@ class ChatSnapKV(BaseChatModel):
     """``"default"`` (the embedded model), a local path, a ``.gguf`` file or a hub id."""
     device: str | None = None
     dtype: str | None = None
-    compression: Any = "snapkv:budget=1024"
-    """A compression policy or spec string; ``None``/``"full"`` keeps the whole cache."""
+    compression: Any = "default"
+    """A compression policy or spec string (``"default"``: the toolkit's one default); ``None``/``"full"`` keeps the whole cache."""
     max_tokens: int | None = Field(default=256, alias="max_new_tokens")
     temperature: float = 0.0
     top_p: float | None = None

@@ -18,7 +18,7 @@ from langchain_core.vectorstores import VectorStore
 from pydantic import ConfigDict, Field
 
 from snapkv_rag import Engine
-from snapkv_rag.integrations import SYSTEM_PROMPT, DocumentStore, StoredChunk, StuffedContext, StuffingRetriever, as_policy, offer_segments
+from snapkv_rag.integrations import SYSTEM_PROMPT, DocumentStore, StoredChunk, StuffedContext, StuffingRetriever, as_policy, can_roll, offer_segments
 
 
 def chunk_to_document(number: int, chunk: StoredChunk) -> Document:
@@ -118,7 +118,7 @@ class SnapKVStuffingRetriever(BaseRetriever):
     system_prompt: str = SYSTEM_PROMPT
     past_window: bool = False
     """``context_tokens`` may exceed the model's window: the chat model's compression reads the
-    prompt with a rolling prefill (``rolling=``). On by itself when ``llm``'s compression sets ``rolling=``."""
+    prompt with a rolling prefill (``rolling=``). On by itself when ``llm``'s compression can roll (a sparse policy)."""
 
     @classmethod
     def from_vectorstore(cls, vectorstore: VectorStore, **kwargs: Any) -> SnapKVStuffingRetriever:
@@ -152,7 +152,7 @@ class SnapKVStuffingRetriever(BaseRetriever):
             order=self.order,
             whole_collection=self.whole_collection,
             system_prompt=self.system_prompt,
-            past_window=self.past_window or (self.llm is not None and getattr(as_policy(self.llm.compression), "rolling", None) is not None),
+            past_window=self.past_window or (self.llm is not None and can_roll(as_policy(self.llm.compression))),
         )
 
     def stuff(self, query: str, *, k: int | None = None) -> StuffedContext:

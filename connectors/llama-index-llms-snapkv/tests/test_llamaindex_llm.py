@@ -16,6 +16,7 @@ from llama_index.llms.snapkv.messages import to_engine_messages
 from pydantic import BaseModel
 from snapkv_root_conftest import terse_bias, tiny_tool_engine
 
+from snapkv_rag.compression import DEFAULT_COMPRESSION
 from snapkv_rag.errors import PromptTooLongError
 
 LONG = " ".join(["The quick brown fox jumps over the lazy dog."] * 12) + " What does the fox do?"
@@ -48,18 +49,19 @@ def test_metadata_tells_the_truth(engine):
     assert meta.model_name == engine.name
     assert SnapKVLLM(engine, context_window=300).metadata.context_window == 300
     with pytest.raises(ValueError):
-        SnapKVLLM(engine, context_window=10_000)
+        SnapKVLLM(engine, context_window=10_000, compression="full")  # the full cache cannot read past the window
+    assert SnapKVLLM(engine, context_window=10_000).metadata.context_window == 10_000  # the default rolls past it
     with pytest.raises(ValueError):
         SnapKVLLM(engine, compression="nonsense:budget=1")
 
 
 def test_complete_and_chat_are_the_engines_greedy_outputs(llm, engine):
-    expected = engine.generate("Hello world", max_new_tokens=6)
+    expected = engine.generate("Hello world", max_new_tokens=6, compression=DEFAULT_COMPRESSION)
     r = llm.complete("Hello world")
     assert r.text == expected.text
     assert r.raw["usage"]["completion_tokens"] == expected.usage.completion_tokens
     assert r.additional_kwargs["prompt_tokens"] == expected.usage.prompt_tokens
-    assert r.additional_kwargs["compression"] is None  # default: full cache
+    assert r.additional_kwargs["compression"] == expected.stats.compression  # default: the one default compression
     c = llm.chat([ChatMessage(role="user", content="Hello world")])
     assert c.message.role == MessageRole.ASSISTANT and c.message.content == expected.text
     assert c.raw["finish_reason"] == c.additional_kwargs["finish_reason"]
@@ -156,7 +158,9 @@ def test_context_window_above_the_models_needs_a_rolling_policy(engine):
     with pytest.raises(PromptTooLongError):
         llm.complete("word " * 5000)  # past its own context_window of 4000
     with pytest.raises(ValueError, match="rolling="):
-        SnapKVLLM(engine, compression="snapkv:budget=64", context_window=4000)
+        SnapKVLLM(engine, compression="full", context_window=4000)
+    by_rule = SnapKVLLM(engine, compression="snapkv:budget=64,window=16", context_window=4000, max_new_tokens=4)  # no rolling= named
+    assert by_rule.complete(prompt).raw["stats"]["policy_stats"]["rolled_chunks"] > 1
 
 
 def test_messages_translate_tool_calls_and_tool_results():

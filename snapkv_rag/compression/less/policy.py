@@ -67,6 +67,12 @@ class LESS(CompressionPolicy):
     def with_budget(self, budget: int) -> LESS:
         return dataclasses.replace(self, base=self.base.with_budget(budget))
 
+    def with_bits(self, bits: int | None) -> LESS:
+        return dataclasses.replace(self, base=self.base.with_bits(bits))
+
+    def with_settings(self, **settings: Any) -> LESS:
+        return dataclasses.replace(self, base=self.base.with_settings(**settings))
+
     def select(self, queries, keys, attention_mask=None, *, scaling=None, protected=None):
         return self.base.select(queries, keys, attention_mask, scaling=scaling, protected=protected)
 

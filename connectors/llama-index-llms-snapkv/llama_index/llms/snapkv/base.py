@@ -37,7 +37,7 @@ from llama_index.core.prompts import BasePromptTemplate
 
 from snapkv_rag import Engine, GenerationResult, ToolCallDelta
 from snapkv_rag.errors import PromptTooLongError
-from snapkv_rag.integrations import as_policy, check_kv_reuse, resolve_kv_reuse, reuse_kwargs, segment_store_at, shared_engine
+from snapkv_rag.integrations import as_policy, can_roll, check_kv_reuse, resolve_kv_reuse, reuse_kwargs, segment_store_at, shared_engine
 
 from .messages import assistant_message, result_message, result_summary, to_engine_messages, tool_selections
 
@@ -85,17 +85,20 @@ class SnapKVLLM(FunctionCallingLLM):
     """A local model with a SnapKV-compressed KV cache, as a LlamaIndex function-calling LLM.
 
     ``SnapKVLLM(engine)`` wraps an existing :class:`~snapkv_rag.Engine`;
-    ``SnapKVLLM(model="default", compression="snapkv:budget=1024,window=question")`` loads
+    ``SnapKVLLM(model="default")`` loads
     (once per model, device, dtype and prefix-cache bound, then shared) the embedded
     SmolLM2-135M-Instruct or any model path / hub id. ``compression`` is the default policy of
-    every call (None: the full cache) and can be overridden per call with
-    ``compression=...``. Each response carries the engine's full result (``raw``: text, tool
+    every call (``"default"``: the toolkit's one default compression, ``snapkv_rag.compression.DEFAULT_COMPRESSION``;
+    None or ``"full"``: the full cache) and can be overridden per call with ``compression=...``.
+    A prompt past the model's window is read rolled where the policy can roll (the one rule). Each response carries the engine's full result (``raw``: text, tool
     calls, usage, stats) and a compact report in ``additional_kwargs`` (kept tokens per
     layer, compression ratio, prompt/completion tokens, reused prefix tokens).
     """
 
     model: str = Field(default="default", description="Model name, path or hub id ('default' = embedded SmolLM2).")
-    compression: Any = Field(default=None, description="Default compression policy or spec string; None = full cache.")
+    compression: Any = Field(
+        default="default", description="Default compression policy or spec string ('default': the toolkit's one default); None = full cache."
+    )
     max_new_tokens: int = Field(default=256, gt=0, description="Tokens to generate per call (num_output).")
     temperature: float = Field(default=0.0, ge=0.0, description="0 = greedy.")
     context_window: int = Field(default=0, description="Prompt + output tokens per call; default: the model's context.")
@@ -125,7 +128,7 @@ class SnapKVLLM(FunctionCallingLLM):
         engine: Engine | None = None,
         *,
         model: str = "default",
-        compression: Any = None,
+        compression: Any = "default",
         max_new_tokens: int = 256,
         temperature: float = 0.0,
         context_window: int | None = None,
@@ -145,13 +148,12 @@ class SnapKVLLM(FunctionCallingLLM):
         policy = as_policy(compression)  # an invalid spec fails here, not at the first call
         check_kv_reuse(kwargs.get("kv_reuse"))
         limit = engine.context_length
-        rolling = policy is not None and getattr(policy, "rolling", None) is not None  # reads prompts past the model's window
         if context_window is None:
             context_window = limit or 4096
-        elif context_window <= max_new_tokens or (limit is not None and context_window > limit and not rolling):
+        elif context_window <= max_new_tokens or (limit is not None and context_window > limit and not can_roll(policy)):
             raise ValueError(
                 f"context_window={context_window} must exceed max_new_tokens={max_new_tokens} and be at most the model's {limit} "
-                "(or the compression rolls: rolling=, which reads prompts past the window)"
+                "(or the compression is a sparse policy, which reads prompts past the window a chunk at a time: rolling=)"
             )
         super().__init__(
             model=model,
