@@ -41,6 +41,7 @@ from .results import GenerationResult
 from .sampling import GenerationParams
 from .scheduler import Member, Scheduler, SchedulerStats, default_max_batch_size
 from .streams import AsyncGenerationStream, GenerationStream, StreamPiece, cancellable
+from .token_runs import TokenRun
 from .tool_decisions import CacheUse, CallScorer
 
 __all__ = ["AsyncGenerationStream", "Compression", "Engine", "GenerationStream", "ModelInfo"]
@@ -482,6 +483,14 @@ class Engine:
                     results.update(zip(group, item))
         return [results[i] for i in range(len(request.rows))]
 
+    def token_run(
+        self, prompt_ids: Sequence[int], *, compression: Compression = None, max_new_tokens: int = 1, prefix_cache: bool = False
+    ) -> TokenRun:
+        """A read of ``prompt_ids`` (token ids, rendered by the caller) under ``compression``, run on this
+        engine's worker: teacher-forced logits, the prefill's logits, timed decode steps and what it kept
+        (:class:`~.token_runs.TokenRun`; the harness's, the trainers' and the benchmarks' way in)."""
+        return TokenRun(self, prompt_ids, compression, max_new_tokens, prefix_cache)
+
     def score(
         self,
         prompt: PromptLike,
@@ -503,7 +512,7 @@ class Engine:
         namespace = checked_cache_salt(cache_salt) or ""
         ids = check_continuation(self, continuation)
         requested = as_policy(compression)
-        (row,) = render_within_context(self, [prompt], chat, len(ids), policy=requested)
+        (row,), requested = render_within_context(self, [prompt], chat, len(ids), policy=requested)
         policy = resolve_policy(self, requested, [prompt], chat, [question])
         return self._teacher_force_row(row, ids, policy, prefix_cache, namespace)
 

@@ -7,7 +7,8 @@ continuation and the perplexity of the continuation. For a LESS method at budget
 runner also runs its base policy at ``B`` and "baseline+": the base policy at ``B + extra``,
 ``extra`` = the LESS state's memory in cached tokens (rounded up), so LESS and baseline+
 hold the same memory. Decode ms/token of base and LESS come from a short greedy decode of
-the same prompt, interleaved (the first prompt of each length only). Everything runs through :class:`~snapkv_rag.engine.generation.DecodeRun`,
+the same prompt, interleaved (the first prompt of each length only). Everything runs through
+the engine's :meth:`~snapkv_rag.engine.engine.Engine.token_run` (on its worker),
 the engine's one decode loop.
 """
 
@@ -22,8 +23,6 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from ..compression import LESS
-from ..engine.generation import DecodeRun
-from ..engine.sampling import GenerationParams
 from ..training.corpus import heldout_prompts, heldout_starts
 from .metrics import next_token_kl
 from .runner import FULL, Method, Record, common_fields
@@ -82,13 +81,12 @@ def run_heldout_fidelity(
     starts = heldout_starts(lengths, continuation_tokens, per_length)
     bar = tqdm(total=len(prompts) * (len(runs) + 1), desc="fidelity (held-out)", disable=not progress, leave=False)
     records: list[Record] = []
-    pad = engine._pad_id
     if decode_tokens >= 2:  # the first calls pay one-time costs; keep them out of the timings
         _decode_timing(engine, prompts[0][1][:256], None, 4)
     for index, (length, prompt, continuation) in enumerate(prompts):
 
         def teacher_force(policy, prompt=prompt, continuation=continuation):
-            run = DecodeRun(engine.model, [prompt], GenerationParams(max_new_tokens=len(continuation)), policy, pad)
+            run = engine.token_run(prompt, compression=policy, max_new_tokens=len(continuation))
             return run, run.teacher_force(continuation).float().cpu()
 
         _, full_logits = teacher_force(None)
@@ -124,10 +122,8 @@ def run_heldout_fidelity(
 def _decode_timing(engine, prompt: list[int], policy, tokens: int) -> dict[str, Any]:
     if tokens < 2:
         return {}
-    run = DecodeRun(engine.model, [prompt], GenerationParams(max_new_tokens=tokens), policy, engine._pad_id)
-    for _ in run.steps():
-        pass
-    return {"decode_ms_per_token": run.timings.decode_ms_per_token, "low_rank_ms_per_step": run.policy_stats().get("low_rank_ms_per_step")}
+    decoded = engine.token_run(prompt, compression=policy, max_new_tokens=tokens).decode()
+    return {"decode_ms_per_token": decoded["decode_ms_per_token"], "low_rank_ms_per_step": decoded.get("low_rank_ms_per_step")}
 
 
 def _record(engine, method: Method, role: str, length, index, prompt, continuation, kl, ppl, full_ppl, run, extra) -> Record:
