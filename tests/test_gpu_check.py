@@ -20,24 +20,24 @@ def one_thread():
 
 
 def test_tiny_mode_runs_every_part_on_the_cpu(tmp_path, one_thread):
-    assert gpu_check.main(["--tiny", "--device", "cpu", "--time-limit", "120", "--out", str(tmp_path)]) == 0
+    """Every part runs (about 30 s of the limit here): a part or a case skipped in tiny mode on the CPU
+    is a failure, since CI's run is all that checks the parts between GPU runs."""
+    assert gpu_check.main(["--tiny", "--device", "cpu", "--time-limit", "900", "--out", str(tmp_path)]) == 0
     records = read_records(tmp_path)
     assert [r["name"] for r in records] == gpu_check.PART_NAMES
+    assert {r["name"]: (r["status"], r.get("reason") or r.get("error")) for r in records} == {name: ("ok", None) for name in gpu_check.PART_NAMES}
     for record in records:
-        assert record["status"] in ("ok", "skipped"), (record["name"], record.get("error"))
         assert record["device"] == "cpu" and record["mode"] == "tiny"
         assert record["torch"] == torch.__version__ and record["transformers"][0].isdigit()
         assert record["date"] and record["command"].startswith("python -m eval gpu_check --tiny")
+        cases = [row.get("status") for row in record.get("rows", []) if row.get("status") is not None]
+        assert all(status == "ok" for status in cases), (record["name"], cases)
     by_name = {r["name"]: r for r in records}
-    assert by_name["preflight"]["status"] == "ok"
-    compare = by_name["device_vs_cpu"]
-    assert compare["status"] == "ok"
-    cases = [row for row in compare["rows"] if row.get("status") == "ok"]
-    assert len(cases) >= 12 and all(row["equal"] and row["kept_equal"] for row in cases)  # the CPU against itself
-    assert all(row["max_logit_gap"] == 0 for row in cases if row.get("max_logit_gap") is not None)
-    oom = by_name["concurrency_oom"]
-    if oom["status"] == "ok":
-        assert oom["summary"]["oom_raised"] and oom["summary"]["served_after"]
+    compare = [row for row in by_name["device_vs_cpu"]["rows"] if row.get("status") == "ok"]
+    assert len(compare) >= 12 and all(row["equal"] and row["kept_equal"] for row in compare)  # the CPU against itself
+    assert all(row["max_logit_gap"] == 0 for row in compare if row.get("max_logit_gap") is not None)
+    oom = by_name["concurrency_oom"]["summary"]
+    assert oom["oom_raised"] and oom["served_after"]
     table = (tmp_path / "table.md").read_text()
     assert "device_vs_cpu" in table and "(cpu), tiny mode" in table
 
