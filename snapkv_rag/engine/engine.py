@@ -483,9 +483,7 @@ class Engine:
                     results.update(zip(group, item))
         return [results[i] for i in range(len(request.rows))]
 
-    def token_run(
-        self, prompt_ids: Sequence[int], *, compression: Compression = None, max_new_tokens: int = 1, prefix_cache: bool = False
-    ) -> TokenRun:
+    def token_run(self, prompt_ids: Sequence[int], *, compression: Compression = None, max_new_tokens: int = 1, prefix_cache: bool = False) -> TokenRun:
         """A read of ``prompt_ids`` (token ids, rendered by the caller) under ``compression``, run on this
         engine's worker: teacher-forced logits, the prefill's logits, timed decode steps and what it kept
         (:class:`~.token_runs.TokenRun`; the harness's, the trainers' and the benchmarks' way in)."""

@@ -90,7 +90,8 @@ class SnapKVLLM(FunctionCallingLLM):
     SmolLM2-135M-Instruct or any model path / hub id. ``compression`` is the default policy of
     every call (``"default"``: the toolkit's one default compression, ``snapkv_rag.compression.DEFAULT_COMPRESSION``;
     None or ``"full"``: the full cache) and can be overridden per call with ``compression=...``.
-    A prompt past the model's window is read rolled where the policy can roll (the one rule). Each response carries the engine's full result (``raw``: text, tool
+    A prompt past the model's window is read rolled where the policy can roll (the one rule).
+    Each response carries the engine's full result (``raw``: text, tool
     calls, usage, stats) and a compact report in ``additional_kwargs`` (kept tokens per
     layer, compression ratio, prompt/completion tokens, reused prefix tokens).
     """
