@@ -117,6 +117,17 @@ def test_speed_batch_vs_single(engine, methods, tmp_path):
     records = run_speed(engine, methods[:1], [150], new_tokens=3, batch_sizes=[3], progress=False)
     batch = [r for r in records if r.get("kind") == "batch"]
     assert len(batch) == 2 and all(r["batch_size"] == 3 and r["same_tokens"] for r in batch)
+    assert all(r["largest_bucket"] == 3 and r["invariant"] is False for r in batch)  # the batch really ran as one
     assert all(r["batch_tokens_per_second"] > 0 and r["single_tokens_per_second"] > 0 for r in batch)
     text = write_report("speed", records, tmp_path)["markdown"].read_text()
     assert "throughput batch / single" in text and "decode speed-up vs full" in text
+
+
+def test_the_eval_measures_speed_as_users_run_and_compares_answers_invariant():
+    """Speed and memory run the engine users get (the invariant mode off unless asked for); needle,
+    citation and fidelity run invariant unless --no-invariant; an explicit choice always stands."""
+    from snapkv_rag.harness.cli import task_invariant
+
+    assert task_invariant("speed", None) is None  # the engine's own default: off unless SNAPKV_RAG_INVARIANT
+    assert all(task_invariant(task, None) is True for task in ("needle", "citation", "fidelity"))
+    assert task_invariant("speed", True) is True and task_invariant("fidelity", False) is False

@@ -164,11 +164,23 @@ def _run_citation(args, engine, methods, progress):
     )
 
 
+ANSWER_COMPARISONS = ("needle", "citation", "fidelity")
+
+
+def task_invariant(task: str, asked: bool | None) -> bool | None:
+    """The invariant mode a task's engine runs in: on for answer comparisons unless ``--no-invariant`` (a
+    measured loss against the full cache must not move with reuse or batching); for speed and memory,
+    what users run (the engine's default: off unless SNAPKV_RAG_INVARIANT), unless ``--invariant``. Every
+    record says which (``invariant``)."""
+    if asked is not None:
+        return asked
+    return True if task in ANSWER_COMPARISONS else None
+
+
 def _run_task(args, methods):
     from .runner import run_fidelity, run_needle, run_speed
 
-    # the invariant mode unless --no-invariant: a measured loss against the full cache must not move with reuse or batching
-    engine = load_engine(args, invariant=True if args.invariant is None else args.invariant)
+    engine = load_engine(args, invariant=task_invariant(args.task, args.invariant))
     progress = not args.no_progress
     if args.task == "needle":
         return run_needle(engine, methods, args.lengths, args.depths, seeds=args.seeds, progress=progress)

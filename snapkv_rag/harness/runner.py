@@ -74,6 +74,7 @@ def common_fields(engine, task: str, method: Method, prompt_tokens: int, batch_s
         "dtype": info.dtype,
         "device": info.device,
         "threads": torch.get_num_threads(),
+        "invariant": bool(getattr(engine, "invariant", False)),  # batch-invariant, chunk-aligned prefills (engine/invariant.py)
         "version": __version__,
     }
 
