@@ -61,3 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     (args.out / ("harness_peak_invariant.json" if args.harness_invariant else "harness_peak.json")).write_text(json.dumps(row, indent=2) + "\n")
     print(json.dumps(row, indent=2))
     return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -230,9 +230,7 @@ def affinity_router(names: tuple[str, ...] = ("replica-a", "replica-b")):
     """The router of ``serve --replicas`` (:class:`CacheAffinityRouter`, its policy alone) over named replicas, all idle."""
     from snapkv_rag.server.ray_serve import CacheAffinityRouter  # needs the 'ray' extra
 
-    router = CacheAffinityRouter.__new__(CacheAffinityRouter)  # Ray's own state is not needed
-    router.initialize_state()
-    router._replica_queue_len_cache = {}
+    router = CacheAffinityRouter.standalone()  # Ray's own state is not needed
     return router, [NamedReplica(ReplicaName(name)) for name in names]
 
 

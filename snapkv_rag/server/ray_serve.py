@@ -86,6 +86,14 @@ class CacheAffinityRouter(FIFOMixin, RequestRouter):
     in flight than the least loaded one; requests that match nothing go to the least loaded.
     ``mode="round_robin"`` ignores the caches (the baseline of the measurement)."""
 
+    @classmethod
+    def standalone(cls, **options: Any) -> CacheAffinityRouter:
+        """This router's policy without Ray Serve's state (every replica idle): for probes and tests."""
+        router = cls.__new__(cls)
+        router.initialize_state(**options)
+        router._replica_queue_len_cache = {}  # type: ignore[assignment]  # Ray fills its own with live queue lengths
+        return router
+
     def initialize_state(self, mode: str = "affinity", imbalance: int = 4, max_keys: int = 200_000, **_: Any) -> None:
         if mode not in ("affinity", "round_robin"):
             raise ValueError(f"unknown routing mode {mode!r}")
