@@ -99,3 +99,28 @@ def test_typed_changes_replace_string_surgery():
         policy.with_settings(windw=3)
     with pytest.raises(InvalidCompressionError, match="rolling="):
         FullCache().with_rolling(64)
+
+
+def test_token_runs_read_through_the_engines_worker(engine):
+    """Engine.token_run is the harness's way in (no DecodeRun built outside the engine): its logits are the
+    engine's own teacher forcing, and every forward of it runs on the engine's worker thread."""
+    import threading
+
+    import torch
+
+    prompt = engine.tokenizer("The harbour ferry leaves at seven and returns at noon.")["input_ids"]
+    continuation = [11, 12, 13]
+    threads: list[str] = []
+    hook = engine.model.register_forward_pre_hook(lambda *_: threads.append(threading.current_thread().name))
+    try:
+        run = engine.token_run(prompt, compression="snapkv:budget=8,window=4", max_new_tokens=len(continuation))
+        forced = run.teacher_force(continuation)
+        decoded = engine.token_run(prompt, compression="snapkv:budget=8,window=4", max_new_tokens=3).decode()
+    finally:
+        hook.remove()
+    assert threads and set(threads) == {"snapkv-rag-model"}
+    assert run.kept_tokens_per_layer[0] == 8 and run.prompt_kv_bytes_kept > 0 and decoded["decode_ms_per_token"] > 0
+    text = engine.tokenizer.decode(prompt, skip_special_tokens=True)
+    scored = engine.score(text, continuation, compression="snapkv:budget=8,window=4", chat=False, prefix_cache=False)
+    assert engine.count_tokens(text, chat=False) == len(prompt)  # the same ids either way: the same logits
+    torch.testing.assert_close(forced.float(), scored.float())

@@ -250,6 +250,11 @@ class Engine:
         return self._scheduler.decoding
 
     @property
+    def pad_id(self) -> int:
+        """The token id that pads rows of a batch (the tokenizer's pad token, else an end-of-sequence id)."""
+        return self._pad_id
+
+    @property
     def signature(self) -> str:
         """Identifies this model's K/V (name, config, dtype, a weight sample): the key space of segment stores."""
         if self._signature is None:

@@ -8,7 +8,7 @@ overlaps a decode step and keeps the scheduler's OpenMP handling; no caller touc
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -69,3 +69,46 @@ class TokenRun:
 
     def policy_stats(self) -> dict[str, Any]:
         return self._run.policy_stats()
+
+
+# ------------------------------------------------------------------ trainers
+# A trainer owns the model it trains (no engine serves it meanwhile) and needs gradients, which the
+# engine's worker (under inference mode) does not keep: these run the engine's decode path on the
+# caller's thread, for training only.
+
+
+def teacher_force_for_training(model, prompt_ids: Sequence[int], continuation: Sequence[int], policy: CompressionPolicy | None, pad_id: int) -> torch.Tensor:
+    """Logits ``[len(continuation), vocab]`` of ``continuation`` read through the cache ``policy`` keeps of
+    ``prompt_ids``: the prefill without gradients, the continuation's forward with them (the LoRA tuner's reads)."""
+    run = DecodeRun(model, [list(prompt_ids)], GenerationParams(max_new_tokens=len(continuation)), policy, pad_id)
+    return run.teacher_force(list(continuation), train=True)
+
+
+def logits_after_recorded_prefill(
+    model,
+    pad_id: int,
+    tokens: Sequence[int],
+    policy: CompressionPolicy,
+    policy_state: Callable[[Any, torch.device, list[bool]], Any],
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    kept: torch.Tensor,
+) -> torch.Tensor:
+    """Logits ``[c-1, vocab]`` over the continuation ``tokens[n:]`` after a compressed prefill rebuilt from a
+    recording instead of run: every layer's prompt ``keys``/``values`` ``[layers, kv_heads, n, head_dim]`` and
+    the selection ``kept`` ``[layers, kv_heads, k]`` go into the cache through ``policy_state(policy, device,
+    sliding)`` (the state that folds what is evicted, e.g. LESS's), then the continuation runs at its true
+    positions through the decode path, differentiable in that state (LESS's stage-2 kernels)."""
+    from ..compression.runtime import PrefillCompression
+
+    n = keys.shape[2]
+    prompt, continuation = list(tokens[:n]), list(tokens[n:])
+    run = DecodeRun(model, [prompt], GenerationParams(max_new_tokens=len(continuation)), policy, pad_id)
+    run.policy_state = policy_state(policy, run.device, run.sliding)
+    session = PrefillCompression(policy, run.cache, None, run.sliding, run.policy_state)
+    dtype = model.dtype
+    for layer_idx in range(keys.shape[0]):
+        run.cache.update(keys[layer_idx][None].to(run.device, dtype), values[layer_idx][None].to(run.device, dtype), layer_idx)
+        session.keep(layer_idx, kept[layer_idx][None].to(run.device).long())
+    run._last_position = torch.tensor([[n - 1]], device=run.device)
+    return run._extend(torch.tensor([continuation[:-1]], device=run.device), last_only=False)[0]

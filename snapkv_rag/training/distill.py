@@ -34,7 +34,7 @@ from tqdm.auto import tqdm
 
 from ..compression import LESS, CompressionPolicy, parse_compression
 from ..compression.less.kernels import LayerKernels, LessKernels
-from ..compression.runtime import PrefillCompression, capturing, select_for_prompt
+from ..compression.runtime import capturing, select_for_prompt
 from ..errors import LessTrainingError
 from ..model.packed_linear import unpacked_linears
 from .corpus import corpus_tokens, overlapping_windows, validation_tail
@@ -199,27 +199,20 @@ def less_log_probs(engine, policy: LESS, kernels: LessKernels, sample: dict[str,
 
     Rebuilds the state the compressed prefill would leave (kept K/V in the cache, evicted
     K/V folded into the low-rank state) from the recorded prompt K/V and selection, then
-    runs the continuation through the engine's decode path (:class:`DecodeRun`). ``state``:
+    runs the continuation through the engine's decode path
+    (:func:`~snapkv_rag.engine.token_runs.logits_after_recorded_prefill`). ``state``:
     an empty state to fold into instead of ``LowRankState(kernels)`` (the gap analysis's).
     """
     from ..compression.less.state import LessPolicyState, LowRankState
-    from ..engine.generation import DecodeRun
-    from ..engine.sampling import GenerationParams
+    from ..engine.token_runs import logits_after_recorded_prefill
 
-    tokens = sample["tokens"].tolist()
-    n = sample["keys"].shape[2]
-    prompt, continuation = tokens[:n], tokens[n:]
-    budgeted = policy.with_budget(budget)
-    run = DecodeRun(engine.model, [prompt], GenerationParams(max_new_tokens=len(continuation)), budgeted, engine._pad_id)
-    run.policy_state = LessPolicyState(state if state is not None else LowRankState(kernels, run.device), policy.base, run.sliding)
-    session = PrefillCompression(budgeted, run.cache, None, run.sliding, run.policy_state)
-    dtype = engine.model.dtype
-    for layer_idx in range(sample["keys"].shape[0]):
-        keys, values = (sample[name][layer_idx][None].to(run.device, dtype) for name in ("keys", "values"))
-        run.cache.update(keys, values, layer_idx)
-        session.keep(layer_idx, sample[f"kept{budget}"][layer_idx][None].to(run.device).long())
-    run._last_position = torch.tensor([[n - 1]], device=run.device)
-    logits = run._extend(torch.tensor([continuation[:-1]], device=run.device), last_only=False)[0]
+    def folding_state(budgeted, device, sliding):
+        return LessPolicyState(state if state is not None else LowRankState(kernels, device), policy.base, sliding)
+
+    kept = sample[f"kept{budget}"]
+    logits = logits_after_recorded_prefill(
+        engine.model, engine.pad_id, sample["tokens"].tolist(), policy.with_budget(budget), folding_state, sample["keys"], sample["values"], kept
+    )
     return logits.float().log_softmax(-1)
 
 

@@ -5,7 +5,7 @@ reads 2K-16K stuffed tokens through SnapKV (the question's window, 1,024 entries
 what is past the window. Here an example stuffs 2K-16K tokens of look-alike documents, names
 its spec (:attr:`~snapkv_rag.tune.examples.Example.read`), and the trainer
 (:func:`compressed_example_loss`) prefills the prompt **without gradients** through the engine's
-own :class:`~snapkv_rag.engine.generation.DecodeRun` (the adapter being trained is on, so the
+own decode path (:func:`~snapkv_rag.engine.token_runs.teacher_force_for_training`; the adapter being trained is on, so the
 votes and the kept entries are the ones it will meet), then takes gradients on the answer tokens
 read against the kept entries, exactly as decoding will read them.
 
@@ -134,8 +134,8 @@ def compressed_example_loss(model, tokenizer, example: Example, pad_id: int) -> 
     first answer token is predicted by the prefill: it counts in the loss but carries no
     gradient."""
     from ..compression import as_policy
-    from ..engine.generation import DecodeRun, GenerationParams
     from ..engine.prompts import question_tail_tokens, render_prompt
+    from ..engine.token_runs import teacher_force_for_training
 
     prompt = render_prompt(tokenizer, example.messages)
     targets = tokenizer(example.target + (tokenizer.eos_token or ""), add_special_tokens=False)["input_ids"]
@@ -143,7 +143,6 @@ def compressed_example_loss(model, tokenizer, example: Example, pad_id: int) -> 
     if read is None:
         raise ValueError(f"{example.read!r} names no compression to read the prompt under")
     policy = read.for_prompt(question_tail_tokens(tokenizer, example.messages, chat=True))
-    run = DecodeRun(model, [prompt], GenerationParams(max_new_tokens=len(targets)), policy, pad_id)
-    logits = run.teacher_force(targets, train=True).float()
+    logits = teacher_force_for_training(model, prompt, targets, policy, pad_id).float()
     labels = torch.tensor(targets, device=logits.device)
     return torch.nn.functional.cross_entropy(logits, labels), len(targets), len(prompt)
