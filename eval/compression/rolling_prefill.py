@@ -34,6 +34,8 @@ import torch
 from eval.common.processes import child_env, module_command
 from eval.common.results_io import peak_rss_bytes, read_records, write_records, write_table
 from snapkv_rag import Engine
+from snapkv_rag.compression import SnapKV, parse_compression
+from snapkv_rag.compression.parsing import settings_from_text
 from snapkv_rag.harness.metrics import needle_exact_match, next_token_kl
 from snapkv_rag.harness.needle import build_needle_case
 
@@ -57,10 +59,10 @@ def needle_part(args) -> None:
     for length in lengths:
         specs = []
         for budget, chunk in settings:
-            base = f"snapkv:budget={budget},window=question" + (f",{args.options}" if args.options else "")
+            base = SnapKV(max_capacity_prompt=budget, window_size="question").with_settings(**settings_from_text(args.options or "")).spec()
             if args.whole and length + 32 <= engine.context_length and base not in specs:
                 specs.append(base)  # a whole prefill, where it fits
-            specs.append(f"{base},rolling={chunk}")
+            specs.append(parse_compression(base).with_rolling(chunk).spec())
         for spec in specs:
             for depth in depths:
                 if (length, spec, depth) in done:
@@ -134,8 +136,6 @@ def needle_grid(records: list[dict]) -> list[str]:
 
 def spec_setting(spec: str) -> str:
     """The table's column of a record's spec: its budget and chunk (``budget=512,rolling=1024``)."""
-    from snapkv_rag.compression import parse_compression
-
     policy = parse_compression(spec)
     return f"budget={policy.max_capacity_prompt}" + (f",rolling={policy.rolling}" if policy.rolling is not None else "")
 
@@ -174,9 +174,10 @@ def memory_part(args) -> None:
 
     records = []
     for length in (int(x) for x in args.lengths.split(",")):
-        specs = [f"snapkv:budget=1024,window=question,rolling={args.chunks.split(',')[0]}"]
+        whole = SnapKV(max_capacity_prompt=1024, window_size="question")
+        specs = [whole.with_rolling(int(args.chunks.split(",")[0])).spec()]
         if length + 32 <= 8192:
-            specs.insert(0, "snapkv:budget=1024,window=question")
+            specs.insert(0, whole.spec())
         for spec in specs:
             run = subprocess.run(
                 module_command(__spec__.name, "--part", "one", "--length", str(length), "--spec", spec, "--out", str(args.out)),
@@ -201,7 +202,6 @@ def memory_part(args) -> None:
 
 
 def tiny_part(args) -> None:
-    from snapkv_rag.compression import SnapKV
     from snapkv_rag.testing import build_tokenizer, tiny_model
 
     tokenizer = build_tokenizer()

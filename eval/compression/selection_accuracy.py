@@ -40,10 +40,19 @@ LABELS = "labels"  # not a SnapKV option: the run keeps each document's "[n] tit
 
 
 def method_spec(budget: int, options: str) -> str:
-    """The method's name: the SnapKV spec, with ``+labels`` when its options include ``labels``."""
+    """The method's name in the records: the SnapKV settings, with ``+labels`` when its options include ``labels``."""
     parts = [o for o in options.split(",") if o]
-    spec = f"snapkv:budget={budget},window=question" + "".join(f",{o}" for o in parts if o != LABELS)
-    return spec + ("+labels" if LABELS in parts else "")
+    name = ",".join([f"snapkv:budget={budget}", "window=question", *(o for o in parts if o != LABELS)])
+    return name + ("+labels" if LABELS in parts else "")
+
+
+def method_policy(budget: int, options: str):
+    """The policy a method runs: SnapKV with the question's window at ``budget``, with ``options``."""
+    from snapkv_rag.compression import SnapKV
+    from snapkv_rag.compression.parsing import settings_from_text
+
+    settings = settings_from_text(",".join(o for o in options.split(",") if o and o != LABELS))
+    return SnapKV(max_capacity_prompt=budget, window_size="question").with_settings(**settings)
 
 
 def summary_lines(records: list[dict], size: str, options: list[str]) -> list[str]:
@@ -86,12 +95,12 @@ def main(argv: list[str] | None = None) -> int:
         store = DocumentStore("selection-accuracy", path=Path(tmp) / "store")
         store.ingest([corpus])
         qa = DocumentQA(engine, store, compression=None, context_tokens=SIZES[args.size], max_new_tokens=32, kv_reuse="prefix")
-        methods = [None] + [method_spec(b, o) for b in BUDGETS[args.size].values() for o in args.options]
+        methods = [(None, None)] + [(method_spec(b, o), method_policy(b, o)) for b in BUDGETS[args.size].values() for o in args.options]
         for q in questions:
             context = qa.retrieve(q.question)
-            for method in methods:
+            for method, policy in methods:
                 keep = {"keep_texts": context.labels()} if method and method.endswith("+labels") else {}
-                answer = qa.answer_context(context, compression=method and method.removesuffix("+labels"), **keep)
+                answer = qa.answer_context(context, compression=policy, **keep)
                 stats = answer.result.stats
                 records.append(
                     {

@@ -566,18 +566,20 @@ def device_checks(check: Check, rows: list[dict[str, Any]], problems: list[str])
 
 # --------------------------------------------------------------------------- 2. device against CPU fp32
 def compare_cases(s: Sizes) -> list[tuple[str, str | None, dict[str, Any]]]:
+    from snapkv_rag.compression import SnapKV
+
     b, w, r = s.compare_budget, s.compare_window, s.compare_rolling
-    snap = f"snapkv:budget={b},window={w}"
+    snap = SnapKV(max_capacity_prompt=b, window_size=w)
     return [
         ("full", None, {}),
-        ("snapkv", snap, {}),
+        ("snapkv", snap.spec(), {}),
         ("h2o", f"h2o:budget={b}", {}),
         ("streaming", f"streaming:budget={b}", {}),
         ("random", f"random:budget={b}", {}),
-        ("snapkv kv_bits=8", f"{snap},kv_bits=8", {}),
+        ("snapkv kv_bits=8", snap.with_bits(8).spec(), {}),
         ("full kv_bits=4", "full:kv_bits=4", {}),
-        ("snapkv decode cuts", f"{snap},decode_budget={b + w},decode_interval=2", {}),
-        ("snapkv rolling", f"{snap},rolling={r}", {}),
+        ("snapkv decode cuts", snap.with_settings(decode_budget=b + w, decode_interval=2).spec(), {}),
+        ("snapkv rolling", snap.with_rolling(r).spec(), {}),
         ("drafts (full cache)", None, {"prompt_lookup_num_tokens": 4}),
     ]
 

@@ -74,6 +74,12 @@ def _parse_less(rest: str) -> CompressionPolicy:
     return LESS(base=parse_compression(f"{base}:{','.join(others)}"), kernels=kernels, probe=probe)
 
 
+def settings_from_text(text: str) -> dict[str, Any]:
+    """``"chunk=16,chunk_from=2"`` (a spec's settings, as a command line gives them) as keyword arguments
+    for :meth:`~.base.CompressionPolicy.with_settings`, each value typed as a spec's would be."""
+    return {key: _coerce(value) for key, value in _items(text)}
+
+
 def parse_compression(spec: str) -> CompressionPolicy:
     """Parse ``name[:key=value,...]``; keys may use the short aliases in ``ALIASES``.
 
