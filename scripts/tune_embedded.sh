@@ -7,7 +7,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 # a run directory per data recipe: a checkpoint of another recipe is refused, not resumed
 RUN=${RUN:-tune-runs/smollm2-recipe3}
-SHIPPED=snapkv_rag/tune/shipped/smollm2-135m-instruct
+SHIPPED=snapkv_rag/adapter_training/shipped/smollm2-135m-instruct
 .venv/bin/snapkv-rag tune train --out "$RUN"
 .venv/bin/snapkv-rag tune ship "$RUN/adapter"
 # the bare and the tuned model at once, one core and one thread each

@@ -162,12 +162,12 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_args(info)
     info.set_defaults(func=cmd_info)
 
+    from .adapter_training.cli import add_tune_parser
     from .app.cli import add_app_parser
     from .harness.cli import add_eval_parser
+    from .less_training.cli import add_less_parser
     from .rag.cli import add_rag_parsers
     from .server.cli import add_serve_parser
-    from .training.cli import add_less_parser
-    from .tune.cli import add_tune_parser
 
     add_rag_parsers(sub, add_model_args, _add_generation_args)
 

@@ -123,7 +123,7 @@ def test_less_kl_runs_on_the_models_device():
     """Saved log-probs are CPU tensors and the model's on its device: CUDA raised a device mismatch
     in less train (stage 2), less distill, less calibrate and less gap. A meta tensor stands in for
     the other device here: mixing it with a CPU tensor raises the same error."""
-    from snapkv_rag.training.distill import _kl
+    from snapkv_rag.less_training.distill import _kl
 
     saved = torch.randn(3, 7).log_softmax(-1)
     on_device = torch.empty(3, 7, device="meta")

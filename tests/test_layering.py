@@ -20,16 +20,16 @@ PACKAGE = Path(__file__).resolve().parents[1] / "snapkv_rag"
 
 # Lowest first. A module may import its own subpackage and the layers below it, nothing else.
 LAYERS: list[set[str]] = [
-    {"errors", "_version"},
+    {"errors", "_version", "lookalike_world"},
     {"model"},
     {"compression"},
     {"reuse"},
     {"tools"},
     {"engine"},
-    {"training"},
+    {"less_training"},
     {"agents"},
     {"rag"},
-    {"tune"},
+    {"adapter_training"},
     {"harness"},
     {"server"},
     # entry points: the public facades, the command lines (each subpackage's cli module too) and the app

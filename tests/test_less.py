@@ -451,6 +451,6 @@ def test_probe_switches_off_a_state_that_hurts_end_to_end(less_engine, monkeypat
 
 def test_less_train_writes_to_the_shipped_kernels_by_default():
     from snapkv_rag.compression.less.kernels import SHIPPED_DIR
-    from snapkv_rag.training.cli import DEFAULT_OUT
+    from snapkv_rag.less_training.cli import DEFAULT_OUT
 
     assert DEFAULT_OUT.resolve() == SHIPPED_DIR.resolve() and any(SHIPPED_DIR.glob("*.safetensors"))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from snapkv_rag.errors import LessTrainingError
-from snapkv_rag.training.corpus import (
+from snapkv_rag.less_training.corpus import (
     TEXTS,
     clean_readme,
     corpus_text,
@@ -14,7 +14,7 @@ from snapkv_rag.training.corpus import (
     manifest,
     package_documents,
 )
-from snapkv_rag.training.train import TrainConfig
+from snapkv_rag.less_training.train import TrainConfig
 
 
 @pytest.mark.parametrize(
@@ -122,6 +122,6 @@ def test_heldout_fidelity_prompts_come_from_the_chosen_text(tokenizer):
     packages = heldout_prompts(tokenizer, [64], 8, 2, "packages")
     assert [len(p) for _, p, _ in packages] == [64, 64] and [len(c) for _, _, c in packages] == [8, 8]
     assert packages[0][1] != pydoc[0][1]
-    from snapkv_rag.training.corpus import corpus_tokens
+    from snapkv_rag.less_training.corpus import corpus_tokens
 
     assert packages[0][1] == corpus_tokens(tokenizer, "heldout", "packages")[:64]

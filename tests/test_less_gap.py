@@ -12,8 +12,8 @@ from snapkv_rag.cli import build_parser
 from snapkv_rag.compression import LESS, SnapKV
 from snapkv_rag.compression.less.kernels import LessKernels, model_signature
 from snapkv_rag.compression.less.state import LowRankState
-from snapkv_rag.training.distill import _kl, less_log_probs, record_window
-from snapkv_rag.training.gap import EXACT, LEARNED, MEAN, VARIANTS, OracleState, gap_analysis, variant_kl, write_gap_report
+from snapkv_rag.less_training.distill import _kl, less_log_probs, record_window
+from snapkv_rag.less_training.gap import EXACT, LEARNED, MEAN, VARIANTS, OracleState, gap_analysis, variant_kl, write_gap_report
 
 
 @pytest.fixture(scope="module")
@@ -81,7 +81,7 @@ def test_variants_bracket_the_base_policy_and_the_full_cache(engine, kernels, po
 
 
 def test_gap_analysis_report_and_cli(engine, kernels, policy, tmp_path, monkeypatch):
-    from snapkv_rag.training import cli as less_cli
+    from snapkv_rag.less_training import cli as less_cli
 
     rows = gap_analysis(engine, policy, [48], per_length=2, continuation_tokens=8, progress=False)
     assert [r["length"] for r in rows] == [48, 48]

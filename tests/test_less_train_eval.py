@@ -14,8 +14,8 @@ from snapkv_rag.compression.less.kernels import LessKernels, load_kernels, model
 from snapkv_rag.harness.heldout import expand_methods, run_heldout_fidelity, state_tokens
 from snapkv_rag.harness.report import gap_closed, summarize_fidelity, write_report
 from snapkv_rag.harness.runner import Method, method_grid
-from snapkv_rag.training.corpus import corpus_text, split_of
-from snapkv_rag.training.train import TrainConfig, train
+from snapkv_rag.less_training.corpus import corpus_text, split_of
+from snapkv_rag.less_training.train import TrainConfig, train
 
 BASE_SPEC = "snapkv:window=4,kernel=3"
 
@@ -91,7 +91,7 @@ def test_training_is_resumable_deterministic_and_lowers_the_loss(engine, tmp_pat
 
 
 def test_overlapping_windows_keep_every_length_out_of_the_validation_tail():
-    from snapkv_rag.training.corpus import overlapping_windows
+    from snapkv_rag.less_training.corpus import overlapping_windows
 
     tokens = list(range(1000))
     for length in (50, 100):
@@ -175,7 +175,7 @@ def test_heldout_fidelity_rows_and_gap_closed(engine, tmp_path):
 
 def test_heldout_windows_are_consecutive_in_lengths_order(tokenizer):
     from snapkv_rag.harness.heldout import heldout_prompts, heldout_starts
-    from snapkv_rag.training.corpus import corpus_tokens
+    from snapkv_rag.less_training.corpus import corpus_tokens
 
     assert heldout_starts([20, 40], 5, 2) == [0, 25, 50, 95]
     assert heldout_starts([40], 5, 2) == [0, 45]  # so a length's prompts depend on the lengths before it
@@ -208,7 +208,7 @@ def test_training_objective_is_the_inference_computation(engine):
     from snapkv_rag.compression.runtime import capturing
     from snapkv_rag.engine.generation import DecodeRun
     from snapkv_rag.engine.sampling import GenerationParams
-    from snapkv_rag.training import train as T
+    from snapkv_rag.less_training import train as T
 
     tokens = engine.tokenizer("The quick brown fox jumps over the lazy dog. The capital of France is Paris. " * 4)["input_ids"]
     prompt, cont = tokens[:40], tokens[40:52]
@@ -244,7 +244,7 @@ def test_distillation_trains_on_the_inference_computation(engine, tmp_path):
     """Stage 2 rebuilds a compressed run from recorded data; its log-probs must be the engine's own."""
     from snapkv_rag.engine.generation import DecodeRun
     from snapkv_rag.engine.sampling import GenerationParams
-    from snapkv_rag.training.distill import collect, less_log_probs
+    from snapkv_rag.less_training.distill import collect, less_log_probs
 
     train_paths, val_paths = collect(engine, BASE_SPEC, [16], 48, 8, 3, 1, tmp_path, progress=False)
     assert len(train_paths) == 3 and len(val_paths) == 1
@@ -288,7 +288,7 @@ def test_two_stage_training_distils_resumes_and_leaves_the_model_alone(engine, t
 
 
 def test_less_distill_cli_runs_stage_two_on_a_stage_one_file(engine, tmp_path, monkeypatch):
-    from snapkv_rag.training import cli as less_cli
+    from snapkv_rag.less_training import cli as less_cli
 
     (stage1,) = train(engine, small_config(distill_epochs=0), tmp_path / "work", tmp_path / "out", model_tag="tiny", progress=False)
     assert "distill" not in load_kernels(stage1).header
@@ -318,7 +318,7 @@ def test_less_distill_cli_runs_stage_two_on_a_stage_one_file(engine, tmp_path, m
 
 
 def test_calibration_trains_the_mass_only_biases_too(engine, tmp_path):
-    from snapkv_rag.training.distill import DistillConfig, collect, distill
+    from snapkv_rag.less_training.distill import DistillConfig, collect, distill
 
     train_paths, val_paths = collect(engine, BASE_SPEC, [16], 48, 8, 4, 1, tmp_path, progress=False)
     start = LessKernels.initial(model_signature(engine.model), rank=4, seed=0, scale=1.0, features="exp", mass_rank=3, base_spec=BASE_SPEC + ",budget=16")
@@ -332,7 +332,7 @@ def test_calibration_trains_the_mass_only_biases_too(engine, tmp_path):
 
 @pytest.mark.parametrize("params", ["calibration", "all"])
 def test_distillation_lowers_the_end_to_end_kl(engine, tmp_path, params):
-    from snapkv_rag.training.distill import DistillConfig, collect, distill
+    from snapkv_rag.less_training.distill import DistillConfig, collect, distill
 
     train_paths, val_paths = collect(engine, BASE_SPEC, [16], 48, 8, 4, 1, tmp_path, progress=False)
     start = LessKernels.initial(model_signature(engine.model), rank=4, hidden=8, seed=0, scale=1.0, base_spec=BASE_SPEC + ",budget=16")

@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 
+from snapkv_rag.adapter_training import compressed_reads, qa_data, tool_data
 from snapkv_rag.harness.lookalike_corpus import CUES, generate, write
 from snapkv_rag.harness.rag_citation import load_questions
-from snapkv_rag.harness.skim_calibration import CALIBRATION_CUES, calibration_reads
-from snapkv_rag.tune import compressed_reads, qa_data, tool_data
-from snapkv_rag.tune.world import HELD_OUT_DOMAINS
+from snapkv_rag.harness.skim_head_reads import CALIBRATION_CUES, calibration_reads
+from snapkv_rag.lookalike_world import HELD_OUT_DOMAINS
 
 ROOT = Path(__file__).resolve().parents[1]
 

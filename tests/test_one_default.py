@@ -124,3 +124,18 @@ def test_token_runs_read_through_the_engines_worker(engine):
     scored = engine.score(text, continuation, compression="snapkv:budget=8,window=4", chat=False, prefix_cache=False)
     assert engine.count_tokens(text, chat=False) == len(prompt)  # the same ids either way: the same logits
     torch.testing.assert_close(forced.float(), scored.float())
+
+
+def test_only_the_engine_runs_the_model_and_only_compression_decides_rolling():
+    """Source checks (issue 73's targets): no DecodeRun built outside engine/, in the package or the
+    benchmarks; no interface decides by itself whether a prompt rolls (it asks compression's rule)."""
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    sources = [p for folder in ("snapkv_rag", "eval", "connectors", "apps") for p in (root / folder).rglob("*.py") if ".venv" not in p.parts]
+    builds = [p for p in sources if "DecodeRun(" in p.read_text() and p.parent.name != "engine"]
+    assert [str(p.relative_to(root)) for p in builds] == []
+    deciding = re.compile(r"rolling\"?,? None\)? is not None|\.rolling is not None|def (rolled_if_needed|rolls)\(")
+    own_rule = [p for p in sources if deciding.search(p.read_text()) and not {"compression", "engine"} & set(p.relative_to(root).parts)]
+    assert [str(p.relative_to(root)) for p in own_rule] == []

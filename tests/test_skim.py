@@ -170,12 +170,12 @@ def test_bad_skim_settings_are_one_clear_error(tokenizer, store):
 
 
 def test_calibration_chooses_heads_that_ship_for_those_weights_only(tokenizer, tmp_path, monkeypatch, store):
-    from snapkv_rag.harness.skim_calibration import calibration_reads
+    from snapkv_rag.harness.skim_head_reads import calibration_reads
     from snapkv_rag.rag import skim_heads as module
 
     engine = tiny_engine("llama", tokenizer, context=2048)
     reads = calibration_reads(3, tokens=300, count_tokens=lambda text: len(engine.tokenizer(text)["input_ids"]))
-    heads = module.calibrate(engine, reads, SnapKV(window_size="question", max_capacity_prompt=128))
+    heads = module.choose_heads(engine, reads, SnapKV(window_size="question", max_capacity_prompt=128))
     layers, query_heads = engine.model.config.num_hidden_layers, engine.model.config.num_attention_heads
     assert 1 <= len(heads.heads) <= module.TOP_HEADS and len(set(heads.heads)) == len(heads.heads)
     assert all(0 <= layer < layers and 0 <= head < query_heads for layer, head in heads.heads)

@@ -19,8 +19,8 @@ from conftest import tiny_engine
 
 from snapkv_rag.compression.less.kernels import load_kernels
 from snapkv_rag.errors import LessTrainingError
-from snapkv_rag.training.distill import DistillConfig, _distill
-from snapkv_rag.training.train import TrainConfig, _load_layer, train
+from snapkv_rag.less_training.distill import DistillConfig, _distill
+from snapkv_rag.less_training.train import TrainConfig, _load_layer, train
 
 ROOT = Path(__file__).resolve().parents[1]
 SOURCES = ["snapkv_rag", "eval", "scripts", "examples", "apps", "connectors", "tests"]
@@ -119,5 +119,7 @@ def test_training_resumes_from_plain_files_and_refuses_a_tampered_meta(engine, t
     rewritten = torch.load(work / "capture" / "meta.pt", weights_only=True)
     assert rewritten.keys() == meta.keys()
     assert all(rewritten[i]["scaling"] == meta[i]["scaling"] and torch.equal(rewritten[i]["o_proj"], meta[i]["o_proj"]) for i in meta)
+    # the same kernels up to float rounding: the shard captured again alone may take another GEMM
+    # blocking than in the first capture (Intel hosts: 1e-6 on weights of 1e-2), a wrong resume moves them by far more
     for name, tensor in load_kernels(path).tensors().items():
-        assert torch.equal(load_kernels(again).tensors()[name], tensor), name
+        torch.testing.assert_close(load_kernels(again).tensors()[name], tensor, rtol=1e-4, atol=1e-5, msg=name)

@@ -13,12 +13,12 @@ import pytest
 import torch
 from conftest import load_smollm_tokenizer, tiny_model
 
-from snapkv_rag.tune import AdapterError, merge_adapter, resolve_adapter
-from snapkv_rag.tune.block_attention import block_attention_mask, with_anchor_copies
-from snapkv_rag.tune.dataset import build_examples, encode
-from snapkv_rag.tune.qa_data import QUESTIONS
-from snapkv_rag.tune.tool_data import ALIASES, FAMILIES, HELD_OUT_TOOLS, NO_TOOL
-from snapkv_rag.tune.world import DOMAIN_BY_KEY, HELD_OUT_DOMAINS
+from snapkv_rag.adapter_training import AdapterError, merge_adapter, resolve_adapter
+from snapkv_rag.adapter_training.block_attention import block_attention_mask, with_anchor_copies
+from snapkv_rag.adapter_training.dataset import build_examples, encode
+from snapkv_rag.adapter_training.qa_data import QUESTIONS
+from snapkv_rag.adapter_training.tool_data import ALIASES, FAMILIES, HELD_OUT_TOOLS, NO_TOOL
+from snapkv_rag.lookalike_world import DOMAIN_BY_KEY, HELD_OUT_DOMAINS
 
 CANONICAL = {alias: name for name, aliases in ALIASES.items() for alias in (name, *aliases)}
 
@@ -218,21 +218,21 @@ def test_a_block_read_apart_equals_that_chunk_computed_after_the_anchor_alone():
 
 # --------------------------------------------------------------------------- training
 def _config(**kw):
-    from snapkv_rag.tune.train import TuneConfig
+    from snapkv_rag.adapter_training.train import TuneConfig
 
     settings = dict(model="", examples=8, accumulate=2, learning_rate=1e-2, warmup_steps=0, qa_share=0.0, eval_examples=0, rank=8, alpha=16, save_every=1)
     return TuneConfig(**{**settings, **kw})
 
 
 def _mean_loss(model, encoded):
-    from snapkv_rag.tune.train import example_loss
+    from snapkv_rag.adapter_training.train import example_loss
 
     with torch.no_grad():
         return sum(float(example_loss(model, e)[0]) for e in encoded) / len(encoded)
 
 
 def test_a_few_steps_on_a_tiny_model_lower_the_loss(smollm_tok, tmp_path):
-    from snapkv_rag.tune.train import tune
+    from snapkv_rag.adapter_training.train import tune
 
     torch.manual_seed(0)
     model = tiny_model("llama", len(smollm_tok))
@@ -257,7 +257,7 @@ def _adapter_tensors(path: Path) -> dict[str, torch.Tensor]:
 
 
 def test_a_stopped_run_resumes_to_the_same_adapter(smollm_tok, tmp_path):
-    from snapkv_rag.tune.train import tune
+    from snapkv_rag.adapter_training.train import tune
 
     whole, split = tmp_path / "whole", tmp_path / "split"
     tune(_config(), whole, model=tiny_model("llama", len(smollm_tok)), tokenizer=smollm_tok, progress=False)
@@ -271,7 +271,7 @@ def test_a_stopped_run_resumes_to_the_same_adapter(smollm_tok, tmp_path):
 
 
 def test_a_checkpoint_of_other_settings_is_refused(smollm_tok, tmp_path):
-    from snapkv_rag.tune.train import TuneError, tune
+    from snapkv_rag.adapter_training.train import TuneError, tune
 
     tune(_config(minutes=1e-9), tmp_path, model=tiny_model("llama", len(smollm_tok)), tokenizer=smollm_tok, progress=False)
     with pytest.raises(TuneError, match="rank"):
@@ -280,7 +280,7 @@ def test_a_checkpoint_of_other_settings_is_refused(smollm_tok, tmp_path):
 
 @pytest.mark.parametrize("bad", [dict(examples=0), dict(learning_rate=2.0), dict(qa_share=1.5), dict(minutes=-1)])
 def test_impossible_settings_get_one_clear_error(bad):
-    from snapkv_rag.tune.train import TuneError
+    from snapkv_rag.adapter_training.train import TuneError
 
     with pytest.raises(TuneError):
         _config(**bad).check()
@@ -290,7 +290,7 @@ def test_impossible_settings_get_one_clear_error(bad):
 @pytest.fixture(scope="module")
 def trained_adapter(smollm_tok, tmp_path_factory):
     """A tiny model saved to disk and an adapter trained on it (with non-zero B: a few steps)."""
-    from snapkv_rag.tune.train import tune
+    from snapkv_rag.adapter_training.train import tune
 
     root = tmp_path_factory.mktemp("tuned")
     model = tiny_model("llama", len(smollm_tok))
@@ -365,8 +365,8 @@ def test_auto_uses_the_shipped_adapter_only_where_every_gate_passed(tmp_path, mo
 
 # --------------------------------------------------------------------------- command line
 def test_tune_data_writes_the_examples(capsys, tmp_path):
+    from snapkv_rag.adapter_training.dataset import token_counter
     from snapkv_rag.cli import main
-    from snapkv_rag.tune.dataset import token_counter
 
     assert main(["tune", "data", "--examples", "3", "--seed", "5"]) == 0
     lines = capsys.readouterr().out.splitlines()
@@ -399,7 +399,7 @@ def test_calls_name_the_tool_as_the_listing_offers_it():
 
 
 def test_a_request_for_a_tool_not_offered_calls_nothing():
-    from snapkv_rag.tune.tool_data import FAMILY_BY_NAME, UNAVAILABLE
+    from snapkv_rag.adapter_training.tool_data import FAMILY_BY_NAME, UNAVAILABLE
 
     unavailable = [e for e in build_examples(0, 400, qa_share=0.0) if e.kind == "tool_unavailable"]
     assert unavailable
@@ -412,9 +412,9 @@ def test_a_request_for_a_tool_not_offered_calls_nothing():
 def test_the_manifest_command_trains_the_same_run():
     import shlex
 
+    from snapkv_rag.adapter_training.cli import config_from_args
+    from snapkv_rag.adapter_training.train import TuneConfig, train_command
     from snapkv_rag.cli import build_parser
-    from snapkv_rag.tune.cli import config_from_args
-    from snapkv_rag.tune.train import TuneConfig, train_command
 
     config = TuneConfig(examples=100, rank=8, learning_rate=3e-4, qa_share=0.5, dtype="float32")
     args = build_parser().parse_args(shlex.split(train_command(config))[1:])
@@ -446,7 +446,7 @@ def test_ctrl_c_finishes_the_step_then_checkpoints(smollm_tok, tmp_path):
     import os
     import signal
 
-    from snapkv_rag.tune.train import tune
+    from snapkv_rag.adapter_training.train import tune
 
     def interrupt(row):
         if row["step"] == 2:
@@ -460,7 +460,7 @@ def test_ctrl_c_finishes_the_step_then_checkpoints(smollm_tok, tmp_path):
 
 
 def test_a_finished_run_is_not_trained_again(smollm_tok, tmp_path):
-    from snapkv_rag.tune.train import tune
+    from snapkv_rag.adapter_training.train import tune
 
     tune(_config(examples=2), tmp_path, model=tiny_model("llama", len(smollm_tok)), tokenizer=smollm_tok, progress=False)
     manifest = tmp_path / "adapter/manifest.json"
@@ -517,7 +517,7 @@ def test_calls_write_arguments_in_the_schema_order_constrained_decoding_uses():
 
 
 def test_no_generated_person_name_comes_from_the_eval_text():
-    from snapkv_rag.tune import world
+    from snapkv_rag import lookalike_world as world
 
     corpus = (
         " ".join(p.read_text(errors="ignore") for p in (ROOT / "examples/sample_corpus").iterdir()) + (ROOT / "examples/sample_questions.jsonl").read_text()
@@ -552,8 +552,8 @@ def test_info_says_which_adapter_is_merged(trained_adapter, capsys):
 def test_gradient_checkpointing_trains_the_same_adapter(smollm_tok, tmp_path):
     """An 8B model does not fit training without it (issue 63); on the CPU it is off by default,
     and turned on it recomputes activations, so the adapter comes out the same."""
-    from snapkv_rag.tune.cli import config_from_args
-    from snapkv_rag.tune.train import tune
+    from snapkv_rag.adapter_training.cli import config_from_args
+    from snapkv_rag.adapter_training.train import tune
 
     adapters = []
     for checkpointing in (False, True):

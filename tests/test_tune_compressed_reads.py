@@ -9,18 +9,18 @@ import pytest
 import torch
 from conftest import load_smollm_tokenizer
 
+from snapkv_rag.adapter_training.compressed_reads import READ_BUDGETS, READ_CUES, CompressedReadGenerator, compressed_example_loss
+from snapkv_rag.adapter_training.dataset import build_examples
+from snapkv_rag.adapter_training.examples import Example
+from snapkv_rag.adapter_training.tool_data import HELD_OUT_TOOLS, NEAR_MISS
 from snapkv_rag.compression import as_policy
 from snapkv_rag.compression.runtime import register_attention_functions, wrapped_name
 from snapkv_rag.engine.generation import DecodeRun, GenerationParams
 from snapkv_rag.engine.prompts import question_tail_tokens, render_prompt
+from snapkv_rag.lookalike_world import HELD_OUT_DOMAINS
 from snapkv_rag.rag.store import StoredChunk
 from snapkv_rag.rag.stuffing import build_messages
 from snapkv_rag.testing import tiny_model
-from snapkv_rag.tune.compressed_reads import READ_BUDGETS, READ_CUES, CompressedReadGenerator, compressed_example_loss
-from snapkv_rag.tune.dataset import build_examples
-from snapkv_rag.tune.examples import Example
-from snapkv_rag.tune.tool_data import HELD_OUT_TOOLS, NEAR_MISS
-from snapkv_rag.tune.world import HELD_OUT_DOMAINS
 
 SMALL_READ = "snapkv:budget=96,window=question,max_window=32,rolling=128"
 
@@ -144,7 +144,7 @@ def test_the_loss_reads_exactly_the_cache_decoding_reads_and_trains_only_the_ans
 def test_recipe_4_trains_from_an_initial_adapter(tok, tmp_path):
     from safetensors.torch import load_file
 
-    from snapkv_rag.tune.train import TuneConfig, TuneError, tune
+    from snapkv_rag.adapter_training.train import TuneConfig, TuneError, tune
 
     settings = dict(model="", accumulate=1, warmup_steps=0, qa_share=0.0, eval_examples=0, rank=8, alpha=16, save_every=1)
     tune(TuneConfig(examples=3, learning_rate=1e-2, **settings), tmp_path / "first", model=tiny_model("llama", len(tok)), tokenizer=tok, progress=False)

@@ -30,7 +30,7 @@ Parts, full mode (``--tiny``: the same with tiny shapes, see ``TINY``):
 7. concurrency_oom: 32 concurrent requests from threads, then a forced out-of-memory (a batch of
    16K prompts whose prefill needs twice the device's memory) that must raise, a leak check, and a
    small generate that must still work.
-8. training: ``snapkv_rag.tune.train.tune`` for a few steps on a Llama-3.2-1B shape and on the 8B
+8. training: ``snapkv_rag.adapter_training.train.tune`` for a few steps on a Llama-3.2-1B shape and on the 8B
    shape: tokens/s and peak memory.
 
 On a CPU (``--tiny --device cpu``) the device is the CPU: part 2 compares the CPU with itself (the
@@ -1144,7 +1144,7 @@ def concurrency_oom(check: Check) -> dict[str, Any]:
 
 # --------------------------------------------------------------------------- 8. training steps
 def training(check: Check) -> dict[str, Any]:
-    from snapkv_rag.tune.train import TuneConfig, tune
+    from snapkv_rag.adapter_training.train import TuneConfig, tune
 
     s = check.sizes
     rows: list[dict[str, Any]] = []

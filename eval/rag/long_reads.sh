@@ -18,7 +18,7 @@ run() { OMP_NUM_THREADS=1 taskset -c "$1" .venv/bin/python -m eval long_reads "$
   mkdir -p eval/tune/results/tune_gates_recipe4 && cp -r eval/tune/results/gate_noise/on_forward/base_* eval/tune/results/tune_gates_recipe4/
   OMP_NUM_THREADS=1 taskset -c 1 .venv/bin/python -m eval tune_gates --variant tuned --adapter "$ADAPTER4" --out eval/tune/results/tune_gates_recipe4
   run 1 --corpus lookalike --readings snapkv:8K
-  run 1 --corpus sample --adapter snapkv_rag/tune/shipped/smollm2-135m-instruct --label recipe3 --readings snapkv:whole
+  run 1 --corpus sample --adapter snapkv_rag/adapter_training/shipped/smollm2-135m-instruct --label recipe3 --readings snapkv:whole
 ) > "$LOGS/queue1.log" 2>&1 &
 wait
 .venv/bin/python -m eval long_reads --corpus lookalike --table-only

@@ -9,7 +9,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 PY=.venv/bin/python
-SHIPPED=snapkv_rag/tune/shipped/smollm2-135m-instruct
+SHIPPED=snapkv_rag/adapter_training/shipped/smollm2-135m-instruct
 $PY -m eval needle_reads --wordings passkey --readings docs-skim:whole\>1K
 $PY -m eval long_reads --corpus sample --adapter $SHIPPED --label recipe3 --readings skim:whole\>1K
 $PY -m eval long_reads --corpus lookalike --readings skim:8K\>0.5K

@@ -1,6 +1,6 @@
 """Choose the attention heads a skim reads for the embedded model (issue 66), on generated reads.
 
-:func:`snapkv_rag.rag.skim_heads.calibrate` reads ``--reads`` generated look-alike contexts of the
+:func:`snapkv_rag.rag.skim_heads.choose_heads` reads ``--reads`` generated look-alike contexts of the
 tuning world's training domains (about ``--tokens`` document tokens each, a question naming its
 entity by a fact of the gold document) once under DocumentQA's default policy, and keeps the
 ``--top`` heads whose attention from the question ranks the gold document highest. The choice is
@@ -19,9 +19,9 @@ from pathlib import Path
 
 from eval.common.results_io import write_table
 from snapkv_rag import Engine
-from snapkv_rag.harness.skim_calibration import calibration_reads
+from snapkv_rag.harness.skim_head_reads import calibration_reads
 from snapkv_rag.rag.qa import DEFAULT_COMPRESSION
-from snapkv_rag.rag.skim_heads import SHIPPED, TOP_HEADS, calibrate
+from snapkv_rag.rag.skim_heads import SHIPPED, TOP_HEADS, choose_heads
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     reads = calibration_reads(
         args.reads, seed=args.seed, tokens=args.tokens, count_tokens=lambda text: len(engine.tokenizer(text, add_special_tokens=False)["input_ids"])
     )
-    heads = calibrate(engine, reads, DEFAULT_COMPRESSION, top=args.top, progress=lambda line: print(line, flush=True))
+    heads = choose_heads(engine, reads, DEFAULT_COMPRESSION, top=args.top, progress=lambda line: print(line, flush=True))
     args.ship.parent.mkdir(parents=True, exist_ok=True)
     args.ship.write_text(heads.to_json() + "\n")
     args.out.mkdir(parents=True, exist_ok=True)

@@ -8,7 +8,7 @@
 #   .venv/bin/python -m eval gate_noise
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-ADAPTER=${ADAPTER:-snapkv_rag/tune/shipped/smollm2-135m-instruct}
+ADAPTER=${ADAPTER:-snapkv_rag/adapter_training/shipped/smollm2-135m-instruct}
 OUT=${OUT:-eval/tune/results/gate_noise}
 OFF_VARIANTS=${OFF_VARIANTS:-base}
 jobs=()

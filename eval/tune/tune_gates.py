@@ -20,7 +20,7 @@ when every gate passed).
 
     .venv/bin/python -m eval tune_gates --variant base
     .venv/bin/python -m eval tune_gates --variant tuned --adapter tune-runs/default/adapter
-    .venv/bin/python -m eval tune_gates --table-only --manifest snapkv_rag/tune/shipped/smollm2-135m-instruct
+    .venv/bin/python -m eval tune_gates --table-only --manifest snapkv_rag/adapter_training/shipped/smollm2-135m-instruct
 """
 
 from __future__ import annotations

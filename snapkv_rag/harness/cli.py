@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 from ..cli_common import add_model_args, load_engine
-from ..training.corpus import TEXTS
+from ..less_training.corpus import TEXTS
 
 DEFAULT_METHODS = ["snapkv", "streamingllm", "h2o", "random"]
 

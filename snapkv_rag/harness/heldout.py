@@ -1,6 +1,6 @@
 """Fidelity on held-out plain text (``snapkv-rag eval fidelity --text heldout``), with LESS rows.
 
-Prompts are consecutive windows of the LESS held-out split (:mod:`snapkv_rag.training.corpus`,
+Prompts are consecutive windows of the LESS held-out split (:mod:`snapkv_rag.less_training.corpus`,
 disjoint from the training split); the continuation is the text's own next tokens, teacher
 forced through each method's cache. Per prompt and method: mean KL(full || method) over the
 continuation and the perplexity of the continuation. For a LESS method at budget ``B`` the
@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from ..compression import LESS
-from ..training.corpus import heldout_prompts, heldout_starts
+from ..less_training.corpus import heldout_prompts, heldout_starts
 from .metrics import next_token_kl
 from .runner import FULL, Method, Record, common_fields
 

@@ -2,14 +2,14 @@
 
 On the sample corpus the top 1,000 tokens of retrieval already hold the answer to most questions,
 so stuffing more only adds noise. Here every document is one of many of its kind, written from the
-same sentences (:mod:`snapkv_rag.tune.world`): dozens of observatories, vineyards, ferry companies,
+same sentences (:mod:`snapkv_rag.lookalike_world`): dozens of observatories, vineyards, ferry companies,
 each with a founding year, a town, a leader, a measure and an opening time. A question names its
 entity by a *cue*, one fact only that document states (``the vineyard that opened in 1874``), and
 asks another (``How many hectares of vines ...?``). A sentence embedding reads every document of
 the kind as about equally close to it, so the gold document lands anywhere in the kind's ranking;
 the model, which reads the cue's tokens verbatim in one document, can find it in a long read.
 
-Held apart from training (:mod:`snapkv_rag.tune.qa_data`): the gold documents come from the
+Held apart from training (:mod:`snapkv_rag.adapter_training.qa_data`): the gold documents come from the
 held-out domains only, and the cue wordings (:data:`CUES`) are written nowhere in the training
 data. Documents of the other domains fill the corpus as distractors.
 
@@ -28,7 +28,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..tune.world import DOMAIN_BY_KEY, DOMAINS, HELD_OUT_DOMAINS, Domain, Entity, document_text, make_entity
+from ..lookalike_world import DOMAIN_BY_KEY, DOMAINS, HELD_OUT_DOMAINS, Domain, Entity, document_text, make_entity
 
 DEFAULT_SEED = 2026
 GOLD_PER_DOMAIN = 24  # documents of each held-out kind: the look-alikes a question's cue must tell apart

@@ -1,6 +1,6 @@
 """The adapter shipped for the embedded model, and when the engine uses it.
 
-``snapkv_rag/tune/shipped/<name>/`` holds an adapter trained by ``snapkv-rag tune train`` and
+``snapkv_rag/adapter_training/shipped/<name>/`` holds an adapter trained by ``snapkv-rag tune train`` and
 its manifest. Where the embedded model loads with it (merged) is the adapter rule's
 (:mod:`.adapter_rule`): the manifest's ``applies_to`` names the uses whose held-out measures the
 adapter improves beyond their noise. ``"auto"`` (the server, chat, agents: any use) loads it
@@ -18,10 +18,10 @@ from .adapter_rule import AUTO_DOCUMENTS as AUTO_DOCUMENTS
 from .adapter_rule import AUTO_TOOLS as AUTO_TOOLS
 from .adapter_rule import AUTOS as AUTOS
 from .adapter_rule import NONE, USES, applies_to
-from .adapter_rule import gates_passed as gates_passed  # re-exported: snapkv_rag.tune.gates_passed
+from .adapter_rule import gates_passed as gates_passed  # re-exported: snapkv_rag.adapter_training.gates_passed
 from .adapters import AdapterError, read_manifest
 
-SHIPPED_DIR = Path(__file__).parents[1] / "tune" / "shipped"  # package data, beside the tune command
+SHIPPED_DIR = Path(__file__).parents[1] / "adapter_training" / "shipped"  # package data, beside the tune command
 EMBEDDED_ADAPTER = "smollm2-135m-instruct"
 
 

@@ -203,7 +203,7 @@ def _reuse_note(stats, prompt_tokens: int) -> str:
 
 def cmd_ask(args) -> int:
     from ..cli_common import load_engine
-    from ..compression.less.calibration import calibration_note
+    from ..compression.less.collection_kernels import calibration_note
     from .kv_reuse import kv_reuse_note
     from .qa import DocumentQA, small_model_note
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..compression import DEFAULT_COMPRESSION, as_policy, can_roll, fit_to_window, parse_compression
-from ..compression.less.calibration import policy_for_collection
+from ..compression.less.collection_kernels import policy_for_collection
 from ..compression.span_attention import sentence_attention
 from ..engine.results import GenerationResult
 from .attribution import EvidenceAttributor, SentenceSupport, answer_sentences

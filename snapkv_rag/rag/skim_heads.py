@@ -3,13 +3,13 @@
 Most heads of a small model attend from the question to the prompt's first token, to the
 question itself or to whatever came last; a few match the question's words to the same words in
 a document (retrieval heads: Wu et al. 2024, arXiv:2404.15574; query-focused retrieval heads,
-QRHead, Zhang et al. 2025, arXiv:2506.09944). The skim reads those. :func:`calibrate` finds them:
+QRHead, Zhang et al. 2025, arXiv:2506.09944). The skim reads those. :func:`choose_heads` finds them:
 it reads generated look-alike contexts (dozens of documents of one kind written from the same
 sentences, one question naming its entity by a fact only the gold document states), scores every
 document by each (layer, head)'s attention mass from the question, and keeps the heads whose
 ranking puts the gold document highest (mean reciprocal rank).
 
-The calibration reads (:mod:`snapkv_rag.harness.skim_calibration`) come from the tuning world's
+The calibration reads (:mod:`snapkv_rag.harness.skim_head_reads`) come from the tuning world's
 *training* domains, with cue wordings of their own, so the look-alike corpus the skim is measured
 on (held-out domains and cue wordings, :mod:`snapkv_rag.harness.lookalike_corpus`) stays unseen.
 The heads chosen for the embedded model ship as package data (``skim_heads/<model>.json``,
@@ -68,7 +68,7 @@ def reciprocal_rank(scores: Sequence[float], gold: int) -> float:
     return 1.0 / (better + 1)
 
 
-def calibrate(engine, reads: Sequence[CalibrationRead], compression, *, top: int = TOP_HEADS, progress: Callable[[str], None] | None = None) -> SkimHeads:
+def choose_heads(engine, reads: Sequence[CalibrationRead], compression, *, top: int = TOP_HEADS, progress: Callable[[str], None] | None = None) -> SkimHeads:
     """The heads whose attention ranks the gold document highest over ``reads`` (each read once
     under ``compression``, a policy with an observation window): the best 1, 2, 4 or 8 (at most
     ``top``), whichever together rank it best."""

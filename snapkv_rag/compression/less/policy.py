@@ -1,7 +1,7 @@
 """LESS: a sparse base policy whose evicted entries are folded into a learned low-rank state.
 
 Dong et al., "Get More with LESS: Synthesizing Recurrence with KV Cache Compression for
-Efficient LLM Inference", ICML 2024, arXiv:2402.09398. See :mod:`snapkv_rag.training`.
+Efficient LLM Inference", ICML 2024, arXiv:2402.09398. See :mod:`snapkv_rag.less_training`.
 
 Selection is the base policy's; the engine folds what it evicts into the state
 (:class:`snapkv_rag.compression.less.state.LowRankState`) and the registered attention function merges

@@ -200,7 +200,7 @@ def cmd_less_calibrate(args: argparse.Namespace) -> int:
     import torch
 
     from ..errors import LessTrainingError
-    from .calibrate import CalibrationConfig, calibrate, describe_calibration
+    from .collection_fit import CalibrationConfig, calibrate, describe_calibration
 
     if min(args.budget, args.prompt_tokens, args.windows, args.val_windows, args.epochs) < 1 or args.continuation_tokens < 2:
         raise LessTrainingError("--budget, --prompt-tokens, --windows, --val-windows and --epochs must be positive and --continuation-tokens at least 2")

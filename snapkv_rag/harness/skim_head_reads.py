@@ -1,4 +1,4 @@
-"""Generated reads that choose a model's skim heads (:func:`snapkv_rag.rag.skim_heads.calibrate`).
+"""Generated reads that choose a model's skim heads (:func:`snapkv_rag.rag.skim_heads.choose_heads`).
 
 Each read stuffs look-alike documents of one of the tuning world's *training* domains (dozens of
 entities of one kind, written from the same sentences) and asks about one of them, naming it by
@@ -12,9 +12,9 @@ from __future__ import annotations
 import random
 from collections.abc import Callable, Iterator
 
+from ..lookalike_world import DOMAINS, HELD_OUT_DOMAINS, Entity, document_text, make_entity
 from ..rag.skim_heads import CalibrationRead
 from ..rag.store import StoredChunk
-from ..tune.world import DOMAINS, HELD_OUT_DOMAINS, Entity, document_text, make_entity
 
 # How a calibration question names its entity: not the look-alike corpus's wordings (a test checks).
 CALIBRATION_CUES: dict[str, str] = {

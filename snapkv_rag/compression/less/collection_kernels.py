@@ -1,5 +1,5 @@
 """Which LESS kernels a collection's asks use: the calibration that ``snapkv-rag less calibrate``
-(:mod:`snapkv_rag.training.calibrate`) stored beside the collection, looked up at query time
+(:mod:`snapkv_rag.less_training.collection_fit`) stored beside the collection, looked up at query time
 without loading any of the training code."""
 
 from __future__ import annotations

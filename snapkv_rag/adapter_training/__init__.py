@@ -26,7 +26,7 @@ __all__ = sorted(_FROM)
 
 def __getattr__(name: str) -> Any:
     if name not in _FROM:
-        raise AttributeError(f"module 'snapkv_rag.tune' has no attribute {name!r}")
+        raise AttributeError(f"module 'snapkv_rag.adapter_training' has no attribute {name!r}")
     import importlib
 
     return getattr(importlib.import_module(f"snapkv_rag.model.{_FROM[name]}"), name)

@@ -16,7 +16,7 @@ class Example:
     segments: list[str] = field(default_factory=list)  # stuffed chunks read apart (block attention); empty: causal
     domain: str = ""  # QA: the gold entity's domain; tools: the needed tool (or "none")
     template: str = ""  # which question or request template wrote the user turn
-    read: str = ""  # recipe 4: the compression spec the prompt is read under (snapkv_rag.tune.compressed_reads); empty: the full cache
+    read: str = ""  # recipe 4: the compression spec the prompt is read under (snapkv_rag.adapter_training.compressed_reads); empty: the full cache
 
     def to_dict(self) -> dict[str, Any]:
         read = {"read": self.read} if self.read else {}  # absent when empty: recipe 3's data keeps its fingerprint

@@ -7,7 +7,7 @@ chunks), lets the full cache answer greedily (``--new-tokens``) and teacher-forc
 through SnapKV alone, LESS with the shipped kernels and LESS with the calibrated kernels. KL is
 the mean KL(full || method) over the answer's tokens; "gap closed" is ``1 - KL_less / KL_base``.
 
-    .venv/bin/python -m eval less_calibration [--corpus sample|generated] [--size 2K] [--questions 40] [--budget 256]
+    .venv/bin/python -m eval less_collection_fit [--corpus sample|generated] [--size 2K] [--questions 40] [--budget 256]
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ from eval.common.corpora import CORPORA, load_corpus
 from eval.common.results_io import write_records, write_table
 from snapkv_rag import Engine
 from snapkv_rag.compression import LESS, SnapKV
+from snapkv_rag.less_training.collection_fit import CalibrationConfig, calibrate, describe_calibration
 from snapkv_rag.rag import DocumentQA, DocumentStore
-from snapkv_rag.training.calibrate import CalibrationConfig, calibrate, describe_calibration
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -39,7 +39,7 @@ def kl(full: torch.Tensor, other: torch.Tensor) -> float:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m eval less_calibration", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m eval less_collection_fit", description=__doc__.split("\n\n")[0])
     ap.add_argument("--corpus", choices=CORPORA, default="sample")
     ap.add_argument("--size", choices=sorted(SIZES), default="2K")
     ap.add_argument("--questions", type=int, default=None)

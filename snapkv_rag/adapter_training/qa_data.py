@@ -6,7 +6,7 @@ entities. The question's answer is in one document, in two, or in none (then a l
 an absent entity is usually present); the answer states the fact and cites ``[n]``, or says
 the documents do not say.
 
-Held out by domain (:data:`~snapkv_rag.tune.world.HELD_OUT_DOMAINS`) and by template (the last
+Held out by domain (:data:`~snapkv_rag.lookalike_world.HELD_OUT_DOMAINS`) and by template (the last
 question template of each attribute): the training split uses neither, the held-out split
 asks only held-out templates about held-out domains.
 """
@@ -16,10 +16,10 @@ from __future__ import annotations
 import random
 from collections.abc import Callable
 
+from ..lookalike_world import DOMAINS, HELD_OUT_DOMAINS, Entity, document_text, make_entity, title
 from ..rag.store import StoredChunk
 from ..rag.stuffing import build_messages, chunk_segment
 from .examples import Example
-from .world import DOMAINS, HELD_OUT_DOMAINS, Entity, document_text, make_entity, title
 
 # attribute -> question templates ({name}, {role}); the last one of each is held out
 QUESTIONS: dict[str, tuple[str, ...]] = {

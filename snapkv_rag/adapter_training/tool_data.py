@@ -18,9 +18,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from ..lookalike_world import person, town
 from ..tools.calls import format_call
 from .examples import Example
-from .world import person, town
 
 
 def _fn(name: str, description: str, properties: dict[str, Any], required: list[str]) -> dict[str, Any]:

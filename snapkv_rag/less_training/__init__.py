@@ -1,6 +1,6 @@
 """Training LESS kernels (Dong et al., ICML 2024), the learned low-rank state over what a sparse
 policy evicts, and fitting them to a collection. The runtime that uses them is
-:mod:`snapkv_rag.compression.less`; LoRA fine-tuning of the model itself is :mod:`snapkv_rag.tune`.
+:mod:`snapkv_rag.compression.less`; LoRA fine-tuning of the model itself is :mod:`snapkv_rag.adapter_training`.
 
 - :mod:`.corpus`: the offline training and held-out texts;
 - :mod:`.train`: ``snapkv-rag less train`` (stage 1: each layer alone, on the full model's activations);

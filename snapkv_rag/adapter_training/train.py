@@ -490,7 +490,7 @@ def _write_adapter(peft_model, state: dict[str, Any], config: TuneConfig, out: P
         "command": train_command(config),
         "settings": config.identity(),
         "data": {
-            "generator": "snapkv_rag.tune.dataset.build_examples",
+            "generator": "snapkv_rag.adapter_training.dataset.build_examples",
             "recipe": config.recipe,
             "seed": config.seed,
             "examples": config.examples,

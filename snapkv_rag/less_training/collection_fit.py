@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from ..compression import LESS, CompressionPolicy
-from ..compression.less.calibration import REPORT, calibration_dir, calibration_key
+from ..compression.less.collection_kernels import REPORT, calibration_dir, calibration_key
 from ..compression.less.kernels import LessKernels, model_signature
 from ..errors import LessTrainingError
 from .corpus import overlapping_windows

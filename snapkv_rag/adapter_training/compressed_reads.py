@@ -3,7 +3,7 @@
 Recipe 3 trained every answer against the full K/V of a prompt of at most 4K tokens; the toolkit
 reads 2K-16K stuffed tokens through SnapKV (the question's window, 1,024 entries) and rolls
 what is past the window. Here an example stuffs 2K-16K tokens of look-alike documents, names
-its spec (:attr:`~snapkv_rag.tune.examples.Example.read`), and the trainer
+its spec (:attr:`~snapkv_rag.adapter_training.examples.Example.read`), and the trainer
 (:func:`compressed_example_loss`) prefills the prompt **without gradients** through the engine's
 own decode path (:func:`~snapkv_rag.engine.token_runs.teacher_force_for_training`; the adapter being trained is on, so the
 votes and the kept entries are the ones it will meet), then takes gradients on the answer tokens
@@ -25,10 +25,10 @@ import random
 
 import torch
 
+from ..lookalike_world import Entity, make_entity
 from ..rag.stuffing import build_messages
 from .examples import Example
 from .qa_data import QAGenerator, answer, question
-from .world import Entity, make_entity
 
 # The one default compression (snapkv_rag.compression.DEFAULT_COMPRESSION); rolled past ROLL_FROM
 # stuffed tokens, and a third of the shorter reads rolled too (the skim always rolls)

@@ -8,12 +8,12 @@ import pytest
 from conftest import tiny_engine
 
 from snapkv_rag.compression import LESS, SnapKV
-from snapkv_rag.compression.less.calibration import REPORT, calibration_dir, calibration_key, calibration_note, policy_for_collection
+from snapkv_rag.compression.less.collection_kernels import REPORT, calibration_dir, calibration_key, calibration_note, policy_for_collection
 from snapkv_rag.compression.less.kernels import LessKernels, load_kernels, model_signature
 from snapkv_rag.errors import InvalidCompressionError, LessTrainingError
+from snapkv_rag.less_training.collection_fit import CalibrationConfig, calibrate, collection_text, describe_calibration
 from snapkv_rag.rag import DocumentQA, DocumentStore
 from snapkv_rag.rag.embeddings import Embedder
-from snapkv_rag.training.calibrate import CalibrationConfig, calibrate, collection_text, describe_calibration
 
 WORDS = "harbour ferry crowns ticket museum glass river bridge market library council tower garden station".split()
 
