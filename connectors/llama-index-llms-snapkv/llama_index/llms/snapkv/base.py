@@ -6,8 +6,8 @@ Every method calls the engine's own generation path (``generate``/``stream``/``a
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import AsyncGenerator, Generator, Sequence
+from typing import TYPE_CHECKING, Any, cast
 
 from llama_index.core.base.llms.generic_utils import (
     achat_to_completion_decorator,
@@ -33,7 +33,9 @@ from llama_index.core.instrumentation.events.llm import LLMStructuredPredictEndE
 from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_callback
 from llama_index.core.llms.function_calling import FunctionCallingLLM
 from llama_index.core.llms.llm import ToolSelection
+from llama_index.core.program.utils import process_streaming_objects
 from llama_index.core.prompts import BasePromptTemplate
+from llama_index.core.types import PydanticProgramMode
 
 from snapkv_rag import Engine, GenerationResult, ToolCallDelta
 from snapkv_rag.errors import PromptTooLongError
@@ -50,6 +52,21 @@ dispatcher = get_dispatcher(__name__)
 def response_format_for(output_cls: type[BaseModel]) -> dict[str, Any]:
     """The engine's ``response_format`` for a pydantic class (its JSON Schema, strict)."""
     return {"type": "json_schema", "json_schema": {"name": output_cls.__name__, "schema": output_cls.model_json_schema(), "strict": True}}
+
+
+def engine_tool_choice(tool_choice: Any, tool_required: bool) -> str | dict[str, Any]:
+    """LlamaIndex's ``tool_choice``/``tool_required`` as the engine's ``tool_choice``."""
+    if tool_choice == "any":  # Anthropic's and Bedrock's spelling of "required"
+        tool_choice = "required"
+    if tool_choice is None or tool_choice == "auto":
+        return "required" if tool_required else "auto"
+    if tool_choice == "none":
+        if tool_required:
+            raise ValueError("tool_required=True asks for a tool call, tool_choice='none' forbids one")
+        return tool_choice
+    if isinstance(tool_choice, str) and tool_choice != "required":
+        return {"type": "function", "function": {"name": tool_choice}}
+    return tool_choice
 
 
 class _StreamState:
@@ -325,20 +342,17 @@ class SnapKVLLM(FunctionCallingLLM):
     ) -> dict[str, Any]:
         """``tools`` as OpenAI function specs for the engine's constrained tool calling.
 
-        ``tool_choice``: ``"auto"``, ``"required"``, ``"none"``, a tool name (that tool is
-        forced) or an OpenAI choice mapping; ``tool_required=True`` means ``"required"``.
+        ``tool_choice``: ``"auto"``, ``"required"`` (or ``"any"``), ``"none"``, a tool name (that
+        tool is forced) or an OpenAI choice mapping. ``tool_required=True`` makes the grammar
+        force a call: ``"required"`` unless a tool is named.
         """
         specs = [tool.metadata.to_openai_tool(skip_length_check=True) for tool in tools]
         messages = list(chat_history or [])
         if user_msg is not None:
             messages.append(ChatMessage(role=MessageRole.USER, content=user_msg) if isinstance(user_msg, str) else user_msg)
-        if tool_choice is None:
-            tool_choice = "required" if tool_required else "auto"
-        elif isinstance(tool_choice, str) and tool_choice not in ("auto", "required", "none"):
-            tool_choice = {"type": "function", "function": {"name": tool_choice}}
         out: dict[str, Any] = {"messages": messages, **kwargs}
         if specs:
-            out.update(tools=specs, tool_choice=tool_choice, parallel_tool_calls=allow_parallel_tool_calls)
+            out.update(tools=specs, tool_choice=engine_tool_choice(tool_choice, tool_required), parallel_tool_calls=allow_parallel_tool_calls)
         return out
 
     def get_tool_calls_from_response(self, response: ChatResponse, error_on_no_tool_call: bool = True, **kwargs: Any) -> list[ToolSelection]:
@@ -349,20 +363,26 @@ class SnapKVLLM(FunctionCallingLLM):
         return selections
 
     # ------------------------------------------------------------------ structured output
-    def _structured_messages(self, prompt: BasePromptTemplate, prompt_args: dict[str, Any]) -> list[ChatMessage]:
-        return prompt.format_messages(llm=self, **prompt_args)
+    def _decodes_structure(self) -> bool:
+        """Structured outputs are decoded under their JSON Schema unless another program mode was asked for."""
+        return self.pydantic_program_mode == PydanticProgramMode.DEFAULT
+
+    def _structured_chat_args(self, output_cls: type[BaseModel], prompt: BasePromptTemplate, prompt_args: dict[str, Any]) -> dict[str, Any]:
+        return {"messages": prompt.format_messages(llm=self, **prompt_args), "response_format": response_format_for(output_cls)}
 
     @staticmethod
     def _structured_result(output_cls: type[BaseModel], response: ChatResponse) -> BaseModel:
-        return output_cls.model_validate(response.raw["parsed"])
+        return output_cls.model_validate(cast(dict[str, Any], response.raw)["parsed"])
 
     @dispatcher.span
     def structured_predict(
         self, output_cls: type[BaseModel], prompt: BasePromptTemplate, llm_kwargs: dict[str, Any] | None = None, **prompt_args: Any
     ) -> BaseModel:
         """An ``output_cls`` instance decoded under its JSON Schema (the engine's ``response_format``)."""
+        if not self._decodes_structure():
+            return super().structured_predict(output_cls, prompt, llm_kwargs, **prompt_args)
         dispatcher.event(LLMStructuredPredictStartEvent(output_cls=output_cls, template=prompt, template_args=prompt_args))
-        response = self.chat(self._structured_messages(prompt, prompt_args), response_format=response_format_for(output_cls), **(llm_kwargs or {}))
+        response = self.chat(**self._structured_chat_args(output_cls, prompt, prompt_args), **(llm_kwargs or {}))
         result = self._structured_result(output_cls, response)
         dispatcher.event(LLMStructuredPredictEndEvent(output=result))
         return result
@@ -371,8 +391,53 @@ class SnapKVLLM(FunctionCallingLLM):
     async def astructured_predict(
         self, output_cls: type[BaseModel], prompt: BasePromptTemplate, llm_kwargs: dict[str, Any] | None = None, **prompt_args: Any
     ) -> BaseModel:
+        if not self._decodes_structure():
+            return await super().astructured_predict(output_cls, prompt, llm_kwargs, **prompt_args)
         dispatcher.event(LLMStructuredPredictStartEvent(output_cls=output_cls, template=prompt, template_args=prompt_args))
-        response = await self.achat(self._structured_messages(prompt, prompt_args), response_format=response_format_for(output_cls), **(llm_kwargs or {}))
+        response = await self.achat(**self._structured_chat_args(output_cls, prompt, prompt_args), **(llm_kwargs or {}))
         result = self._structured_result(output_cls, response)
         dispatcher.event(LLMStructuredPredictEndEvent(output=result))
         return result
+
+    # stream_structured_predict and astream_structured_predict (core's, with their events) read these two
+    def _structured_stream_call(
+        self, output_cls: type[BaseModel], prompt: BasePromptTemplate, llm_kwargs: dict[str, Any] | None = None, **prompt_args: Any
+    ) -> Generator[Any, None, None]:
+        if not self._decodes_structure():
+            return super()._structured_stream_call(output_cls, prompt, llm_kwargs, **prompt_args)  # type: ignore[arg-type]
+        chunks = self.stream_chat(**self._structured_chat_args(output_cls, prompt, prompt_args), **(llm_kwargs or {}))
+        return _streamed_objects(output_cls, chunks)
+
+    async def _structured_astream_call(
+        self, output_cls: type[BaseModel], prompt: BasePromptTemplate, llm_kwargs: dict[str, Any] | None = None, **prompt_args: Any
+    ) -> AsyncGenerator[Any, None]:
+        if not self._decodes_structure():
+            return await super()._structured_astream_call(output_cls, prompt, llm_kwargs, **prompt_args)  # type: ignore[arg-type]
+        chunks = await self.astream_chat(**self._structured_chat_args(output_cls, prompt, prompt_args), **(llm_kwargs or {}))
+        return _astreamed_objects(output_cls, chunks)
+
+
+def _partial_object(output_cls: type[BaseModel], chunk: ChatResponse, current: BaseModel | None) -> BaseModel:
+    """The object so far from a chunk's unfinished JSON (fields not yet written are None)."""
+    return process_streaming_objects(chunk, output_cls, cur_objects=[current] if current is not None else None)  # type: ignore[return-value]
+
+
+def _streamed_objects(output_cls: type[BaseModel], chunks: ChatResponseGen) -> Generator[BaseModel, None, None]:
+    """A partial object per streamed piece, then the engine's validated ``parsed`` value as ``output_cls``."""
+    current = None
+    for chunk in chunks:
+        if chunk.raw is not None and "parsed" in chunk.raw:
+            yield output_cls.model_validate(chunk.raw["parsed"])
+        elif chunk.delta:
+            current = _partial_object(output_cls, chunk, current)
+            yield current
+
+
+async def _astreamed_objects(output_cls: type[BaseModel], chunks: ChatResponseAsyncGen) -> AsyncGenerator[BaseModel, None]:
+    current = None
+    async for chunk in chunks:
+        if chunk.raw is not None and "parsed" in chunk.raw:
+            yield output_cls.model_validate(chunk.raw["parsed"])
+        elif chunk.delta:
+            current = _partial_object(output_cls, chunk, current)
+            yield current

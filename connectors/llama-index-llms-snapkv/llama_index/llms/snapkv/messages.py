@@ -119,11 +119,21 @@ def result_summary(result: GenerationResult) -> dict[str, Any]:
     }
 
 
+def _openai_call(call_id: str | None, name: str, arguments: Any) -> dict[str, Any]:
+    text = arguments if isinstance(arguments, str) else json.dumps(arguments)
+    return {"id": call_id or "", "type": "function", "function": {"name": name, "arguments": text}}
+
+
 def assistant_message(text: str, calls: Sequence[tuple[str | None, str, Any]] = ()) -> ChatMessage:
-    """An assistant message: a text block, then one :class:`ToolCallBlock` per ``(id, name, arguments)``."""
+    """An assistant message: a text block, then one :class:`ToolCallBlock` per ``(id, name, arguments)``.
+
+    The calls are also in ``additional_kwargs["tool_calls"]`` (OpenAI-shaped): core's streamed
+    structured outputs (``FunctionCallingProgram.stream_call``) look for tool calls only there.
+    """
     blocks: list[Any] = [TextBlock(text=text)]
     blocks += [ToolCallBlock(tool_call_id=cid, tool_name=name, tool_kwargs=args) for cid, name, args in calls]
-    return ChatMessage(role=MessageRole.ASSISTANT, blocks=blocks)
+    extra = {"tool_calls": [_openai_call(*call) for call in calls]} if calls else {}
+    return ChatMessage(role=MessageRole.ASSISTANT, blocks=blocks, additional_kwargs=extra)
 
 
 def result_message(result: GenerationResult) -> ChatMessage:
@@ -137,17 +147,18 @@ def tool_selections(message: ChatMessage) -> list[ToolSelection]:
         for c in message.additional_kwargs.get("tool_calls") or []:
             fn = c.get("function", c)
             calls.append((c.get("id"), fn.get("name"), fn.get("arguments", {})))
-    out = []
-    for call_id, name, arguments in calls:
-        if isinstance(arguments, str):
+    return [ToolSelection(tool_id=call_id or "", tool_name=name, tool_kwargs=_arguments_dict(arguments)) for call_id, name, arguments in calls]
+
+
+def _arguments_dict(arguments: Any) -> dict[str, Any]:
+    """A call's arguments as a dict: JSON text parsed (partially while it streams), anything else {}."""
+    if isinstance(arguments, str):
+        text = arguments
+        try:
+            arguments = json.loads(text) if text.strip() else {}
+        except json.JSONDecodeError:
             try:
-                arguments = json.loads(arguments) if arguments.strip() else {}
-            except json.JSONDecodeError:
-                try:
-                    arguments = parse_partial_json(arguments)
-                except (ValueError, json.JSONDecodeError):
-                    arguments = {}
-        if not isinstance(arguments, dict):
-            arguments = {}
-        out.append(ToolSelection(tool_id=call_id or "", tool_name=name, tool_kwargs=arguments))
-    return out
+                arguments = parse_partial_json(text)
+            except (ValueError, json.JSONDecodeError):
+                arguments = {}
+    return arguments if isinstance(arguments, dict) else {}
