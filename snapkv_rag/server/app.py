@@ -46,7 +46,9 @@ from .protocol import (
     parse_chat_request,
     parse_completion_request,
     parse_embedding_request,
+    prompt_param,
 )
+from .responses import ResponseEventWriter, parse_responses_request, response_body
 
 log = logging.getLogger("snapkv_rag.server")
 
@@ -248,7 +250,7 @@ def open_engine_stream(engine, request: ParsedRequest, compression, default_max_
             raise invalid(
                 f"the prompt has {prompt_tokens} tokens; this server reads at most {limit} prompt tokens, rolling prefill or not "
                 "(its operator sets --max-prompt-tokens)",
-                "messages" if request.kind == "chat" else "prompt",
+                prompt_param(request.kind),
                 "context_length_exceeded",
             )
     if max_new is None:
@@ -258,7 +260,7 @@ def open_engine_stream(engine, request: ParsedRequest, compression, default_max_
         positions = compression.prompt_positions(prompt_tokens) if compression is not None else prompt_tokens  # fewer under rolling=
         room = (context - positions) if context else default_max_tokens
         if room < 1:
-            field = "messages" if request.kind == "chat" else "prompt"
+            field = prompt_param(request.kind)
             raise invalid(
                 f"the prompt has {prompt_tokens} tokens and fills the model's {context}-token context; shorten it, or read it with a sparse policy "
                 "(compression 'default'), which reads a prompt past the window a chunk at a time",
@@ -376,7 +378,8 @@ async def _until_disconnect(request: Request, work) -> Any:
 
 
 def _completions(kind: str):
-    parse = parse_chat_request if kind == "chat" else parse_completion_request
+    parse = {"chat": parse_chat_request, "completion": parse_completion_request, "responses": parse_responses_request}[kind]
+    answer = response_body if kind == "responses" else completion_response
 
     async def endpoint(request: Request):
         config: ServerConfig = request.app.state.config
@@ -423,7 +426,7 @@ def _completions(kind: str):
                 raise from_engine_error(exc, kind) from None
             _log(config, request_id, parsed, result)
             metrics.finished(kind, 200, result)
-            return JSONResponse(completion_response(parsed, request_id, int(time.time()), config.model_id, result), headers=_served_by(stream, namespace))
+            return JSONResponse(answer(parsed, request_id, int(time.time()), config.model_id, result), headers=_served_by(stream, namespace))
         except APIError as exc:
             metrics.finished(kind, exc.status)
             return _error_response(exc)
@@ -440,7 +443,7 @@ def _completions(kind: str):
 
 async def _stream(config: ServerConfig, request_id: str, parsed: ParsedRequest, stream, clock: PieceClock, drain: Drain, release):
     metrics = clock.metrics
-    writer = ChunkWriter(parsed, request_id, config.model_id)
+    writer = (ResponseEventWriter if parsed.kind == "responses" else ChunkWriter)(parsed, request_id, config.model_id)
     try:
         opening = writer.opening()
         if opening:
@@ -557,7 +560,7 @@ async def not_found(request: Request, exc: Exception):
     return _error_response(
         APIError(
             404,
-            f"no route {request.method} {request.url.path}; see GET /v1/models, POST /v1/chat/completions, /v1/completions, /v1/embeddings",
+            f"no route {request.method} {request.url.path}; see GET /v1/models, POST /v1/chat/completions, /v1/completions, /v1/responses, /v1/embeddings",
             code="not_found",
         )
     )
@@ -577,6 +580,7 @@ def create_app(config: ServerConfig) -> Starlette:
         routes=[
             Route("/v1/chat/completions", _completions("chat"), methods=["POST"]),
             Route("/v1/completions", _completions("completion"), methods=["POST"]),
+            Route("/v1/responses", _completions("responses"), methods=["POST"]),
             Route("/v1/embeddings", embeddings, methods=["POST"]),
             Route("/v1/models", models, methods=["GET"]),
             Route("/v1/models/{name:path}", model, methods=["GET"]),

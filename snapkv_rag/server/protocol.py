@@ -76,12 +76,17 @@ def invalid(message: str, param: str | None = None, code: str | None = None) -> 
 _WIRE_NAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens"}
 
 
+def prompt_param(kind: str) -> str:
+    """The request field that holds a ``kind`` request's prompt (``"chat"``, ``"completion"`` or ``"responses"``)."""
+    return {"chat": "messages", "responses": "input"}.get(kind, "prompt")
+
+
 def from_engine_error(exc: BaseException, kind: str = "chat") -> APIError:
     """The engine's own input errors, as 400s naming the field at fault (the error's ``param``);
     anything else is a 500."""
     if isinstance(exc, APIError):  # already the answer (from a Ray Serve replica, say)
         return exc
-    prompt_field = "messages" if kind == "chat" else "prompt"
+    prompt_field = prompt_param(kind)
     if isinstance(exc, PromptTooLongError):
         return invalid(str(exc), prompt_field, "context_length_exceeded")
     if isinstance(exc, (EmptyPromptError, InvalidPromptError)):
@@ -148,7 +153,7 @@ def _check_fields(body: Mapping[str, Any], accepted: set[str]) -> None:
 class ParsedRequest:
     """What a completion request asks the engine for."""
 
-    kind: str  # "chat" or "completion"
+    kind: str  # "chat", "completion" or "responses" (a chat request answered as a Responses API response)
     model: str
     prompt: Any  # messages (chat) or a string (completion)
     stream: bool
@@ -159,7 +164,7 @@ class ParsedRequest:
     compression: str | None = None  # the request's own spec, or None for the server's default
 
     def engine_kwargs(self, max_new_tokens: int, compression: Any) -> dict[str, Any]:
-        chat = {} if self.kind == "chat" else {"chat": False}
+        chat = {"chat": False} if self.kind == "completion" else {}
         return {"max_new_tokens": max_new_tokens, "compression": compression, **self.sampling, **self.constraints, **chat}
 
 
@@ -461,7 +466,7 @@ def parse_embedding_request(body: Any) -> tuple[str, list[str], str]:
 
 # --------------------------------------------------------------------------- responses
 def new_id(kind: str) -> str:
-    return f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
+    return {"chat": "chatcmpl-", "responses": "resp_"}.get(kind, "cmpl-") + uuid.uuid4().hex
 
 
 def fingerprint() -> str:
