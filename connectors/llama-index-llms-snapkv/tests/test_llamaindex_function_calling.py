@@ -73,6 +73,11 @@ def test_tool_required_forces_a_call_through_the_grammar(llm, engine_options, to
     assert call.tool_name == "magic" and isinstance(call.tool_kwargs["input"], int)
 
 
+def test_a_plain_function_is_a_tool(llm):
+    response = llm.chat_with_tools([magic], chat_history=USER, tool_required=True)
+    assert llm.get_tool_calls_from_response(response)[0].tool_name == "magic"
+
+
 def test_tool_required_contradicting_tool_choice_none_is_refused(llm):
     with pytest.raises(ValueError, match="tool_required"):
         llm.chat_with_tools([MAGIC], chat_history=USER, tool_required=True, tool_choice="none")

@@ -6,8 +6,8 @@ Every method calls the engine's own generation path (``generate``/``stream``/``a
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator, Generator, Sequence
-from typing import TYPE_CHECKING, Any, cast
+from collections.abc import AsyncGenerator, Callable, Generator, Sequence
+from typing import Any, cast
 
 from llama_index.core.base.llms.generic_utils import (
     achat_to_completion_decorator,
@@ -35,6 +35,7 @@ from llama_index.core.llms.function_calling import FunctionCallingLLM
 from llama_index.core.llms.llm import ToolSelection
 from llama_index.core.program.utils import process_streaming_objects
 from llama_index.core.prompts import BasePromptTemplate
+from llama_index.core.tools import BaseTool, FunctionTool
 from llama_index.core.types import PydanticProgramMode
 
 from snapkv_rag import Engine, GenerationResult, ToolCallDelta
@@ -43,15 +44,17 @@ from snapkv_rag.integrations import as_policy, can_roll, check_kv_reuse, resolve
 
 from .messages import assistant_message, result_message, result_summary, to_engine_messages, tool_selections
 
-if TYPE_CHECKING:
-    from llama_index.core.tools.types import BaseTool
-
 dispatcher = get_dispatcher(__name__)
 
 
 def response_format_for(output_cls: type[BaseModel]) -> dict[str, Any]:
     """The engine's ``response_format`` for a pydantic class (its JSON Schema, strict)."""
     return {"type": "json_schema", "json_schema": {"name": output_cls.__name__, "schema": output_cls.model_json_schema(), "strict": True}}
+
+
+def as_tool(tool: BaseTool | Callable[..., Any]) -> BaseTool:
+    """A LlamaIndex tool, or a plain function made one (as FunctionAgent does with its tools)."""
+    return tool if isinstance(tool, BaseTool) else FunctionTool.from_defaults(fn=tool)
 
 
 def engine_tool_choice(tool_choice: Any, tool_required: bool) -> str | dict[str, Any]:
@@ -331,7 +334,7 @@ class SnapKVLLM(FunctionCallingLLM):
     # ------------------------------------------------------------------ tools
     def _prepare_chat_with_tools(
         self,
-        tools: Sequence[BaseTool],
+        tools: Sequence[BaseTool | Callable[..., Any]],
         user_msg: str | ChatMessage | None = None,
         chat_history: list[ChatMessage] | None = None,
         verbose: bool = False,
@@ -346,7 +349,7 @@ class SnapKVLLM(FunctionCallingLLM):
         tool is forced) or an OpenAI choice mapping. ``tool_required=True`` makes the grammar
         force a call: ``"required"`` unless a tool is named.
         """
-        specs = [tool.metadata.to_openai_tool(skip_length_check=True) for tool in tools]
+        specs = [as_tool(tool).metadata.to_openai_tool(skip_length_check=True) for tool in tools]
         messages = list(chat_history or [])
         if user_msg is not None:
             messages.append(ChatMessage(role=MessageRole.USER, content=user_msg) if isinstance(user_msg, str) else user_msg)
