@@ -4,7 +4,7 @@ Translation only: LangChain messages become the engine's message dicts, per-call
 become the engine's keyword arguments, and each :class:`~snapkv_rag.GenerationResult` (or
 stream piece) becomes an ``AIMessage`` (or ``AIMessageChunk``). Tool calls and structured
 output come from the engine's constrained decoding; compression stats and usage ride on
-``response_metadata`` and ``usage_metadata``.
+``response_metadata`` and ``usage_metadata``; what the model can do is its ``profile``.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from typing import Any, Literal
 from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
 from langchain_core.language_models import LanguageModelInput
 from langchain_core.language_models.chat_models import BaseChatModel, LangSmithParams
+from langchain_core.language_models.model_profile import ModelProfile
 from langchain_core.messages import (
     AIMessage,
     AIMessageChunk,
@@ -151,6 +152,42 @@ def response_metadata(result: GenerationResult) -> dict[str, Any]:
     }
 
 
+def model_profile(name: str, window: int | None) -> ModelProfile:
+    """What ChatSnapKV offers on a local text model whose window (context length) is ``window``.
+
+    Input and output share the window: a prompt past it is still read (rolled, compressed) by a
+    policy that rolls, but then the model no longer attends to all of it, so the window is the
+    input budget to plan with. Tools and structured output are grammar-constrained decoding;
+    there is no image, audio, PDF or video path, and reasoning is never returned."""
+    profile = ModelProfile(
+        name=name,
+        open_weights=True,
+        text_inputs=True,
+        image_inputs=False,
+        image_url_inputs=False,
+        pdf_inputs=False,
+        audio_inputs=False,
+        video_inputs=False,
+        image_tool_message=False,
+        pdf_tool_message=False,
+        text_outputs=True,
+        image_outputs=False,
+        audio_outputs=False,
+        video_outputs=False,
+        reasoning_output=False,
+        tool_calling=True,
+        tool_choice=True,
+        tool_call_streaming=True,
+        structured_output=True,
+        attachment=False,
+        temperature=True,
+    )
+    if window:
+        profile["max_input_tokens"] = window
+        profile["max_output_tokens"] = window
+    return profile
+
+
 def _lc_tool_calls(result: GenerationResult) -> list[dict[str, Any]]:
     return [{"name": c.name, "args": c.arguments, "id": c.id, "type": "tool_call"} for c in result.tool_calls]
 
@@ -268,6 +305,8 @@ class ChatSnapKV(BaseChatModel):
     """Accepted for LangChain's standard parameters; local generation is not retried."""
     streaming: bool = False
     """When True, ``invoke`` streams internally (callbacks see tokens as they come)."""
+    stream_usage: bool = True
+    """Whether a stream's last chunk carries ``usage_metadata`` (also per call: ``stream(..., stream_usage=False)``)."""
     kv_reuse: str | None = None
     """``"chunks"``: documents a ``SnapKVStuffingRetriever`` (or agent memory) offered are reused
     as stored K/V wherever they sit in a prompt (blended prefill, see ``snapkv_rag.reuse.blending``);
@@ -289,6 +328,15 @@ class ChatSnapKV(BaseChatModel):
         return self
 
     # ------------------------------------------------------------------ identity
+    def _resolve_model_profile(self) -> ModelProfile:
+        """The profile; its token limits come from the engine's window, so a model given by name
+        (loaded on first use) gets them when it loads (:attr:`client`)."""
+        return model_profile(self.model_name, self.engine.context_length if self.engine is not None else None)
+
+    def _complete_profile(self, engine: Engine) -> None:
+        if self.profile == model_profile(self.model_name, None):  # ours, not one the caller gave
+            self.profile = model_profile(self.model_name, engine.context_length)
+
     @property
     def _llm_type(self) -> str:
         return "snapkv-chat"
@@ -332,6 +380,7 @@ class ChatSnapKV(BaseChatModel):
             from snapkv_rag.integrations import shared_engine
 
             self._engine = shared_engine(self.model, device=self.device, dtype=self.dtype, prefix_cache_bytes=self.prefix_cache_bytes)
+            self._complete_profile(self._engine)
         return self._engine
 
     def _client_for(self, kwargs: dict[str, Any]) -> Engine:
@@ -363,6 +412,8 @@ class ChatSnapKV(BaseChatModel):
                 stops += [value] if isinstance(value, str) else list(value or [])
             elif key in _ENGINE_KWARGS:
                 out[key] = value
+            elif key == "stream_usage":
+                continue  # streams read it; a whole message always carries its usage
             else:
                 raise TypeError(f"ChatSnapKV got an unexpected keyword argument {key!r}")
         if stops:
@@ -386,16 +437,19 @@ class ChatSnapKV(BaseChatModel):
 
     @staticmethod
     def _chunk(piece: str | ToolCallDelta) -> ChatGenerationChunk:
+        """One engine piece: text, or a tool-call delta (its name first, then argument fragments
+        as the constrained decoder writes them) as a ``tool_call_chunk``."""
+        provider = {"model_provider": PROVIDER}
         if isinstance(piece, ToolCallDelta):
             part = tool_call_chunk(name=piece.name, args=piece.arguments, id=piece.id, index=piece.index)
-            return ChatGenerationChunk(message=AIMessageChunk(content="", tool_call_chunks=[part]))
-        return ChatGenerationChunk(message=AIMessageChunk(content=piece))
+            return ChatGenerationChunk(message=AIMessageChunk(content="", tool_call_chunks=[part], response_metadata=provider))
+        return ChatGenerationChunk(message=AIMessageChunk(content=piece, response_metadata=provider))
 
     @staticmethod
-    def _final_chunk(result: GenerationResult) -> ChatGenerationChunk:
+    def _final_chunk(result: GenerationResult, with_usage: bool) -> ChatGenerationChunk:
         message = AIMessageChunk(
             content="",
-            usage_metadata=usage_metadata(result),
+            usage_metadata=usage_metadata(result) if with_usage else None,
             response_metadata=response_metadata(result),
             chunk_position="last",
         )
@@ -425,6 +479,7 @@ class ChatSnapKV(BaseChatModel):
     def _stream(
         self, messages: list[BaseMessage], stop: list[str] | None = None, run_manager: CallbackManagerForLLMRun | None = None, **kwargs: Any
     ) -> Iterator[ChatGenerationChunk]:
+        with_usage = kwargs.pop("stream_usage", self.stream_usage)
         stream = self._client_for(kwargs).stream(to_engine_messages(messages), **self._engine_kwargs(stop, kwargs))
         try:
             for piece in stream:
@@ -434,11 +489,12 @@ class ChatSnapKV(BaseChatModel):
                 yield chunk
         finally:
             stream.close()  # a consumer that stops early cancels generation
-        yield self._final_chunk(stream.result)
+        yield self._final_chunk(stream.result, with_usage)
 
     async def _astream(
         self, messages: list[BaseMessage], stop: list[str] | None = None, run_manager: AsyncCallbackManagerForLLMRun | None = None, **kwargs: Any
     ) -> AsyncIterator[ChatGenerationChunk]:
+        with_usage = kwargs.pop("stream_usage", self.stream_usage)
         stream = self._client_for(kwargs).astream(to_engine_messages(messages), **self._engine_kwargs(stop, kwargs))
         try:
             async for piece in stream:
@@ -446,7 +502,7 @@ class ChatSnapKV(BaseChatModel):
                 if run_manager and isinstance(piece, str):
                     await run_manager.on_llm_new_token(piece, chunk=chunk)
                 yield chunk
-            yield self._final_chunk(stream.result)
+            yield self._final_chunk(stream.result, with_usage)
         finally:
             await stream.aclose()  # a consumer that stops early cancels generation
 
