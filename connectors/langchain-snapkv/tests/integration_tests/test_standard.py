@@ -30,7 +30,15 @@ class TestChatSnapKVIntegration(SnapKVChatCapabilities, ChatModelIntegrationTest
 
     @property
     def supports_model_override(self) -> bool:
-        return False  # one embedded model here; per-call model= works for any other loadable name
+        return True
+
+    @property
+    def model_override_value(self) -> str:
+        """The embedded model's converted directory: the same weights by another name, so a
+        per-call ``model=`` loads (and answers from) a second engine."""
+        from snapkv_rag.model.loading import resolve_model_source
+
+        return resolve_model_source("default")[0]
 
     @pytest.mark.xfail(
         reason="SmolLM2-135M answers 'What is the weather in San Francisco, CA?' in prose instead of calling "
