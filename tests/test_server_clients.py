@@ -79,3 +79,25 @@ def test_llamaindex_openai_like(base_url, engine):
     response = llm.chat_with_tools([FunctionTool.from_defaults(fn=magic_function)], user_msg="What is magic_function(3)?", tool_required=True)
     calls = llm.get_tool_calls_from_response(response, error_on_no_tool_call=True)
     assert [c.tool_name for c in calls] == ["magic_function"] and isinstance(calls[0].tool_kwargs["input"], int)
+
+
+def test_langchain_init_chat_model_and_the_responses_api(base_url, engine):
+    """init_chat_model with a base URL, usage in streams, and ChatOpenAI over POST /v1/responses."""
+    from langchain.chat_models import init_chat_model
+
+    direct = engine.generate([{"role": "user", "content": QUESTION}], max_new_tokens=16, compression=COMPRESSION)
+    llm = init_chat_model("openai:tiny", base_url=base_url, api_key="unused", max_tokens=16, temperature=0, max_retries=0, stream_usage=True)
+    chunks = list(llm.stream(QUESTION))
+    assert "".join(c.content for c in chunks) == direct.text
+    assert sum((c.usage_metadata or {}).get("output_tokens", 0) for c in chunks) == direct.usage.completion_tokens
+    responses = langchain_openai.ChatOpenAI(
+        base_url=base_url, api_key="unused", model="tiny", max_tokens=16, temperature=0, max_retries=0, use_responses_api=True
+    )
+    reply = responses.invoke(QUESTION)
+    assert reply.text == direct.text and reply.usage_metadata["output_tokens"] == direct.usage.completion_tokens
+    assert "".join(c.text for c in responses.stream(QUESTION)) == direct.text
+    roomy = responses.model_copy(update={"max_tokens": 80})  # room for a call or an object
+    call = roomy.bind_tools([magic_function], tool_choice="required").invoke("What is magic_function(3)?")
+    assert [c["name"] for c in call.tool_calls] == ["magic_function"] and isinstance(call.tool_calls[0]["args"]["input"], int)
+    city = roomy.with_structured_output(City, method="json_schema").invoke("Describe Paris.")
+    assert isinstance(city, City)
