@@ -331,18 +331,18 @@ def check_request_compression(spec: str) -> None:
         )
 
 
-def _text_content(content: Any, where: str) -> str | None:
-    """A message's content: a string, null, or a list of text parts (joined by newlines)."""
+def text_content(content: Any, where: str, *, kinds: tuple[str, ...] = ("text",), param: str = "messages") -> str | None:
+    """A message's content: a string, null, or a list of text parts of ``kinds`` (joined by newlines)."""
     if content is None or isinstance(content, str):
         return content
     if not isinstance(content, list):
-        raise invalid(f"{where}.content must be a string or a list of content parts", "messages")
+        raise invalid(f"{where}.content must be a string or a list of content parts", param)
     texts = []
     for j, part in enumerate(content):
         kind = part.get("type") if isinstance(part, Mapping) else None
-        if kind != "text" or not isinstance(part.get("text"), str):
+        if kind not in kinds or not isinstance(part.get("text"), str):
             shown = kind if kind else type(part).__name__
-            raise invalid(f"{where}.content[{j}] is a {shown!r} part; this model reads text parts only", "messages", "unsupported_parameter")
+            raise invalid(f"{where}.content[{j}] is a {shown!r} part; this model reads text parts only", param, "unsupported_parameter")
         texts.append(part["text"])
     return "\n".join(texts)
 
@@ -376,7 +376,7 @@ def chat_messages(messages: Any) -> list[dict[str, Any]]:
         converted = {k: v for k, v in message.items() if k not in _DROPPED_KEYS and v is not None}
         if converted.get("role") == "developer":
             converted["role"] = "system"
-        converted["content"] = _text_content(message.get("content"), where)
+        converted["content"] = text_content(message.get("content"), where)
         try:
             checked, _ = validate_message(converted, i)
         except InvalidPromptError as exc:

@@ -19,7 +19,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from ..tools.calls import ToolCallDelta
-from .protocol import CHAT_FIELDS, APIError, ParsedRequest, invalid, parse_chat_request
+from .protocol import CHAT_FIELDS, IGNORED, APIError, ParsedRequest, invalid, parse_chat_request, text_content
 
 # The chat fields a Responses request may carry under its own name (or the same one), and the
 # server's extensions it passes through as they are.
@@ -52,7 +52,6 @@ _NEUTRAL_RESPONSES: dict[str, tuple[Any, ...]] = {
 }
 _STATELESS = "this server stores no responses or conversations; send the whole conversation in input"
 _CHAT_TO_RESPONSES_PARAM = {"messages": "input", "max_tokens": "max_output_tokens", "response_format": "text"}
-_IGNORED = {"user", "metadata", "store", "service_tier", "safety_identifier", "prompt_cache_key", "prompt_cache_retention"}
 
 
 def parse_responses_request(body: Any) -> ParsedRequest:
@@ -80,7 +79,7 @@ def parse_responses_request(body: Any) -> ParsedRequest:
 
 def _check_responses_fields(body: Mapping[str, Any]) -> None:
     for key, value in body.items():
-        if key in RESPONSES_FIELDS or key in _IGNORED:
+        if key in RESPONSES_FIELDS or key in IGNORED:
             continue
         if key in ("previous_response_id", "conversation"):
             if value is None:
@@ -105,18 +104,10 @@ def _in_responses_terms(exc: APIError) -> APIError:
 
 def _text(content: Any, where: str) -> str:
     """A message's content: a string or a list of ``input_text``/``output_text`` parts (joined by newlines)."""
-    if isinstance(content, str):
-        return content
-    if not isinstance(content, list):
+    text = text_content(content, where, kinds=("input_text", "output_text", "text"), param="input")
+    if text is None:
         raise invalid(f"{where}.content must be a string or a list of content parts", "input")
-    texts = []
-    for j, part in enumerate(content):
-        kind = part.get("type") if isinstance(part, Mapping) else None
-        if kind not in ("input_text", "output_text", "text") or not isinstance(part.get("text"), str):
-            shown = kind if kind else type(part).__name__
-            raise invalid(f"{where}.content[{j}] is a {shown!r} part; this model reads text parts only", "input", "unsupported_parameter")
-        texts.append(part["text"])
-    return "\n".join(texts)
+    return text
 
 
 def input_messages(items: Any, instructions: Any = None) -> list[dict[str, Any]]:
