@@ -11,7 +11,8 @@ Loaded on first use, so importing this module imports no torch.
   the process), :data:`DEFAULT_COMPRESSION` (the one default of every interface), :func:`as_policy` and
   :func:`parse_compression` (a spec string, a policy or None to a policy), :func:`can_roll`,
   :func:`reads_past_window` and :func:`fit_to_window` (the one rule for prompts past the window), :class:`LESS`,
-  :func:`recording_kept_indices` (which prompt entries each layer kept).
+  :func:`recording_kept_indices` (which prompt entries each layer kept), :func:`declared_context_length`
+  (a model's window read from its config or GGUF header, without loading it).
 - **Documents**: :class:`DocumentStore` (its errors :class:`StoreError`, :class:`StoreUnavailableError`,
   :class:`EmptyCollectionError`), :class:`DocumentQA` and its :class:`Answer`,
   :class:`StuffingRetriever` and :class:`StuffedContext`, :func:`build_messages` and
@@ -46,6 +47,7 @@ _LAZY = {
     "reads_past_window": "compression",
     "LESS": "compression",
     "recording_kept_indices": "compression",
+    "declared_context_length": "model.loading",
     # documents
     "DocumentStore": "rag.store",
     "StoredChunk": "rag.store",
@@ -118,6 +120,7 @@ if TYPE_CHECKING:  # the same names for type checkers (a test keeps these and _L
     from .model.adapter_rule import AUTO_DOCUMENTS as AUTO_DOCUMENTS
     from .model.adapter_rule import AUTOS as AUTOS
     from .model.loading import cache_root as cache_root
+    from .model.loading import declared_context_length as declared_context_length
     from .model.shipped_adapters import adapter_option as adapter_option
     from .rag.attribution import EvidenceAttributor as EvidenceAttributor
     from .rag.citations import parse_citations as parse_citations

@@ -266,7 +266,7 @@ INTEGRATIONS = [
     "SYSTEM_PROMPT", "Skipped", "StoreError", "StoreUnavailableError", "StoredChunk", "StuffedContext", "StuffingRetriever",
     "TEXT_ROUTES", "Upload", "adapter_option", "as_policy",
     "build_messages", "can_roll", "fit_to_window", "parse_compression", "reads_past_window", "cache_root", "check_kv_reuse",
-    "citation_prf", "cite_with_support", "default_embedder_path",
+    "citation_prf", "cite_with_support", "declared_context_length", "default_embedder_path",
     "default_store_dir", "folder_files", "kept_per_document", "make_client", "offer_segments", "pack_greedy", "parse_citations",
     "recording_kept_indices", "remove_skipped_uploads", "resolve_kv_reuse", "reuse_kwargs", "save_uploads",
     "segment_store_at", "shared_engine", "small_model_note", "validate_collection_name",

@@ -243,6 +243,40 @@ def resolve_model_source(name_or_path: str) -> tuple[str, bool]:
     return name_or_path, False
 
 
+def declared_context_length(name_or_path: str) -> int | None:
+    """The window a model declares, read without loading it (and without converting a GGUF file):
+    its config.json, or the GGUF header's ``<arch>.context_length``. None when neither says or the
+    model is not on this machine (a hub id not yet downloaded). What a connector's profile shows
+    before the first call loads the engine."""
+    path = embedded_gguf_path() if name_or_path == DEFAULT_MODEL else Path(name_or_path).expanduser()
+    if path.suffix.lower() == ".gguf":
+        if not path.is_file():
+            return None
+        converted = cache_root() / "models" / f"{path.stem}-{_file_fingerprint(path)}" / "config.json"
+        return _config_context_length(converted) if converted.is_file() else _gguf_context_length(path)
+    if (path / "config.json").is_file():
+        return _config_context_length(path / "config.json")
+    return None
+
+
+def _config_context_length(config_file: Path) -> int | None:
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(config_file.parent, local_files_only=True)
+    return getattr(config.get_text_config(decoder=True), "max_position_embeddings", None)
+
+
+def _gguf_context_length(path: Path) -> int | None:
+    import gguf
+
+    fields = gguf.GGUFReader(str(path)).fields
+    arch_field = fields.get("general.architecture")
+    if arch_field is None:
+        return None
+    length = fields.get(f"{bytes(arch_field.parts[-1]).decode()}.context_length")
+    return int(length.parts[-1][0]) if length is not None else None
+
+
 @contextmanager
 def _quiet_loading() -> Iterator[None]:
     """No weight-loading progress bar in library use (restored afterwards)."""

@@ -329,9 +329,18 @@ class ChatSnapKV(BaseChatModel):
 
     # ------------------------------------------------------------------ identity
     def _resolve_model_profile(self) -> ModelProfile:
-        """The profile; its token limits come from the engine's window, so a model given by name
-        (loaded on first use) gets them when it loads (:attr:`client`)."""
-        return model_profile(self.model_name, self.engine.context_length if self.engine is not None else None)
+        """The profile; its token limits come from the engine's window, or, for a model given by name
+        (loaded on first use), from the window its config or GGUF header declares, so that middleware
+        that budgets by the profile at creation sees them before the first call."""
+        if self.engine is not None:
+            return model_profile(self.model_name, self.engine.context_length)
+        from snapkv_rag.integrations import declared_context_length
+
+        try:
+            window = declared_context_length(self.model)
+        except (OSError, ValueError):  # an unreadable config: the limits come when the engine loads
+            window = None
+        return model_profile(self.model_name, window)
 
     def _complete_profile(self, engine: Engine) -> None:
         if self.profile == model_profile(self.model_name, None):  # ours, not one the caller gave

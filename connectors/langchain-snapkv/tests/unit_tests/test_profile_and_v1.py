@@ -40,7 +40,7 @@ def test_a_model_by_name_gets_its_window_when_it_loads_and_a_given_profile_stays
     shared.clear_shared_engines()
     try:
         llm = ChatSnapKV(model="some/model")
-        assert llm.profile["tool_calling"] and "max_input_tokens" not in llm.profile  # nothing loaded yet
+        assert llm.profile["tool_calling"] and "max_input_tokens" not in llm.profile  # not on this machine, nothing loaded yet
         _ = llm.client
         assert llm.profile["max_input_tokens"] == tiny_engine.context_length
         given = ChatSnapKV(model="some/model", profile={"max_input_tokens": 100})
@@ -48,6 +48,26 @@ def test_a_model_by_name_gets_its_window_when_it_loads_and_a_given_profile_stays
         assert given.profile == {"max_input_tokens": 100}
     finally:
         shared.clear_shared_engines()
+
+
+def test_a_model_directory_shows_its_window_before_anything_loads(tmp_path, monkeypatch):
+    """Middleware that budgets by the profile (summarization at a fraction of max_input_tokens)
+    reads it when it is created, before the first call would load the engine."""
+    from snapkv_rag import Engine
+    from snapkv_rag.testing import tiny_config
+
+    config = tiny_config("llama", 64, context=777)
+    config.save_pretrained(tmp_path)
+
+    def no_loading(*args, **kwargs):
+        raise AssertionError("the profile must not load the model")
+
+    monkeypatch.setattr(Engine, "from_pretrained", staticmethod(no_loading))
+    llm = ChatSnapKV(model=str(tmp_path))
+    assert llm.profile["max_input_tokens"] == llm.profile["max_output_tokens"] == 777
+    from langchain.agents.middleware import SummarizationMiddleware
+
+    SummarizationMiddleware(model=llm, trigger=("fraction", 0.8), keep=("fraction", 0.3))  # raises without the limits
 
 
 def test_v1_output_has_tool_call_blocks_and_the_provider(tool_engine):
