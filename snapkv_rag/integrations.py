@@ -17,7 +17,8 @@ Loaded on first use, so importing this module imports no torch.
   :class:`EmptyCollectionError`), :class:`DocumentQA` and its :class:`Answer`,
   :class:`StuffingRetriever` and :class:`StuffedContext`, :func:`build_messages` and
   :data:`SYSTEM_PROMPT` (the stuffed prompt), :func:`pack_greedy` (fill a token budget),
-  :class:`Embedder` and :func:`default_embedder_path`, :func:`make_client` (a Chroma client).
+  :class:`Embedder` and :func:`default_embedder_path`, :func:`make_client` (a Chroma client),
+  :func:`attention_rerank` and its :class:`Reranked` (rank any texts for a question by the model's attention).
 - **Citations**: :func:`parse_citations`, :func:`cite_with_support` over the routes in
   :data:`TEXT_ROUTES`, :class:`EvidenceAttributor`, :func:`citation_prf`,
   :func:`kept_per_document` (what compression kept of each cited document).
@@ -58,6 +59,8 @@ _LAZY = {
     "default_store_dir": "rag.store",
     "validate_collection_name": "rag.store",
     "DocumentQA": "rag.qa",
+    "Reranked": "rag.rerank",
+    "attention_rerank": "rag.rerank",
     "Answer": "rag.qa",
     "TEXT_ROUTES": "rag.qa",
     "cite_with_support": "rag.qa",
@@ -142,6 +145,8 @@ if TYPE_CHECKING:  # the same names for type checkers (a test keeps these and _L
     from .rag.qa import DocumentQA as DocumentQA
     from .rag.qa import cite_with_support as cite_with_support
     from .rag.qa import small_model_note as small_model_note
+    from .rag.rerank import Reranked as Reranked
+    from .rag.rerank import attention_rerank as attention_rerank
     from .rag.store import DocumentStore as DocumentStore
     from .rag.store import IngestReport as IngestReport
     from .rag.store import StoredChunk as StoredChunk

@@ -262,9 +262,9 @@ def test_the_package_never_imports_the_benchmarks():
 INTEGRATIONS = [
     "AUTO", "AUTOS", "AUTO_DOCUMENTS", "AgentMemory", "Answer", "ContextBudgetError", "DEFAULT_COMPRESSION", "DEFAULT_MAX_FILE_BYTES", "DocumentKept",
     "DocumentQA", "DocumentStore", "Embedder",
-    "EmptyCollectionError", "EvidenceAttributor", "IngestReport", "IntakeError", "LESS", "RenderedHistory", "SUPPORTED_SUFFIXES",
+    "EmptyCollectionError", "EvidenceAttributor", "IngestReport", "IntakeError", "LESS", "RenderedHistory", "Reranked", "SUPPORTED_SUFFIXES",
     "SYSTEM_PROMPT", "Skipped", "StoreError", "StoreUnavailableError", "StoredChunk", "StuffedContext", "StuffingRetriever",
-    "TEXT_ROUTES", "Upload", "adapter_option", "as_policy",
+    "TEXT_ROUTES", "Upload", "adapter_option", "as_policy", "attention_rerank",
     "build_messages", "can_roll", "fit_to_window", "parse_compression", "reads_past_window", "cache_root", "check_kv_reuse",
     "citation_prf", "cite_with_support", "declared_context_length", "default_embedder_path",
     "default_store_dir", "folder_files", "kept_per_document", "make_client", "offer_segments", "pack_greedy", "parse_citations",

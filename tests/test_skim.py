@@ -155,6 +155,28 @@ def test_document_qa_answers_from_the_skims_best_documents(tokenizer, store):
     assert answer.context.settings["skim"]["fusion"] == "attention"
 
 
+def test_the_early_exit_scores_as_the_whole_forward_does_and_runs_fewer_layers(tokenizer, store, monkeypatch):
+    from snapkv_rag.compression.runtime import exiting_after_layer
+
+    engine = tiny_engine("llama", tokenizer, context=4096)
+    policy = SnapKV(window_size="question", max_capacity_prompt=128)
+    qa = DocumentQA(engine, store, compression=None, context_tokens=200, skim_tokens=900)
+    wide = qa.skim_retriever.retrieve("What is the code of the museum record 3?")
+    heads = [(0, 0), (0, 3)]  # layer 0 of 2: the exit skips layer 1
+    reads = []
+    read_prompt = engine.read_prompt
+    monkeypatch.setattr(engine, "read_prompt", lambda *a, **k: reads.append(read_prompt(*a, **k)) or reads[-1])
+    whole = skim(engine, wide, policy, heads=heads, early_exit=False)
+    early = skim(engine, wide, policy, heads=heads)
+    assert early.scores == whole.scores and [c.id for c in early.ranking()] == [c.id for c in whole.ranking()]
+    assert [r.layers_run for r in reads] == [2, 1]
+    with pytest.raises(ValueError, match="exit_after_layer"):
+        engine.read_prompt("hello", exit_after_layer=2)
+    with exiting_after_layer(0), pytest.raises(RuntimeError, match="read_prompt"):
+        engine.generate("hello", max_new_tokens=2)
+    assert engine.generate("hello", max_new_tokens=2).usage.completion_tokens >= 1  # the engine is fine afterwards
+
+
 def test_bad_skim_settings_are_one_clear_error(tokenizer, store):
     engine = tiny_engine("llama", tokenizer, context=4096)
     for bad in (0, -5, True, "900"):

@@ -39,6 +39,14 @@ _CAPTURE: ContextVar[Callable | None] = ContextVar("snapkv_rag_capture", default
 # The running forward attends causally over everything cached (no padding, no explicit mask):
 # its new tokens see every cached entry and each other causally (see cached_prefix_attention).
 _PLAIN_CAUSAL: ContextVar[bool] = ContextVar("snapkv_rag_plain_causal", default=False)
+# An early exit: the forward stops when it reaches a layer past this one (a read that only needs
+# the votes of the layers up to here, e.g. the skim's heads).
+_EXIT_AFTER: ContextVar[int | None] = ContextVar("snapkv_rag_exit_after_layer", default=None)
+
+
+class LayersDone(Exception):
+    """Raised at the first layer past :func:`exiting_after_layer`'s: the forward has done what the read needs."""
+
 
 # Implementations registered globally in transformers (eager is per-model code, so it cannot be wrapped).
 WRAPPED_IMPLEMENTATIONS = ("sdpa", "flash_attention_2")
@@ -153,6 +161,9 @@ def _fast_decode(module, query, kwargs) -> bool:
 
 def _make_attention(base_fn):
     def attention(module, query, key, value, attention_mask, **kwargs):
+        last = _EXIT_AFTER.get()
+        if last is not None and module.layer_idx > last:
+            raise LayersDone(last)
         quantized = active_quantized_layer(module.layer_idx)
         if quantized is not None:
             if quantized.quantized_entries and _fast_decode(module, query, kwargs) and _reads_output_only():
@@ -440,6 +451,36 @@ def policy_attention(state: PolicyState | None) -> Iterator[None]:
         yield
     finally:
         _POLICY_STATE.reset(token)
+
+
+@contextmanager
+def exiting_after_layer(layer: int | None, model=None) -> Iterator[None]:
+    """Stop the model calls inside the block after layer ``layer`` (None: run every layer); the
+    forward then ends in :class:`LayersDone`, which the engine's read-only path catches. With
+    ``model``, its decoder layers past the exit do not start at all (hooks for the block, removed
+    after it; only this context's forwards see the exit); without, the forward stops in the
+    attention of the first layer past it."""
+    if layer is not None and (isinstance(layer, bool) or not isinstance(layer, int) or layer < 0):
+        raise ValueError(f"the layer to exit after must be a non-negative integer, got {layer!r}")
+    handles = []
+    if layer is not None and model is not None:
+        for module in model.modules():
+            layer_idx = getattr(getattr(module, "self_attn", None), "layer_idx", None)
+            if isinstance(layer_idx, int) and layer_idx > layer:
+                handles.append(module.register_forward_pre_hook(_exit_before))
+    token = _EXIT_AFTER.set(layer)
+    try:
+        yield
+    finally:
+        _EXIT_AFTER.reset(token)
+        for handle in handles:
+            handle.remove()
+
+
+def _exit_before(module, args) -> None:
+    last = _EXIT_AFTER.get()  # this forward's exit (another read's hooks may be on the model too)
+    if last is not None and module.self_attn.layer_idx > last:
+        raise LayersDone(last)
 
 
 @contextmanager

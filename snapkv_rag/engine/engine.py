@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from ..compression import CompressionPolicy, as_policy
-from ..compression.runtime import WRAPPED_IMPLEMENTATIONS, register_attention_functions, wrapped_name
+from ..compression.runtime import WRAPPED_IMPLEMENTATIONS, exiting_after_layer, register_attention_functions, wrapped_name
 from ..errors import InvalidGenerationParameterError
 from ..model.loading import DEFAULT_MODEL, RECOMMENDED_CONTEXT_TOKENS, RECOMMENDED_KV_REUSE, load_model_and_tokenizer
 from ..model.peak_memory import PeakMemory
@@ -37,7 +37,7 @@ from .preparation import (
 )
 from .prompts import PromptLike, render_prompt
 from .requests import Request, checked_cache_salt
-from .results import GenerationResult
+from .results import GenerationResult, PromptRead
 from .sampling import GenerationParams
 from .scheduler import Member, Scheduler, SchedulerStats, default_max_batch_size
 from .streams import AsyncGenerationStream, GenerationStream, StreamPiece, cancellable
@@ -318,6 +318,8 @@ class Engine:
                 except StopIteration:
                     break
                 yield
+            if run.exited_early:
+                raise RuntimeError("an early exit (exiting_after_layer) leaves no logits to generate from: read with Engine.read_prompt")
             if cancel.is_set():
                 steps.close()
                 member.abandon()
@@ -518,6 +520,40 @@ class Engine:
         (row,), requested = render_within_context(self, [prompt], chat, len(ids), policy=requested)
         policy = resolve_policy(self, requested, [prompt], chat, [question])
         return self._teacher_force_row(row, ids, policy, prefix_cache, namespace)
+
+    def read_prompt(
+        self,
+        prompt: PromptLike,
+        *,
+        compression: Compression = None,
+        chat: bool | None = None,
+        question: str | None = None,
+        exit_after_layer: int | None = None,
+    ) -> PromptRead:
+        """Prefill ``prompt`` under ``compression`` and stop: no token, nothing stored in the prefix cache.
+
+        For reads that want what the prefill records, not an answer: the skim's votes
+        (:func:`~snapkv_rag.compression.recording_window_votes` around this call) or what each layer
+        kept. ``exit_after_layer``: the forward stops after that layer (an early exit: the layers past
+        the deepest one the caller reads never run). Chunked like any prefill, between other requests'
+        decode steps."""
+        layers = self.info().num_layers
+        if exit_after_layer is not None and (isinstance(exit_after_layer, bool) or not isinstance(exit_after_layer, int) or not 0 <= exit_after_layer < layers):
+            raise ValueError(f"exit_after_layer must be a layer from 0 to {layers - 1}, got {exit_after_layer!r}")
+        requested = as_policy(compression)
+        (row,), requested = render_within_context(self, [prompt], chat, 1, policy=requested)
+        policy = resolve_policy(self, requested, [prompt], chat, [question])
+        run = DecodeRun(self.model, [row], GenerationParams(max_new_tokens=1), policy, self._pad_id, invariant_chunk=self._invariant_chunk)
+
+        def prefill() -> Generator[None, None, None]:
+            yield from run.prefill_steps(self._prefill_chunk([row]))
+
+        if self._scheduler.on_worker():
+            raise RuntimeError("read_prompt cannot run inside run_on_model(): the model's worker would wait for itself")
+        with exiting_after_layer(exit_after_layer, self.model):
+            self._scheduler.call(prefill)
+        last = exit_after_layer if run.exited_early and exit_after_layer is not None else layers - 1
+        return PromptRead(prompt_tokens=len(row), seconds=run.timings.prefill_seconds, layers_run=last + 1, rolling=run.rolling)
 
     async def agenerate(self, prompt: PromptLike, **kwargs: Any) -> GenerationResult:
         """:meth:`generate` in a worker thread, so the event loop keeps running.

@@ -22,7 +22,7 @@ from ..compression.decoding import PolicyState, layer_entries
 from ..compression.own_attention import layers_of
 from ..compression.quantized import MIN_RESIDUAL, is_quantized, quantize_cache
 from ..compression.ragged import is_ragged
-from ..compression.runtime import PrefillCompression, compressing, plain_causal, policy_attention, sliding_layers
+from ..compression.runtime import LayersDone, PrefillCompression, compressing, plain_causal, policy_attention, sliding_layers
 from ..compression.span_attention import SpanAttention, observing
 from ..errors import InvalidCompressionError
 from ..model.device_clock import device_clock
@@ -256,6 +256,7 @@ class DecodeRun:
         self.prompt_kv_bytes_kept = 0
         self.session: PrefillCompression | None = None
         self.last_logits = torch.empty(0)  # [batch, vocab] of the latest forward
+        self.exited_early = False  # a forward stopped at an early exit: the run has no logits to decode from
         # What the policy keeps doing after the prefill (LESS's folded state, decode-time cuts); None: nothing
         self.policy_state: PolicyState | None = first.decode_state(model, self.sliding) if first is not None else None
         # attention over given prompt spans during decoding (attention citations), one prompt only
@@ -324,7 +325,12 @@ class DecodeRun:
             self.prefix_cache.record_reuse(entry, take)
 
     def _forward(self, input_ids, attention_mask, position_ids, *, last_only: bool = True) -> torch.Tensor:
-        logits = model_forward(self.model, self.cache, input_ids, attention_mask, position_ids, self.policy_state, last_only=last_only)
+        try:
+            logits = model_forward(self.model, self.cache, input_ids, attention_mask, position_ids, self.policy_state, last_only=last_only)
+        except LayersDone:  # an early exit (Engine.read_prompt): the layers the read needs have run, no logits
+            self.exited_early = True
+            self.last_logits = torch.empty(0)
+            return self.last_logits
         self.last_logits = logits[:, -1, :]
         return logits
 

@@ -110,6 +110,16 @@ class GenerationStats:
 
 
 @dataclass(frozen=True)
+class PromptRead:
+    """What :meth:`~snapkv_rag.engine.engine.Engine.read_prompt` did: a prefill and no answer."""
+
+    prompt_tokens: int
+    seconds: float  # the prefill, wall clock on the model's worker
+    layers_run: int  # every layer, or those up to the early exit
+    rolling: Any = None  # the rolled read's RollingStats (None: read in one window)
+
+
+@dataclass(frozen=True)
 class GenerationResult:
     text: str  # with tools: the prose outside tool-call blocks
     finish_reason: str  # "stop" (EOS or stop string), "length", "cancelled" or "tool_calls"

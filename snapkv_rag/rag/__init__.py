@@ -21,6 +21,8 @@ _LAZY = {
     "DocumentQA": "qa",
     "cite": "qa",
     "cite_with_support": "qa",
+    "Reranked": "rerank",
+    "attention_rerank": "rerank",
     "DocumentStore": "store",
     "IngestReport": "store",
     "StoreError": "store",
@@ -39,6 +41,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from .embeddings import Embedder
     from .loaders import Skipped, SourceText, load_file
     from .qa import DEFAULT_COMPRESSION, Answer, AnswerStream, Citation, DocumentQA, cite, cite_with_support
+    from .rerank import Reranked, attention_rerank
     from .store import DocumentStore, IngestReport, StoredChunk, StoreError, StoreUnavailableError
     from .stuffing import ContextBudgetError, EmptyCollectionError, StuffedContext, StuffingRetriever, build_messages
 
@@ -68,6 +71,7 @@ __all__ = [
     "Embedder",
     "EvidenceAttributor",
     "IngestReport",
+    "Reranked",
     "Skipped",
     "SourceText",
     "StoreError",
@@ -75,6 +79,7 @@ __all__ = [
     "StoredChunk",
     "StuffedContext",
     "StuffingRetriever",
+    "attention_rerank",
     "build_messages",
     "chunk_document",
     "cite",

@@ -22,7 +22,7 @@ from .attribution import EvidenceAttributor, SentenceSupport, answer_sentences
 from .citations import parse_citations
 from .kv_reuse import chunk_kv_store, precompute_chunk_kv, resolve_kv_reuse, reuse_kwargs
 from .skim import DEFAULT_LAYERS, FUSIONS, skim, skim_policy
-from .skim_heads import shipped_heads
+from .skim_heads import resolve_skim_heads
 from .store import DocumentStore, StoredChunk
 from .stuffing import SYSTEM_PROMPT, ContextBudgetError, StuffedContext, StuffingRetriever, chunk_segment
 
@@ -285,21 +285,7 @@ class DocumentQA:
         self.skim_compression = DEFAULT_COMPRESSION if skim_compression is _DEFAULT else skim_compression
         self.skim_fusion = skim_fusion
         self.skim_layers = skim_layers
-        self.skim_heads = self._skim_heads(skim_heads) if self.skim_retriever is not None else None
-
-    def _skim_heads(self, heads: Any) -> list[tuple[int, int]] | None:
-        if heads == "auto":
-            shipped = shipped_heads(self.engine)
-            return None if shipped is None else list(shipped.heads)
-        if heads is None:
-            return None
-        try:
-            pairs = [(int(layer), int(head)) for layer, head in heads]
-        except (TypeError, ValueError):
-            raise ValueError(f'skim_heads must be "auto", None or (layer, head) pairs, got {heads!r}') from None
-        if not pairs:
-            raise ValueError("skim_heads names no heads")
-        return pairs
+        self.skim_heads = resolve_skim_heads(engine, skim_heads) if self.skim_retriever is not None else None
 
     def _skim_retriever(self, skim_tokens: int | None, fusion: str, whole_collection: bool) -> StuffingRetriever | None:
         if skim_tokens is None:

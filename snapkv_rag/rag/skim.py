@@ -14,8 +14,9 @@ re-stuffed best first into the read's own budget and answered as any ask is.
 
 ``fusion="attention"`` ranks by the skim alone; ``"rrf"`` fuses it with the retriever's rank
 (reciprocal-rank fusion, k=60), which keeps what the embedding ranked high where the attention
-is unsure. The skim costs one compressed prefill of the long context (its time is in
-:class:`SkimResult` and the answer's context settings).
+is unsure. The skim costs one compressed prefill of the long context, through the layers up to
+the deepest one its heads are in (an early exit: 18 of the embedded model's 30); its time is in
+:class:`SkimResult` and the answer's context settings.
 """
 
 from __future__ import annotations
@@ -113,17 +114,37 @@ def skim_policy(policy, prompt_tokens: int, context_length: int | None):
     return fit_to_window(as_policy(policy), prompt_tokens, 1, context_length, chunk=SKIM_ROLLING, always=True)
 
 
+def skim_heads_for(engine, band: tuple[float, float] = DEFAULT_LAYERS, heads: Sequence[tuple[int, int]] | None = None) -> list[tuple[int, int]]:
+    """The (layer, head) pairs a skim reads: ``heads``, or every head of the ``band``'s layers among
+    those a policy compresses (not the sliding-window ones, which record no votes)."""
+    if heads is not None:
+        return list(heads)
+    from ..compression.runtime import sliding_layers
+
+    compressed = [i for i, slides in enumerate(sliding_layers(engine.config)) if not slides]
+    return [(layer, h) for layer in middle_layers(compressed, band) for h in range(engine.info().num_query_heads)]
+
+
 def skim(
-    engine, context: StuffedContext, compression, *, band: tuple[float, float] = DEFAULT_LAYERS, heads: Sequence[tuple[int, int]] | None = None
+    engine,
+    context: StuffedContext,
+    compression,
+    *,
+    band: tuple[float, float] = DEFAULT_LAYERS,
+    heads: Sequence[tuple[int, int]] | None = None,
+    early_exit: bool = True,
 ) -> SkimResult:
     """Read ``context`` once under ``compression`` (a policy with an observation window; rolled
     past the model's window by the caller where needed) and score its documents by ``heads``
     (None: every head of the ``band``'s layers; :mod:`.skim_heads` chooses them per model). The
-    read generates one token and is not stored in the prefix cache."""
+    read generates nothing and is not stored in the prefix cache; with ``early_exit`` its forward
+    stops after the deepest layer the heads are in (the layers past it cannot change their votes)."""
+    chosen = skim_heads_for(engine, band, heads)
+    deepest = max(layer for layer, _ in chosen) if early_exit and chosen else None
     start = time.perf_counter()
     with recording_window_votes() as recorded:
-        result = engine.generate(context.messages, compression=compression, question=context.question_text, max_new_tokens=1, prefix_cache=False)
+        read = engine.read_prompt(context.messages, compression=compression, question=context.question_text, exit_after_layer=deepest)
     seconds = time.perf_counter() - start
     if not recorded:
         raise ValueError("the skim's prefill recorded no votes: give a sparse policy with an observation window, not the full cache")
-    return SkimResult(context, document_scores(engine.tokenizer, context, recorded[-1], band, heads), seconds, result.usage.prompt_tokens)
+    return SkimResult(context, document_scores(engine.tokenizer, context, recorded[-1], band, chosen), seconds, read.prompt_tokens)

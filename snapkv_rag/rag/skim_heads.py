@@ -23,6 +23,7 @@ import json
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 from ..compression.runtime import recording_window_votes
 from .kept import document_spans
@@ -136,3 +137,20 @@ def shipped_heads(engine) -> SkimHeads | None:
     retrieve is learned in pre-training); None where none were chosen."""
     shipped = {heads.model: heads for heads in (SkimHeads.from_json(path.read_text()) for path in sorted(SHIPPED.glob("*.json")))}
     return shipped.get(model_key(engine)) or shipped.get(str(engine.name))
+
+
+def resolve_skim_heads(engine, heads: Any) -> list[tuple[int, int]] | None:
+    """``heads`` as a skim reads them: ``"auto"``, those shipped for ``engine`` (None where none were
+    chosen: every head of the middle layers); None; or (layer, head) pairs, checked."""
+    if heads == "auto":
+        shipped = shipped_heads(engine)
+        return None if shipped is None else list(shipped.heads)
+    if heads is None:
+        return None
+    try:
+        pairs = [(int(layer), int(head)) for layer, head in heads]
+    except (TypeError, ValueError):
+        raise ValueError(f'skim_heads must be "auto", None or (layer, head) pairs, got {heads!r}') from None
+    if not pairs:
+        raise ValueError("skim_heads names no heads")
+    return pairs
