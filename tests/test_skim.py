@@ -177,6 +177,63 @@ def test_the_early_exit_scores_as_the_whole_forward_does_and_runs_fewer_layers(t
     assert engine.generate("hello", max_new_tokens=2).usage.completion_tokens >= 1  # the engine is fine afterwards
 
 
+def test_the_skim_from_stored_keys_scores_each_group_as_its_own_read(tokenizer, store, tmp_path):
+    """With every token recomputed, each group's votes are a full read of that group's prompt (the
+    reference, read here through generate); with none, the chunks' K/V come from the store: computed
+    once, then reused, only under the same salt, and the early exit changes nothing."""
+    import dataclasses
+
+    from snapkv_rag.compression import recording_window_votes
+    from snapkv_rag.rag.kept import document_spans
+    from snapkv_rag.rag.skim import combined_scores, skim_groups, skim_stored
+    from snapkv_rag.rag.stuffing import build_messages
+    from snapkv_rag.reuse.segment_store import SegmentKVStore
+
+    engine = tiny_engine("llama", tokenizer, context=4096)
+    policy = SnapKV(window_size="question", max_capacity_prompt=128)
+    qa = DocumentQA(engine, store, compression=None, context_tokens=200, skim_tokens=900)
+    wide = qa.skim_retriever.retrieve("What is the code of the museum record 3?")
+    heads = [(0, 1), (1, 2), (1, 3)]
+    groups = skim_groups(engine, wide.chunks, group_tokens=300)
+    assert len(groups) > 1 and sorted(i for g in groups for i in g) == list(range(len(wide.chunks)))
+    masses = [[0.0] * len(wide.chunks) for _ in heads]
+    for group in groups:
+        chunks = [dataclasses.replace(wide.chunks[i], title="") for i in group]
+        messages, question_text = build_messages(wide.question, chunks)
+        part = StuffedContext(wide.question, question_text, chunks, messages, 0, 0, 0, len(chunks), 0, 0, "group")
+        with recording_window_votes() as recorded:
+            engine.generate(messages, compression=policy, question=question_text, max_new_tokens=1, prefix_cache=False)
+        for h, (layer, head) in enumerate(heads):
+            for i, (a, b) in zip(group, document_spans(engine.tokenizer, part), strict=True):
+                masses[h][i] = float(recorded[-1].layers[layer][head, a:b].sum())
+    kv = SegmentKVStore(tmp_path / "kv")
+    exact = skim_stored(engine, wide, policy, kv, heads=heads, group_tokens=300, recompute=1.0)
+    assert exact.scores == pytest.approx(combined_scores(masses), rel=1e-4)
+
+    stored = SegmentKVStore(tmp_path / "stored")
+    first = skim_stored(engine, wide, policy, stored, heads=heads, group_tokens=300, cache_salt="tenant-a")
+    again = skim_stored(engine, wide, policy, stored, heads=heads, group_tokens=300, cache_salt="tenant-a")
+    other = skim_stored(engine, wide, policy, stored, heads=heads, group_tokens=300, cache_salt="tenant-b")
+    whole = skim_stored(engine, wide, policy, stored, heads=heads, group_tokens=300, cache_salt="tenant-a", early_exit=False)
+    assert first.stored_misses == other.stored_misses == len(wide.chunks) and again.stored_misses == whole.stored_misses == 0
+    assert again.reused_tokens == first.reused_tokens > 30 * len(wide.chunks)  # the chunks (about 48 tokens each) placed, not computed
+    assert again.scores == pytest.approx(first.scores, rel=1e-5) and whole.scores == pytest.approx(again.scores, rel=1e-5)
+    with pytest.raises(ValueError, match="without rolling"):
+        skim_stored(engine, wide, policy.with_rolling(256), stored, heads=heads)
+
+
+def test_document_qa_skims_from_stored_keys(tokenizer, store):
+    engine = tiny_engine("llama", tokenizer, context=4096)
+    policy = SnapKV(window_size="question", max_capacity_prompt=128)
+    qa = DocumentQA(engine, store, compression=None, context_tokens=200, skim_tokens=900, skim_compression=policy, skim_stored=True, kv_reuse="off")
+    context = qa.retrieve("What is the code of the museum record 3?")
+    skim = context.settings["skim"]
+    assert skim["from"] == "stored keys" and skim["reused_tokens"] > 0 and context.document_tokens <= 200
+    assert qa.retrieve("What is the code of the museum record 3?").settings["skim"]["chunks_computed"] == 0
+    with pytest.raises(ValueError, match="skim_stored"):
+        DocumentQA(engine, store, skim_tokens=900, skim_stored="yes")
+
+
 def test_bad_skim_settings_are_one_clear_error(tokenizer, store):
     engine = tiny_engine("llama", tokenizer, context=4096)
     for bad in (0, -5, True, "900"):

@@ -26,6 +26,8 @@ from .generation import DecodeRun
 from .info import ModelInfo, context_length, eos_token_ids, model_info, vocab_size
 from .invariant import DEFAULT_INVARIANT_CHUNK, checked_invariant_chunk, invariant_from_environment
 from .preparation import (
+    SALT_KEY,
+    SEGMENT_KEYS,
     Compression,
     check_continuation,
     checked_prefill_chunk_tokens,
@@ -529,31 +531,52 @@ class Engine:
         chat: bool | None = None,
         question: str | None = None,
         exit_after_layer: int | None = None,
+        **reuse: Any,
     ) -> PromptRead:
         """Prefill ``prompt`` under ``compression`` and stop: no token, nothing stored in the prefix cache.
 
         For reads that want what the prefill records, not an answer: the skim's votes
         (:func:`~snapkv_rag.compression.recording_window_votes` around this call) or what each layer
         kept. ``exit_after_layer``: the forward stops after that layer (an early exit: the layers past
-        the deepest one the caller reads never run). Chunked like any prefill, between other requests'
-        decode steps."""
+        the deepest one the caller reads never run). ``reuse``: ``reuse_segments``, ``segment_store``,
+        ``recompute`` and ``cache_salt`` as in :meth:`stream` (stored chunk K/V placed, not computed).
+        Chunked like any prefill, between other requests' decode steps."""
         layers = self.info().num_layers
         if exit_after_layer is not None and (isinstance(exit_after_layer, bool) or not isinstance(exit_after_layer, int) or not 0 <= exit_after_layer < layers):
             raise ValueError(f"exit_after_layer must be a layer from 0 to {layers - 1}, got {exit_after_layer!r}")
-        requested = as_policy(compression)
-        (row,), requested = render_within_context(self, [prompt], chat, 1, policy=requested)
-        policy = resolve_policy(self, requested, [prompt], chat, [question])
-        run = DecodeRun(self.model, [row], GenerationParams(max_new_tokens=1), policy, self._pad_id, invariant_chunk=self._invariant_chunk)
+        unknown = sorted(set(reuse) - {*SEGMENT_KEYS, SALT_KEY})
+        if unknown:
+            raise InvalidGenerationParameterError(f"read_prompt takes no {unknown[0]!r}; it reads the prompt and generates nothing", param=unknown[0])
+        request = prepare_request(self, [prompt], compression, chat, {"max_new_tokens": 1, **reuse}, [question], prefix_cache=False)
+        run = DecodeRun(
+            self.model,
+            request.rows,
+            request.params,
+            request.row_policies,
+            self._pad_id,
+            segments=request.segments,
+            eos_ids=self._eos_ids,
+            cache_namespace=request.cache_salt or "",
+            invariant_chunk=self._invariant_chunk,
+        )
 
         def prefill() -> Generator[None, None, None]:
-            yield from run.prefill_steps(self._prefill_chunk([row]))
+            yield from run.prefill_steps(self._prefill_chunk(request.rows))
 
         if self._scheduler.on_worker():
             raise RuntimeError("read_prompt cannot run inside run_on_model(): the model's worker would wait for itself")
         with exiting_after_layer(exit_after_layer, self.model):
             self._scheduler.call(prefill)
         last = exit_after_layer if run.exited_early and exit_after_layer is not None else layers - 1
-        return PromptRead(prompt_tokens=len(row), seconds=run.timings.prefill_seconds, layers_run=last + 1, rolling=run.rolling)
+        return PromptRead(
+            prompt_tokens=len(request.rows[0]),
+            seconds=run.timings.prefill_seconds,
+            layers_run=last + 1,
+            rolling=run.rolling,
+            reused_tokens=sum(run.reused_tokens),
+            segment_hits=run.segment_hits,
+            segment_misses=run.segment_misses,
+        )
 
     async def agenerate(self, prompt: PromptLike, **kwargs: Any) -> GenerationResult:
         """:meth:`generate` in a worker thread, so the event loop keeps running.

@@ -63,6 +63,8 @@ def plain_cache(model, cache):
         if is_ragged(source):
             plain.layers[i] = source
             continue
+        if getattr(source, "keys", None) is None:  # a layer past an early exit: never run, stays empty
+            continue
         layer.lazy_initialization(source.keys, source.values)
         layer.keys, layer.values = source.keys, source.values
     return plain

@@ -117,6 +117,9 @@ class PromptRead:
     seconds: float  # the prefill, wall clock on the model's worker
     layers_run: int  # every layer, or those up to the early exit
     rolling: Any = None  # the rolled read's RollingStats (None: read in one window)
+    reused_tokens: int = 0  # prompt tokens placed from stored chunk K/V instead of computed
+    segment_hits: int = 0  # chunks found in the segment store
+    segment_misses: int = 0  # chunks computed (and stored) by this read
 
 
 @dataclass(frozen=True)

@@ -70,6 +70,11 @@ def add_rag_parsers(sub, add_model_args, add_generation_args) -> None:
             "and answer from the documents the question's attention ranked best, stuffed into --context-tokens (default: off)"
         ),
     )
+    ask.add_argument(
+        "--skim-stored",
+        action="store_true",
+        help="skim from each chunk's stored K/V (--kv-dir; computed by ingest --precompute-kv or on first use): only the question is read",
+    )
     _add_kv_args(ask)
     add_model_args(ask, adapter_default=AUTO_DOCUMENTS)
     add_generation_args(ask)
@@ -168,10 +173,11 @@ def _describe(answer) -> list[str]:
     )
     skim = ctx.settings.get("skim")
     if skim:
-        lines.append(
-            f"Skimmed {skim['skimmed_documents']} chunks ({skim['skimmed_prompt_tokens']} prompt tokens, read compressed) "
-            f"in {skim['skim_seconds']:.1f} s to choose them"
-        )
+        how = "read compressed"
+        if skim.get("from") == "stored keys":
+            how = f"{skim['reused_tokens']} from stored keys, {skim['chunks_computed']} chunks computed now"
+        read = f"{skim['skimmed_prompt_tokens']} prompt tokens, {how}"
+        lines.append(f"Skimmed {skim['skimmed_documents']} chunks ({read}) in {skim['skim_seconds']:.1f} s to choose them")
     return lines
 
 
@@ -227,6 +233,7 @@ def cmd_ask(args) -> int:
         kv_cache_bytes=args.kv_cache_bytes,
         recompute=args.recompute,
         skim_tokens=args.skim_tokens,
+        skim_stored=args.skim_stored,
         **compression,
     )
     sampling.pop("max_new_tokens")

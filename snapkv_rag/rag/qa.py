@@ -21,7 +21,7 @@ from ..engine.results import GenerationResult
 from .attribution import EvidenceAttributor, SentenceSupport, answer_sentences
 from .citations import parse_citations
 from .kv_reuse import chunk_kv_store, precompute_chunk_kv, resolve_kv_reuse, reuse_kwargs
-from .skim import DEFAULT_LAYERS, FUSIONS, skim, skim_policy
+from .skim import DEFAULT_LAYERS, FUSIONS, skim, skim_policy, skim_stored
 from .skim_heads import resolve_skim_heads
 from .store import DocumentStore, StoredChunk
 from .stuffing import SYSTEM_PROMPT, ContextBudgetError, StuffedContext, StuffingRetriever, chunk_segment
@@ -223,7 +223,10 @@ class DocumentQA:
     ``"rrf"``, fused with the retrieval rank; ``skim_layers``: the band of layers, as fractions
     of the depth; ``skim_heads``: the (layer, head) pairs read instead, ``"auto"``: those shipped
     for the model, :mod:`.skim_heads`), and answer from the best of them stuffed into
-    ``context_tokens``. None: off.
+    ``context_tokens``. None: off. ``skim_stored``: skim from stored keys instead
+    (:func:`~.skim.skim_stored`): each chunk's K/V come from the chunk store (``kv_dir``; computed
+    at ingest with ``snapkv-rag ingest --precompute-kv``, or the first time a chunk is skimmed) and
+    only each group's prompt and question run, up to the heads' deepest layer.
     """
 
     def __init__(
@@ -253,6 +256,7 @@ class DocumentQA:
         skim_fusion: str = "attention",
         skim_layers: tuple[float, float] = DEFAULT_LAYERS,
         skim_heads: Any = "auto",
+        skim_stored: bool = False,
     ):
         unknown = set(routes) - set(ROUTES)
         if unknown:
@@ -278,6 +282,10 @@ class DocumentQA:
         self.attributor = attributor or EvidenceAttributor(store.embedder)
         self.kv_reuse = resolve_kv_reuse(kv_reuse, engine)
         self.kv_store = chunk_kv_store(store, kv_dir, kv_cache_bytes) if self.kv_reuse == "chunks" else None
+        if not isinstance(skim_stored, bool):
+            raise ValueError(f"skim_stored must be True or False, got {skim_stored!r}")
+        self.skim_stored = skim_stored
+        self._skim_kv_store = (self.kv_store or chunk_kv_store(store, kv_dir, kv_cache_bytes)) if skim_stored else None
         self.recompute = recompute
         self.keep_labels = keep_labels
         self.prompt_lookup_num_tokens = prompt_lookup_num_tokens
@@ -329,8 +337,13 @@ class DocumentQA:
         if self.skim_retriever is None:
             return self.retriever.retrieve(question)
         wide = self.skim_retriever.retrieve(question)
-        policy = skim_policy(self.policy(self.skim_compression), wide.prompt_tokens, self.engine.context_length)
-        skimmed = skim(self.engine, wide, policy, band=self.skim_layers, heads=self.skim_heads)
+        if self._skim_kv_store is not None:
+            unrolled = as_policy(self.policy(self.skim_compression))
+            unrolled = unrolled.with_rolling(None) if unrolled is not None else None
+            skimmed = skim_stored(self.engine, wide, unrolled, self._skim_kv_store, band=self.skim_layers, heads=self.skim_heads)
+        else:
+            policy = skim_policy(self.policy(self.skim_compression), wide.prompt_tokens, self.engine.context_length)
+            skimmed = skim(self.engine, wide, policy, band=self.skim_layers, heads=self.skim_heads)
         context = self.retriever.retrieve(question, ranked=skimmed.ranking(self.skim_fusion))
         summary = {
             "skimmed_prompt_tokens": skimmed.prompt_tokens,
@@ -338,7 +351,10 @@ class DocumentQA:
             "skim_seconds": round(skimmed.seconds, 3),
             "fusion": self.skim_fusion,
             "heads": "chosen" if self.skim_heads else "middle layers",
+            "from": "stored keys" if self._skim_kv_store is not None else "prefill",
         }
+        if self._skim_kv_store is not None:
+            summary |= {"reused_tokens": skimmed.reused_tokens, "chunks_computed": skimmed.stored_misses}
         return dataclasses.replace(context, settings={**context.settings, "skim": summary})
 
     def generation_kwargs(self, context: StuffedContext, *, compression: Any = _DEFAULT, **sampling: Any) -> dict[str, Any]:

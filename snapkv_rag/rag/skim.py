@@ -21,6 +21,7 @@ the deepest one its heads are in (an early exit: 18 of the embedded model's 30);
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -28,7 +29,7 @@ from dataclasses import dataclass
 from ..compression.runtime import WindowVotes, recording_window_votes
 from .kept import document_spans
 from .store import StoredChunk
-from .stuffing import StuffedContext
+from .stuffing import StuffedContext, build_messages, chunk_segment, format_document
 
 FUSIONS = ("attention", "rrf")
 # The skim reads in rolled chunks of this many tokens, each with the question right after it, even
@@ -46,6 +47,8 @@ class SkimResult:
     scores: list[float]  # per document of ``context``: the question's attention mass on it
     seconds: float  # the skim's prefill, wall clock
     prompt_tokens: int
+    reused_tokens: int = 0  # tokens whose K/V came from the chunk store (a skim from stored keys)
+    stored_misses: int = 0  # chunks whose K/V that skim computed and stored (first skim of them)
 
     def ranking(self, fusion: str = "attention") -> list[StoredChunk]:
         """The skimmed context's chunks, best first (``fusion``: see the module's docstring)."""
@@ -148,3 +151,85 @@ def skim(
     if not recorded:
         raise ValueError("the skim's prefill recorded no votes: give a sparse policy with an observation window, not the full cache")
     return SkimResult(context, document_scores(engine.tokenizer, context, recorded[-1], band, chosen), seconds, read.prompt_tokens)
+
+
+def skim_groups(engine, chunks: Sequence[StoredChunk], group_tokens: int = SKIM_ROLLING) -> list[list[int]]:
+    """Indices of ``chunks`` in consecutive groups of about ``group_tokens`` of the model's tokens
+    (a chunk longer than that is a group of its own): what one rolled chunk of the skim reads."""
+    groups: list[list[int]] = [[]]
+    used = 0
+    for i, chunk in enumerate(chunks):
+        cost = engine.count_tokens(format_document(len(groups[-1]) + 1, chunk)) + 2
+        if groups[-1] and used + cost > group_tokens:
+            groups.append([])
+            used = 0
+        groups[-1].append(i)
+        used += cost
+    return [g for g in groups if g]
+
+
+def skim_stored(
+    engine,
+    context: StuffedContext,
+    compression,
+    kv_store,
+    *,
+    band: tuple[float, float] = DEFAULT_LAYERS,
+    heads: Sequence[tuple[int, int]] | None = None,
+    group_tokens: int = SKIM_ROLLING,
+    early_exit: bool = True,
+    recompute: float = 0.0,
+    cache_salt: str | None = None,
+) -> SkimResult:
+    """:func:`skim` from stored keys: ``context``'s documents in groups of about ``group_tokens``
+    tokens (as the rolled skim groups them), each group read as a prompt of its own (the system
+    prompt, the group's documents, the question) whose documents' K/V are placed from ``kv_store``
+    at their positions (a :class:`~snapkv_rag.reuse.segment_store.SegmentKVStore`; computed and
+    stored the first time a chunk is seen), so only the prompt's own tokens and the question run
+    through the model, and only up to the deepest layer the heads are in. ``compression``: a
+    policy with an observation window that fits a group without rolling. Each head's attention
+    mass on each document is taken from the group that read it; the scores are those masses'
+    shares per head, averaged, as :func:`combined_scores` does for one read. ``recompute``: the share of
+    stored tokens computed again (1.0: every token, as a full prefill of each group); ``cache_salt``:
+    only K/V stored under the same salt are reused (a tenant's own)."""
+    from ..compression import as_policy
+
+    policy = as_policy(compression)
+    if policy is not None and policy.rolling is not None:
+        raise ValueError("a skim from stored keys reads each group in one window: give a policy without rolling=")
+    chosen = skim_heads_for(engine, band, heads)
+    deepest = max(layer for layer, _ in chosen) if early_exit and chosen else None
+    masses: list[list[float]] = [[0.0] * len(context.chunks) for _ in chosen]
+    prompt_tokens = reused = misses = 0
+    start = time.perf_counter()
+    for group in skim_groups(engine, context.chunks, group_tokens):
+        # untitled labels ("[n]"): a label is computed, not stored, and a skim ranks by the text
+        chunks = [dataclasses.replace(context.chunks[i], title="") for i in group]
+        messages, question_text = build_messages(context.question, chunks)
+        part = StuffedContext(context.question, question_text, chunks, messages, 0, 0, 0, len(chunks), 0, 0, "skim group")
+        with recording_window_votes() as recorded:
+            read = engine.read_prompt(
+                messages,
+                compression=policy,
+                question=question_text,
+                exit_after_layer=deepest,
+                reuse_segments=[chunk_segment(c) for c in chunks],
+                segment_store=kv_store,
+                recompute=recompute,
+                cache_salt=cache_salt,
+            )
+        if not recorded:
+            raise ValueError("the skim's read recorded no votes: give a sparse policy with an observation window, not the full cache")
+        votes = recorded[-1]
+        missing = sorted({layer for layer, _ in chosen} - set(votes.layers))
+        if missing:
+            raise ValueError(f"the skim's heads name layers the votes do not hold: {missing}")
+        spans = document_spans(engine.tokenizer, part)
+        for h, (layer, head) in enumerate(chosen):
+            for i, (a, b) in zip(group, spans, strict=True):
+                masses[h][i] = float(votes.layers[layer][head, a:b].sum())
+        prompt_tokens += read.prompt_tokens
+        reused += read.reused_tokens
+        misses += read.segment_misses
+    seconds = time.perf_counter() - start
+    return SkimResult(context, combined_scores(masses), seconds, prompt_tokens, reused_tokens=reused, stored_misses=misses)

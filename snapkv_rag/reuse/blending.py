@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..compression.runtime import exiting_after_layer
 from .segment_store import SegmentKV, SegmentKVStore
 
 #: Share of reused tokens recomputed by default (CacheBlend's 15%; see eval/reuse/RESULTS.md, "Chunk-level K/V reuse", for the curve).
@@ -202,7 +203,8 @@ def layer_kv(model, ids: torch.Tensor, positions: torch.Tensor, *, layers: int |
 
         hook = _decoder(model).layers[layers - 1].register_forward_hook(stop)
     try:
-        model(input_ids=ids, position_ids=positions, cache=cache, use_cache=True, logits_to_keep=1)
+        with exiting_after_layer(None):  # a segment stored for every later read is computed whole, even inside a read that exits early
+            model(input_ids=ids, position_ids=positions, cache=cache, use_cache=True, logits_to_keep=1)
     except _ProbeDone:
         pass
     finally:
