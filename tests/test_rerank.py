@@ -64,3 +64,13 @@ def test_blank_texts_rank_last_and_bad_input_is_one_clear_error(engine):
         attention_rerank(engine, QUESTION, ["a", 3])
     with pytest.raises(ValueError, match="observation window"):
         attention_rerank(engine, QUESTION, TEXTS, compression=None)
+
+
+def test_stored_keys_rank_from_the_store_and_read_a_text_once(engine):
+    from snapkv_rag.reuse.segment_store import SegmentKVStore
+
+    store = SegmentKVStore(max_bytes=1 << 26)
+    first = attention_rerank(engine, QUESTION, TEXTS, compression=POLICY, stored_keys=store)
+    again = attention_rerank(engine, "Which record names the tram?", TEXTS, compression=POLICY, stored_keys=store)
+    assert sorted(first.order) == list(range(len(TEXTS))) and sum(first.scores) == pytest.approx(1.0)
+    assert again.prompt_tokens > 0 and len(store) == len(TEXTS)  # each text computed and stored once, then placed

@@ -11,7 +11,9 @@ one of these ways, greedy, 32 new tokens:
 - ``skim:8K>1K``, ``skim:16K>1K``, ``skim:whole>1K`` (and ``skim-rrf:...``): skim, then read
   (:mod:`snapkv_rag.rag.skim`): the long context read once compressed, its documents ranked by
   the question's attention (``skim-rrf``: fused with the retrieval rank), the best re-stuffed
-  into 1K (``>0.5K``: 500 tokens, three or four documents) and answered with the full cache.
+  into 1K (``>0.5K``: 500 tokens, three or four documents) and answered with the full cache;
+  ``skim-stored:...`` skims from each chunk's stored K/V (computed the first time a chunk is skimmed,
+  beside the store) instead of a rolled prefill.
 
 Records are appended as they are made and a rerun skips what is there (resumable); ``--adapter``
 measures a tuned model (its records say which). The table gives answers right, the gold file
@@ -51,6 +53,8 @@ READINGS = (
     "skim-rrf:8K>1K",
     "skim-rrf:16K>1K",
     "skim-rrf:whole>1K",
+    "skim-stored:8K>1K",
+    "skim-stored:whole>1K",
 )
 MAX_NEW_TOKENS = 32
 
@@ -65,7 +69,15 @@ def reader(engine: Engine, store: DocumentStore, reading: str) -> DocumentQA:
     wide, read = size.split(">")
     fusion = "rrf" if kind == "skim-rrf" else "attention"
     return DocumentQA(
-        engine, store, compression=None, context_tokens=SIZES[read], max_new_tokens=MAX_NEW_TOKENS, kv_reuse="off", skim_tokens=SIZES[wide], skim_fusion=fusion
+        engine,
+        store,
+        compression=None,
+        context_tokens=SIZES[read],
+        max_new_tokens=MAX_NEW_TOKENS,
+        kv_reuse="off",
+        skim_tokens=SIZES[wide],
+        skim_fusion=fusion,
+        skim_stored=kind == "skim-stored",
     )
 
 

@@ -17,7 +17,7 @@ from typing import Any
 
 from ..compression import DEFAULT_COMPRESSION, as_policy
 from .packing import pack_greedy
-from .skim import DEFAULT_LAYERS, FUSIONS, skim, skim_policy
+from .skim import DEFAULT_LAYERS, FUSIONS, skim, skim_policy, skim_stored
 from .skim_heads import resolve_skim_heads
 from .store import StoredChunk
 from .stuffing import StuffedContext, build_messages, format_document
@@ -54,13 +54,20 @@ def attention_rerank(
     band: tuple[float, float] = DEFAULT_LAYERS,
     fusion: str = "attention",
     early_exit: bool = True,
+    stored_keys: Any = None,
+    cache_salt: str | None = None,
 ) -> Reranked:
     """Rank ``texts`` for ``question`` by ``engine``'s attention (see the module's doc).
 
     ``titles``: one per text, shown in its document label. ``fusion``: ``"attention"`` alone, or
     ``"rrf"`` fused with the input order (the retriever's rank). ``heads``: ``"auto"`` (those shipped
     for the model, else every head of ``band``'s layers), None (the band) or (layer, head) pairs.
-    ``budget_tokens``: keep the best texts whose stuffed form fits this many of the model's tokens."""
+    ``budget_tokens``: keep the best texts whose stuffed form fits this many of the model's tokens.
+    ``stored_keys``: skim from stored keys (:func:`~.skim.skim_stored`) in this
+    :class:`~snapkv_rag.reuse.segment_store.SegmentKVStore`, or ``True`` for the engine's own (in
+    memory, bounded): a text seen before is placed from its stored K/V instead of read again, which
+    pays when the same passages come back for other questions; ``cache_salt``: reuse only K/V
+    stored under the same salt."""
     if not isinstance(question, str) or not question.strip():
         raise ValueError("the reranker needs a non-empty question")
     if fusion not in FUSIONS:
@@ -81,8 +88,15 @@ def attention_rerank(
     messages, question_text = build_messages(question, readable)
     prompt_tokens = engine.count_tokens(messages)
     context = StuffedContext(question, question_text, readable, messages, 0, 0, prompt_tokens, len(readable), 0, 0, "rerank")
-    policy = skim_policy(as_policy(compression), prompt_tokens, engine.context_length)
-    skimmed = skim(engine, context, policy, band=band, heads=resolve_skim_heads(engine, heads), early_exit=early_exit)
+    chosen_heads = resolve_skim_heads(engine, heads)
+    if stored_keys is not None and stored_keys is not False:
+        store = engine.segment_store if stored_keys is True else stored_keys
+        policy = as_policy(compression)
+        unrolled = policy.with_rolling(None) if policy is not None else None
+        skimmed = skim_stored(engine, context, unrolled, store, band=band, heads=chosen_heads, early_exit=early_exit, cache_salt=cache_salt)
+    else:
+        policy = skim_policy(as_policy(compression), prompt_tokens, engine.context_length)
+        skimmed = skim(engine, context, policy, band=band, heads=chosen_heads, early_exit=early_exit)
     scores = [0.0] * len(texts)
     for chunk, score in zip(readable, skimmed.scores, strict=True):
         scores[int(chunk.id)] = score
