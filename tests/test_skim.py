@@ -221,6 +221,11 @@ def test_the_skim_from_stored_keys_scores_each_group_as_its_own_read(tokenizer, 
     with pytest.raises(ValueError, match="without rolling"):
         skim_stored(engine, wide, policy.with_rolling(256), stored, heads=heads)
 
+    calibrated = skim_stored(engine, wide, policy, stored, heads=heads, group_tokens=300, calibrate=True)
+    content_free = skim_stored(engine, dataclasses.replace(wide, question="N/A"), policy, stored, heads=heads, group_tokens=300)
+    plain = skim_stored(engine, wide, policy, stored, heads=heads, group_tokens=300)
+    assert calibrated.scores == pytest.approx([p - c for p, c in zip(plain.scores, content_free.scores, strict=True)], abs=1e-6)
+
 
 def test_document_qa_skims_from_stored_keys(tokenizer, store):
     engine = tiny_engine("llama", tokenizer, context=4096)

@@ -13,7 +13,8 @@ one of these ways, greedy, 32 new tokens:
   the question's attention (``skim-rrf``: fused with the retrieval rank), the best re-stuffed
   into 1K (``>0.5K``: 500 tokens, three or four documents) and answered with the full cache;
   ``skim-stored:...`` skims from each chunk's stored K/V (computed the first time a chunk is skimmed,
-  beside the store) instead of a rolled prefill.
+  beside the store) instead of a rolled prefill (``skim-stored-cal``: calibrated by a content-free
+  question, ICR's calibration).
 
 Records are appended as they are made and a rerun skips what is there (resumable); ``--adapter``
 measures a tuned model (its records say which). The table gives answers right, the gold file
@@ -55,6 +56,7 @@ READINGS = (
     "skim-rrf:whole>1K",
     "skim-stored:8K>1K",
     "skim-stored:whole>1K",
+    "skim-stored-cal:8K>1K",
 )
 MAX_NEW_TOKENS = 32
 
@@ -77,7 +79,8 @@ def reader(engine: Engine, store: DocumentStore, reading: str) -> DocumentQA:
         kv_reuse="off",
         skim_tokens=SIZES[wide],
         skim_fusion=fusion,
-        skim_stored=kind == "skim-stored",
+        skim_stored=kind.startswith("skim-stored"),
+        skim_calibrate=kind == "skim-stored-cal",
     )
 
 

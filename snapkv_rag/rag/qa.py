@@ -226,7 +226,8 @@ class DocumentQA:
     ``context_tokens``. None: off. ``skim_stored``: skim from stored keys instead
     (:func:`~.skim.skim_stored`): each chunk's K/V come from the chunk store (``kv_dir``; computed
     at ingest with ``snapkv-rag ingest --precompute-kv``, or the first time a chunk is skimmed) and
-    only each group's prompt and question run, up to the heads' deepest layer.
+    only each group's prompt and question run, up to the heads' deepest layer; ``skim_calibrate``
+    subtracts what a content-free question draws to each document (ICR's calibration, a second read).
     """
 
     def __init__(
@@ -257,6 +258,7 @@ class DocumentQA:
         skim_layers: tuple[float, float] = DEFAULT_LAYERS,
         skim_heads: Any = "auto",
         skim_stored: bool = False,
+        skim_calibrate: bool = False,
     ):
         unknown = set(routes) - set(ROUTES)
         if unknown:
@@ -285,6 +287,9 @@ class DocumentQA:
         if not isinstance(skim_stored, bool):
             raise ValueError(f"skim_stored must be True or False, got {skim_stored!r}")
         self.skim_stored = skim_stored
+        if skim_calibrate and not skim_stored:
+            raise ValueError("skim_calibrate reads every group twice; it is offered for the skim from stored keys (skim_stored=True)")
+        self.skim_calibrate = skim_calibrate
         self._skim_kv_store = (self.kv_store or chunk_kv_store(store, kv_dir, kv_cache_bytes)) if skim_stored else None
         self.recompute = recompute
         self.keep_labels = keep_labels
@@ -340,7 +345,7 @@ class DocumentQA:
         if self._skim_kv_store is not None:
             unrolled = as_policy(self.policy(self.skim_compression))
             unrolled = unrolled.with_rolling(None) if unrolled is not None else None
-            skimmed = skim_stored(self.engine, wide, unrolled, self._skim_kv_store, band=self.skim_layers, heads=self.skim_heads)
+            skimmed = skim_stored(self.engine, wide, unrolled, self._skim_kv_store, band=self.skim_layers, heads=self.skim_heads, calibrate=self.skim_calibrate)
         else:
             policy = skim_policy(self.policy(self.skim_compression), wide.prompt_tokens, self.engine.context_length)
             skimmed = skim(self.engine, wide, policy, band=self.skim_layers, heads=self.skim_heads)

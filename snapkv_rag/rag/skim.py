@@ -38,6 +38,7 @@ FUSIONS = ("attention", "rrf")
 # in 2,048-token chunks (3 questions, eval/rag/RESULTS.md "Long reads"), in a third of the time.
 SKIM_ROLLING = 2048
 RRF_K = 60
+CONTENT_FREE_QUESTION = "N/A"  # ICR's content-free query (Chen et al. 2024, arXiv:2410.02642)
 DEFAULT_LAYERS = (0.25, 0.75)  # the middle half of the compressed layers
 
 
@@ -180,6 +181,7 @@ def skim_stored(
     early_exit: bool = True,
     recompute: float = 0.0,
     cache_salt: str | None = None,
+    calibrate: bool = False,
 ) -> SkimResult:
     """:func:`skim` from stored keys: ``context``'s documents in groups of about ``group_tokens``
     tokens (as the rolled skim groups them), each group read as a prompt of its own (the system
@@ -191,7 +193,9 @@ def skim_stored(
     mass on each document is taken from the group that read it; the scores are those masses'
     shares per head, averaged, as :func:`combined_scores` does for one read. ``recompute``: the share of
     stored tokens computed again (1.0: every token, as a full prefill of each group); ``cache_salt``:
-    only K/V stored under the same salt are reused (a tenant's own)."""
+    only K/V stored under the same salt are reused (a tenant's own). ``calibrate``: subtract each
+    document's score under a content-free question (ICR's calibration; a second read of every group,
+    the documents' K/V already placed)."""
     from ..compression import as_policy
 
     policy = as_policy(compression)
@@ -199,37 +203,42 @@ def skim_stored(
         raise ValueError("a skim from stored keys reads each group in one window: give a policy without rolling=")
     chosen = skim_heads_for(engine, band, heads)
     deepest = max(layer for layer, _ in chosen) if early_exit and chosen else None
-    masses: list[list[float]] = [[0.0] * len(context.chunks) for _ in chosen]
-    prompt_tokens = reused = misses = 0
+    reads = dict(compression=policy, exit_after_layer=deepest, segment_store=kv_store, recompute=recompute, cache_salt=cache_salt)
     start = time.perf_counter()
-    for group in skim_groups(engine, context.chunks, group_tokens):
+    groups = skim_groups(engine, context.chunks, group_tokens)
+    masses, prompt_tokens, reused, misses = _group_masses(engine, context.question, context.chunks, groups, chosen, reads)
+    scores = combined_scores(masses)
+    if calibrate:  # ICR: what a content-free question draws to each document is position and form, not relevance
+        empty, *_ = _group_masses(engine, CONTENT_FREE_QUESTION, context.chunks, groups, chosen, reads)
+        scores = [s - c for s, c in zip(scores, combined_scores(empty), strict=True)]
+    seconds = time.perf_counter() - start
+    return SkimResult(context, scores, seconds, prompt_tokens, reused_tokens=reused, stored_misses=misses)
+
+
+def _group_masses(
+    engine, question: str, all_chunks: Sequence[StoredChunk], groups: list[list[int]], heads: list[tuple[int, int]], reads: dict
+) -> tuple[list[list[float]], int, int, int]:
+    """Per head, each document's attention mass from ``question`` in the group that read it; and the
+    tokens read, placed from the store, and the chunks computed."""
+    masses: list[list[float]] = [[0.0] * len(all_chunks) for _ in heads]
+    prompt_tokens = reused = misses = 0
+    for group in groups:
         # untitled labels ("[n]"): a label is computed, not stored, and a skim ranks by the text
-        chunks = [dataclasses.replace(context.chunks[i], title="") for i in group]
-        messages, question_text = build_messages(context.question, chunks)
-        part = StuffedContext(context.question, question_text, chunks, messages, 0, 0, 0, len(chunks), 0, 0, "skim group")
+        chunks = [dataclasses.replace(all_chunks[i], title="") for i in group]
+        messages, question_text = build_messages(question, chunks)
+        part = StuffedContext(question, question_text, chunks, messages, 0, 0, 0, len(chunks), 0, 0, "skim group")
         with recording_window_votes() as recorded:
-            read = engine.read_prompt(
-                messages,
-                compression=policy,
-                question=question_text,
-                exit_after_layer=deepest,
-                reuse_segments=[chunk_segment(c) for c in chunks],
-                segment_store=kv_store,
-                recompute=recompute,
-                cache_salt=cache_salt,
-            )
+            read = engine.read_prompt(messages, question=question_text, reuse_segments=[chunk_segment(c) for c in chunks], **reads)
         if not recorded:
             raise ValueError("the skim's read recorded no votes: give a sparse policy with an observation window, not the full cache")
         votes = recorded[-1]
-        missing = sorted({layer for layer, _ in chosen} - set(votes.layers))
+        missing = sorted({layer for layer, _ in heads} - set(votes.layers))
         if missing:
             raise ValueError(f"the skim's heads name layers the votes do not hold: {missing}")
-        spans = document_spans(engine.tokenizer, part)
-        for h, (layer, head) in enumerate(chosen):
-            for i, (a, b) in zip(group, spans, strict=True):
+        for h, (layer, head) in enumerate(heads):
+            for i, (a, b) in zip(group, document_spans(engine.tokenizer, part), strict=True):
                 masses[h][i] = float(votes.layers[layer][head, a:b].sum())
         prompt_tokens += read.prompt_tokens
         reused += read.reused_tokens
         misses += read.segment_misses
-    seconds = time.perf_counter() - start
-    return SkimResult(context, combined_scores(masses), seconds, prompt_tokens, reused_tokens=reused, stored_misses=misses)
+    return masses, prompt_tokens, reused, misses
