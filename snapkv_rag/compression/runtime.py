@@ -42,6 +42,9 @@ _PLAIN_CAUSAL: ContextVar[bool] = ContextVar("snapkv_rag_plain_causal", default=
 # An early exit: the forward stops when it reaches a layer past this one (a read that only needs
 # the votes of the layers up to here, e.g. the skim's heads).
 _EXIT_AFTER: ContextVar[int | None] = ContextVar("snapkv_rag_exit_after_layer", default=None)
+# A read that wants the window's votes and not the compressed cache (nothing decodes from it): the
+# selection is skipped (it changes no later layer of the same forward, so the votes are the same).
+_VOTES_ONLY: ContextVar[bool] = ContextVar("snapkv_rag_votes_only", default=False)
 
 
 class LayersDone(Exception):
@@ -294,6 +297,8 @@ class PrefillCompression:
         layer_policy = self.policy.for_layer(position, layers)
         if self.votes is not None:
             self.record_votes(layer_idx, layer_policy, query, key, scaling)
+            if _VOTES_ONLY.get() and _RECORDER.get() is None:
+                return
         if layer_policy.ragged_heads and n > layer_policy.max_capacity_prompt:
             self.keep_heads(layer_idx, layer_policy, query, key, scaling)
             return
@@ -481,6 +486,18 @@ def _exit_before(module, args) -> None:
     last = _EXIT_AFTER.get()  # this forward's exit (another read's hooks may be on the model too)
     if last is not None and module.self_attn.layer_idx > last:
         raise LayersDone(last)
+
+
+@contextmanager
+def votes_only(active: bool = True) -> Iterator[None]:
+    """Inside the block, a prefill that records window votes (and no kept indices) selects nothing:
+    for a read that is thrown away after its votes (:meth:`~snapkv_rag.engine.engine.Engine.read_prompt`
+    in one window; a rolled read needs each chunk's selection for the next)."""
+    token = _VOTES_ONLY.set(active)
+    try:
+        yield
+    finally:
+        _VOTES_ONLY.reset(token)
 
 
 @contextmanager

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from ..compression import CompressionPolicy, as_policy
-from ..compression.runtime import WRAPPED_IMPLEMENTATIONS, exiting_after_layer, register_attention_functions, wrapped_name
+from ..compression.runtime import WRAPPED_IMPLEMENTATIONS, exiting_after_layer, register_attention_functions, votes_only, wrapped_name
 from ..errors import InvalidGenerationParameterError
 from ..model.loading import DEFAULT_MODEL, RECOMMENDED_CONTEXT_TOKENS, RECOMMENDED_KV_REUSE, load_model_and_tokenizer
 from ..model.peak_memory import PeakMemory
@@ -565,7 +565,7 @@ class Engine:
 
         if self._scheduler.on_worker():
             raise RuntimeError("read_prompt cannot run inside run_on_model(): the model's worker would wait for itself")
-        with exiting_after_layer(exit_after_layer, self.model):
+        with exiting_after_layer(exit_after_layer, self.model), votes_only(run.rolling_plan is None):
             self._scheduler.call(prefill)
         last = exit_after_layer if run.exited_early and exit_after_layer is not None else layers - 1
         return PromptRead(

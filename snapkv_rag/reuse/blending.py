@@ -45,6 +45,7 @@ from .segment_store import SegmentKV, SegmentKVStore
 #: Share of reused tokens recomputed by default (CacheBlend's 15%; see eval/reuse/RESULTS.md, "Chunk-level K/V reuse", for the curve).
 DEFAULT_RECOMPUTE = 0.15
 _OFFSET_CHECK = 37
+_ANGLE_CACHE = 4096  # offsets whose rotary angles are kept (a few KB each)
 _REFUSED_ROPE_TYPES = ("dynamic", "longrope")
 
 
@@ -106,6 +107,7 @@ class RopeShift:
         self.scaling = {kind: float(getattr(rotary, f"{kind}_attention_scaling" if kind else "attention_scaling", 1.0) or 1.0) for kind in kinds}
         self.dtype = model.dtype
         self.device = next(model.parameters()).device
+        self._offset_angles: dict[tuple[int, str | None, torch.device], tuple[torch.Tensor, torch.Tensor]] = {}
         self._check(model)
 
     def kind(self, layer_idx: int) -> str | None:
@@ -116,8 +118,15 @@ class RopeShift:
         """Layer ``layer_idx``'s ``keys [..., m, head_dim]`` moved ``offset`` positions later (earlier when negative)."""
         if offset == 0:
             return keys
-        cos, sin = self._angles(torch.tensor([offset], device=keys.device), self.kind(layer_idx))
-        return self._rotate(keys, cos[0], sin[0])
+        kind = self.kind(layer_idx)
+        cached = self._offset_angles.get((offset, kind, keys.device))
+        if cached is None:  # one rotary call per offset, not per layer and segment (every layer of a kind shares it)
+            cos, sin = self._angles(torch.tensor([offset], device=keys.device), kind)
+            cached = cos[0], sin[0]
+            if len(self._offset_angles) >= _ANGLE_CACHE:
+                self._offset_angles.clear()
+            self._offset_angles[(offset, kind, keys.device)] = cached
+        return self._rotate(keys, *cached)
 
     def each(self, keys: torch.Tensor, offsets: torch.Tensor, layer_idx: int = 0) -> torch.Tensor:
         """Layer ``layer_idx``'s ``keys [..., m, head_dim]``, each entry moved by its own offset (``offsets``: ``keys.shape[:-1]``)."""
