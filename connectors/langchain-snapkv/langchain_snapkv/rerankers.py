@@ -32,7 +32,9 @@ class SnapKVAttentionReranker(BaseDocumentCompressor):
     fusion with the input order). ``heads``: ``"auto"`` (the heads shipped for the model, else every
     head of the middle layers), None (every head of the middle layers) or (layer, head) pairs.
     ``compression``: the policy of the read (default: the toolkit's default); it needs an
-    observation window, so ``None``/``"full"`` is an error.
+    observation window, so ``None``/``"full"`` is an error. ``stored_keys``: skim from the engine's
+    stored keys (its ``segment_store``): a text seen for an earlier query is placed from its stored
+    K/V instead of read again (the first time it is computed and stored).
 
     Returns copies of the Documents (ids kept) whose metadata gains ``attention_score`` (its share;
     the shares of all input documents sum to 1) and ``attention_rank`` (1-based among all of them).
@@ -55,6 +57,8 @@ class SnapKVAttentionReranker(BaseDocumentCompressor):
     """``"auto"``, None (the middle layers' heads) or (layer, head) pairs."""
     compression: Any = "default"
     """Policy or spec string of the read (default: the toolkit's default); needs an observation window."""
+    stored_keys: bool = False
+    """Skim from the engine's stored K/V: a text seen for an earlier query is not read again."""
 
     _last: Reranked | None = PrivateAttr(default=None)
 
@@ -89,6 +93,7 @@ class SnapKVAttentionReranker(BaseDocumentCompressor):
             compression=self.compression,
             heads=self.heads,
             fusion=self.fusion,
+            stored_keys=True if self.stored_keys else None,
         )
 
     def compress_documents(self, documents: Sequence[Document], query: str, callbacks: Callbacks | None = None) -> Sequence[Document]:

@@ -113,3 +113,9 @@ def test_in_a_vector_store_index_query_engine(llm):
     assert [n.node.node_id for n in response.source_nodes] == [retrieved[i].node.node_id for i in expected.order[:3]]
     aresponse = asyncio.run(query_engine.aquery(QUESTION))
     assert [n.node.node_id for n in aresponse.source_nodes] == [n.node.node_id for n in response.source_nodes]
+
+
+def test_stored_keys_skims_from_the_engines_segment_store(llm):
+    llm.engine.segment_store.clear()
+    out = SnapKVAttentionReranker(llm=llm, stored_keys=True).postprocess_nodes(nodes(), query_str=QUESTION)
+    assert len(out) == len(TEXTS) and len(llm.engine.segment_store) == len(TEXTS)  # each node's K/V computed once and stored

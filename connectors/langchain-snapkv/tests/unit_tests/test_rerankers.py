@@ -113,3 +113,9 @@ async def test_in_a_retrieval_chain(llm, engine, embedder):
 
 async def _arerank(reranker, retriever, query):
     return await reranker.acompress_documents(await retriever.ainvoke(query), query)
+
+
+def test_stored_keys_skims_from_the_engines_segment_store(llm, engine):
+    engine.segment_store.clear()
+    out = SnapKVAttentionReranker(llm=llm, stored_keys=True).compress_documents(documents(), QUESTION)
+    assert len(out) == len(TEXTS) and len(engine.segment_store) == len(TEXTS)  # each document's K/V computed once and stored

@@ -38,7 +38,9 @@ class SnapKVAttentionReranker(BaseNodePostprocessor):
     the middle layers), None (every head of the middle layers) or (layer, head) pairs.
     ``compression``: the policy of the read (default: the toolkit's default); it needs an
     observation window, so ``None``/``"full"`` is an error. ``metadata_mode``: how a node's text is
-    rendered for the read (its ``excluded_llm_metadata_keys`` apply).
+    rendered for the read (its ``excluded_llm_metadata_keys`` apply). ``stored_keys``: skim from
+    the engine's stored keys (its ``segment_store``): a node's text seen for an earlier query is
+    placed from its stored K/V instead of read again (the first time it is computed and stored).
 
     Each returned node's ``score`` is its attention share (the shares of all input nodes sum to 1);
     its metadata gains ``attention_score``, ``attention_rank`` (1-based among all input nodes) and
@@ -56,6 +58,7 @@ class SnapKVAttentionReranker(BaseNodePostprocessor):
     heads: Any = Field(default="auto", description="'auto', None (the middle layers' heads) or (layer, head) pairs.")
     compression: Any = Field(default="default", description="Policy or spec string of the read; needs an observation window.")
     metadata_mode: MetadataMode = Field(default=MetadataMode.LLM, description="How a node's text is rendered for the read.")
+    stored_keys: bool = Field(default=False, description="Skim from the engine's stored K/V: a text seen before is not read again.")
 
     _last: Reranked | None = PrivateAttr(default=None)
 
@@ -107,6 +110,7 @@ class SnapKVAttentionReranker(BaseNodePostprocessor):
                 compression=self.compression,
                 heads=self.heads,
                 fusion=self.fusion,
+                stored_keys=True if self.stored_keys else None,
             )
             self._last = reranked
             best = set(reranked.order[: self.top_n]) if self.top_n is not None else set(reranked.order)
