@@ -156,6 +156,7 @@ def test_document_qa_answers_from_the_skims_best_documents(tokenizer, store):
 
 
 def test_the_early_exit_scores_as_the_whole_forward_does_and_runs_fewer_layers(tokenizer, store, monkeypatch):
+    from snapkv_rag.compression import recording_window_votes
     from snapkv_rag.compression.runtime import exiting_after_layer
 
     engine = tiny_engine("llama", tokenizer, context=4096)
@@ -172,6 +173,14 @@ def test_the_early_exit_scores_as_the_whole_forward_does_and_runs_fewer_layers(t
     assert [r.layers_run for r in reads] == [2, 1]
     with pytest.raises(ValueError, match="exit_after_layer"):
         engine.read_prompt("hello", exit_after_layer=2)
+    chunked = tiny_engine("llama", tokenizer, context=4096)
+    chunked.invariant, chunked.invariant_chunk_tokens = True, 64  # a prefill in several forwards
+    policy_whole = SnapKV(window_size="question", max_capacity_prompt=128)
+    with recording_window_votes() as exact:
+        chunked.read_prompt(wide.messages, compression=policy_whole, question=wide.question_text)
+    with recording_window_votes() as exited:
+        read = chunked.read_prompt(wide.messages, compression=policy_whole, question=wide.question_text, exit_after_layer=0)
+    assert read.layers_run == 1 and torch.equal(exited[-1].layers[0], exact[-1].layers[0])
     with exiting_after_layer(0), pytest.raises(RuntimeError, match="read_prompt"):
         engine.generate("hello", max_new_tokens=2)
     assert engine.generate("hello", max_new_tokens=2).usage.completion_tokens >= 1  # the engine is fine afterwards

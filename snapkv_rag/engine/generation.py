@@ -390,7 +390,10 @@ class DecodeRun:
         starts = self._aligned_starts(aligned) if self.invariant else self._chunk_starts(chunk_tokens)
         for a, b in zip(starts, starts[1:]):
             # the policy's decode-time state must not hear the prompt's chunks (it would record their queries)
-            model_forward(self.model, self.cache, self.input_ids[:, a:b], None, positions[:, a:b])
+            try:
+                model_forward(self.model, self.cache, self.input_ids[:, a:b], None, positions[:, a:b])
+            except LayersDone:  # an early exit: the layers later chunks read have this chunk's K/V
+                self.exited_early = True
             seconds += device_clock(self.device) - start
             yield
             start = device_clock(self.device)
