@@ -169,8 +169,8 @@ def run(args: argparse.Namespace, out: Path, records: list[dict]) -> None:
         folder, questions = load_corpus("sample", Path(tmp), args.questions)
         if all((name, q.question) in done for q in questions for name in args.pipelines):
             return
-        # not the invariant mode (long_reads' choice): there a skim from stored keys whose prompt is cut into
-        # aligned chunks lets the early exit's LayersDone escape from a chunk before the last
+        # not the invariant mode (long_reads' choice): it refuses blended chunk reuse (an approximation by
+        # design), so a skim from stored keys would read every passage again
         engine = Engine.default(invariant=False)
         pipelines: dict[str, Pipeline] = {}
         if any(p.startswith("llamaindex") for p in args.pipelines):
