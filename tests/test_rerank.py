@@ -44,6 +44,7 @@ def test_a_budget_keeps_the_best_that_fit_and_rrf_leans_on_the_input_order(engin
     one_text = engine.count_tokens(f"[1]\n{TEXTS[full.order[0]]}") + 2
     cut = attention_rerank(engine, QUESTION, TEXTS, compression=POLICY, budget_tokens=one_text + 10)
     assert cut.kept == [full.order[0]] and cut.order == full.order
+    assert full.chosen(2) == full.order[:2] and cut.chosen(3) == cut.chosen() == [full.order[0]]
     fused = attention_rerank(engine, QUESTION, TEXTS, compression=POLICY, fusion="rrf")
     assert sorted(fused.order) == list(range(len(TEXTS))) and fused.scores == full.scores
 

@@ -22,6 +22,16 @@ def read_records(out: Path, *, missing_ok: bool = False) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+def append_record(sink, records: list[dict], record: dict) -> None:
+    """Keep one new record of a resumable run: a line of ``sink`` (its records.jsonl, opened to
+    append; flushed, so a stopped run keeps it), ``records`` and the console."""
+    line = json.dumps(record)
+    sink.write(line + "\n")
+    sink.flush()
+    records.append(record)
+    print(line, flush=True)
+
+
 def write_table(out: Path, lines: list[str]) -> str:
     """``lines`` as ``out/table.md``, printed; returns the table."""
     table = "\n".join(lines)

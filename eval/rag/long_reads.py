@@ -27,13 +27,12 @@ stuffed (for skims: in the re-read), the median prompt tokens and the seconds sp
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import tempfile
 from pathlib import Path
 
 from eval.common.corpora import load_corpus
-from eval.common.results_io import read_records, write_table
+from eval.common.results_io import append_record, read_records, write_table
 from snapkv_rag import Engine
 from snapkv_rag.harness.rag_citation import answer_correct, is_gold_file
 from snapkv_rag.rag import DocumentQA, DocumentStore
@@ -137,10 +136,7 @@ def main(argv: list[str] | None = None) -> int:
                             "seconds": round(stats.prefill_seconds + skim.get("skim_seconds", 0.0), 3),
                             "invariant": engine.invariant,
                         }
-                        sink.write(json.dumps(record) + "\n")
-                        sink.flush()
-                        records.append(record)
-                        print(json.dumps(record), flush=True)
+                        append_record(sink, records, record)
     lines = [
         "| model | reading | questions | right | gold document in the read | gold read first | median prompt tokens | median tokens skimmed | median s per question |",
         "|---|---|---|---|---|---|---|---|---|",

@@ -21,12 +21,11 @@ Records are appended as they are made and a rerun skips what is there (resumable
 from __future__ import annotations
 
 import argparse
-import json
 import tempfile
 import time
 from pathlib import Path
 
-from eval.common.results_io import read_records, write_table
+from eval.common.results_io import append_record, read_records, write_table
 from eval.rag.long_reads import reader
 from snapkv_rag import Engine
 from snapkv_rag.harness.metrics import needle_exact_match
@@ -128,10 +127,7 @@ def main(argv: list[str] | None = None) -> int:
                             index += 1
                             record = {"model": model, "wording": wording, "length": length, "depth": depth, "reading": reading}
                             record |= read_case(engine, case, reading, Path(tmp), index)
-                            sink.write(json.dumps(record) + "\n")
-                            sink.flush()
-                            records.append(record)
-                            print(json.dumps(record), flush=True)
+                            append_record(sink, records, record)
     write_table(args.out, table(records))
     return 0
 

@@ -31,7 +31,6 @@ right of N, the gold document stuffed of N and the median seconds.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import tempfile
 import time
@@ -41,7 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from eval.common.corpora import load_corpus
-from eval.common.results_io import read_records, write_table
+from eval.common.results_io import append_record, read_records, write_table
 from snapkv_rag import Engine
 from snapkv_rag.harness.rag_citation import answer_correct, is_gold_file
 from snapkv_rag.rag import DocumentStore
@@ -204,10 +203,7 @@ def run(args: argparse.Namespace, out: Path, records: list[dict]) -> None:
                         "rerank_seconds": answered.rerank_seconds,
                         "rerank_prompt_tokens": answered.rerank_prompt_tokens,
                     }
-                    sink.write(json.dumps(record) + "\n")
-                    sink.flush()
-                    records.append(record)
-                    print(json.dumps(record), flush=True)
+                    append_record(sink, records, record)
 
 
 def main(argv: list[str] | None = None) -> int:

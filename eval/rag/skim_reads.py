@@ -17,12 +17,11 @@ both answers with their hits.
 from __future__ import annotations
 
 import argparse
-import json
 import tempfile
 import time
 from pathlib import Path
 
-from eval.common.results_io import read_records, write_table
+from eval.common.results_io import append_record, read_records, write_table
 from snapkv_rag import Engine
 from snapkv_rag.harness.metrics import needle_exact_match
 from snapkv_rag.harness.needle import build_needle_case
@@ -143,10 +142,7 @@ def main(argv: list[str] | None = None) -> int:
                     continue
                 case = build_needle_case(engine.tokenizer, length, depth, seed=int(depth * 100) + length, wording="passkey", varied=True)
                 record = {"length": length, "depth": depth} | read_case(engine, case, Path(tmp), index)
-                sink.write(json.dumps(record) + "\n")
-                sink.flush()
-                records.append(record)
-                print(json.dumps(record), flush=True)
+                append_record(sink, records, record)
     write_table(args.out, table(records))
     return 0
 

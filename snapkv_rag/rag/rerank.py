@@ -33,6 +33,14 @@ class Reranked:
     seconds: float  # the skim's read, wall clock
     prompt_tokens: int  # tokens read
 
+    def chosen(self, top_n: int | None = None) -> list[int]:
+        """What to keep, best first: ``kept`` (the budget's picks) among the ``top_n`` best (None: all).
+        The budget packs in rank order, so its picks among the top n are what packing the top n keeps."""
+        if top_n is None:
+            return list(self.kept)
+        best = set(self.order[:top_n])
+        return [i for i in self.kept if i in best]
+
     @property
     def ranks(self) -> list[int]:
         """Per input text: its 1-based rank."""

@@ -104,9 +104,7 @@ class SnapKVAttentionReranker(BaseDocumentCompressor):
             return []
         reranked = self.rerank(documents, query)
         self._last = reranked
-        best = set(reranked.order[: self.top_n]) if self.top_n is not None else set(reranked.order)
-        # the packer takes candidates in rank order, so cutting its picks to the top n is packing the top n
-        chosen = [i for i in reranked.kept if i in best]
+        chosen = reranked.chosen(self.top_n)
         ranks = reranked.ranks
         return [
             documents[i].model_copy(update={"metadata": {**documents[i].metadata, "attention_score": reranked.scores[i], "attention_rank": ranks[i]}})

@@ -113,9 +113,7 @@ class SnapKVAttentionReranker(BaseNodePostprocessor):
                 stored_keys=True if self.stored_keys else None,
             )
             self._last = reranked
-            best = set(reranked.order[: self.top_n]) if self.top_n is not None else set(reranked.order)
-            # the packer takes candidates in rank order, so cutting its picks to the top n is packing the top n
-            chosen = [i for i in reranked.kept if i in best]
+            chosen = reranked.chosen(self.top_n)
             ranks = reranked.ranks
             out = [self._scored(nodes[i], reranked.scores[i], ranks[i]) for i in chosen]
             event.on_end(payload={EventPayload.NODES: out})
