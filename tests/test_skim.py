@@ -207,7 +207,7 @@ def test_the_skim_from_stored_keys_scores_each_group_as_its_own_read(tokenizer, 
     assert len(groups) > 1 and sorted(i for g in groups for i in g) == list(range(len(wide.chunks)))
     masses = [[0.0] * len(wide.chunks) for _ in heads]
     for group in groups:
-        chunks = [dataclasses.replace(wide.chunks[i], title="") for i in group]
+        chunks = [wide.chunks[i] for i in group]
         messages, question_text = build_messages(wide.question, chunks)
         part = StuffedContext(wide.question, question_text, chunks, messages, 0, 0, 0, len(chunks), 0, 0, "group")
         with recording_window_votes() as recorded:

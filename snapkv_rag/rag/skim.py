@@ -182,6 +182,7 @@ def skim_stored(
     recompute: float = 0.0,
     cache_salt: str | None = None,
     calibrate: bool = False,
+    titles: bool = True,
 ) -> SkimResult:
     """:func:`skim` from stored keys: ``context``'s documents in groups of about ``group_tokens``
     tokens (as the rolled skim groups them), each group read as a prompt of its own (the system
@@ -195,7 +196,9 @@ def skim_stored(
     stored tokens computed again (1.0: every token, as a full prefill of each group); ``cache_salt``:
     only K/V stored under the same salt are reused (a tenant's own). ``calibrate``: subtract each
     document's score under a content-free question (ICR's calibration; a second read of every group,
-    the documents' K/V already placed)."""
+    the documents' K/V already placed). ``titles``: each document's label carries its title, as in the
+    rolled skim (False: ``[n]`` alone, fewer tokens to compute a group, but a chunk encoded apart
+    then has no name for what it is about)."""
     from ..compression import as_policy
 
     policy = as_policy(compression)
@@ -206,25 +209,24 @@ def skim_stored(
     reads = dict(compression=policy, exit_after_layer=deepest, segment_store=kv_store, recompute=recompute, cache_salt=cache_salt)
     start = time.perf_counter()
     groups = skim_groups(engine, context.chunks, group_tokens)
-    masses, prompt_tokens, reused, misses = _group_masses(engine, context.question, context.chunks, groups, chosen, reads)
+    masses, prompt_tokens, reused, misses = _group_masses(engine, context.question, context.chunks, groups, chosen, reads, titles)
     scores = combined_scores(masses)
     if calibrate:  # ICR: what a content-free question draws to each document is position and form, not relevance
-        empty, *_ = _group_masses(engine, CONTENT_FREE_QUESTION, context.chunks, groups, chosen, reads)
+        empty, *_ = _group_masses(engine, CONTENT_FREE_QUESTION, context.chunks, groups, chosen, reads, titles)
         scores = [s - c for s, c in zip(scores, combined_scores(empty), strict=True)]
     seconds = time.perf_counter() - start
     return SkimResult(context, scores, seconds, prompt_tokens, reused_tokens=reused, stored_misses=misses)
 
 
 def _group_masses(
-    engine, question: str, all_chunks: Sequence[StoredChunk], groups: list[list[int]], heads: list[tuple[int, int]], reads: dict
+    engine, question: str, all_chunks: Sequence[StoredChunk], groups: list[list[int]], heads: list[tuple[int, int]], reads: dict, titles: bool
 ) -> tuple[list[list[float]], int, int, int]:
     """Per head, each document's attention mass from ``question`` in the group that read it; and the
     tokens read, placed from the store, and the chunks computed."""
     masses: list[list[float]] = [[0.0] * len(all_chunks) for _ in heads]
     prompt_tokens = reused = misses = 0
     for group in groups:
-        # untitled labels ("[n]"): a label is computed, not stored, and a skim ranks by the text
-        chunks = [dataclasses.replace(all_chunks[i], title="") for i in group]
+        chunks = [all_chunks[i] if titles else dataclasses.replace(all_chunks[i], title="") for i in group]
         messages, question_text = build_messages(question, chunks)
         part = StuffedContext(question, question_text, chunks, messages, 0, 0, 0, len(chunks), 0, 0, "skim group")
         with recording_window_votes() as recorded:
