@@ -10,7 +10,8 @@ answer on the embedded model (one ``Engine.default()`` under both frameworks' wr
   ``similarity_top_k=40`` and a ``TokenBudgetPostprocessor(context_tokens=1000)``, answered by
   ``SnapKVLLM(compression=None)`` through LlamaIndex's default prompt;
 - ``llamaindex+rerank``: the same query engine, its nodes packed to 4,000 tokens of candidates
-  instead, then ``SnapKVAttentionReranker(budget_tokens=1000, stored_keys=True)``;
+  instead, then ``SnapKVAttentionReranker(budget_tokens=1000, stored_keys=True)`` (``--skim prefill``:
+  the candidates read, rolled; ``--fusion rrf``: fused with the retriever's order);
 - ``langchain``: an LCEL chain ``SnapKVStuffingRetriever(context_tokens=1000)`` (the connector's
   retriever over the core's DocumentStore) -> ``cited_prompt`` (the core's numbered-documents
   prompt) -> ``ChatSnapKV(compression=None)`` -> ``StrOutputParser``;
@@ -73,7 +74,7 @@ class Pipeline:
     candidates: Callable[[str], list[str]] | None = None
 
 
-def llamaindex_pipelines(engine: Engine, folder: Path) -> dict[str, Pipeline]:
+def llamaindex_pipelines(engine: Engine, folder: Path, rerank: dict) -> dict[str, Pipeline]:
     """``llamaindex`` and ``llamaindex+rerank``: a VectorStoreIndex query engine, as the connector's README builds one."""
     from llama_index.core import Settings, SimpleDirectoryReader, VectorStoreIndex
     from llama_index.core.node_parser import SentenceSplitter
@@ -90,7 +91,7 @@ def llamaindex_pipelines(engine: Engine, folder: Path) -> dict[str, Pipeline]:
     plain = index.as_query_engine(
         llm=llm, similarity_top_k=SIMILARITY_TOP_K, node_postprocessors=[TokenBudgetPostprocessor(llm=llm, context_tokens=CONTEXT_TOKENS)]
     )
-    reranker = SnapKVAttentionReranker(llm=llm, budget_tokens=CONTEXT_TOKENS, stored_keys=True)
+    reranker = SnapKVAttentionReranker(llm=llm, budget_tokens=CONTEXT_TOKENS, **rerank)
     candidates = TokenBudgetPostprocessor(llm=llm, context_tokens=CANDIDATE_TOKENS)
     reranked = index.as_query_engine(llm=llm, similarity_top_k=SIMILARITY_TOP_K, node_postprocessors=[candidates, reranker])
     retriever = index.as_retriever(similarity_top_k=SIMILARITY_TOP_K)
@@ -115,7 +116,7 @@ def llamaindex_pipelines(engine: Engine, folder: Path) -> dict[str, Pipeline]:
     }
 
 
-def langchain_pipelines(engine: Engine, store: DocumentStore) -> dict[str, Pipeline]:
+def langchain_pipelines(engine: Engine, store: DocumentStore, rerank: dict) -> dict[str, Pipeline]:
     """``langchain`` and ``langchain+rerank``: LCEL chains retriever -> (reranker) -> prompt -> ChatSnapKV -> StrOutputParser."""
     from langchain_core.output_parsers import StrOutputParser
     from langchain_core.runnables import Runnable, RunnableLambda, RunnableParallel, RunnablePassthrough
@@ -125,7 +126,7 @@ def langchain_pipelines(engine: Engine, store: DocumentStore) -> dict[str, Pipel
     llm = ChatSnapKV(engine=engine, compression=None, max_tokens=MAX_NEW_TOKENS, kv_reuse="off")
     stuffed = SnapKVStuffingRetriever(store=store, llm=llm, context_tokens=CONTEXT_TOKENS, max_new_tokens=MAX_NEW_TOKENS)
     candidates = SnapKVStuffingRetriever(store=store, llm=llm, context_tokens=CANDIDATE_TOKENS, max_new_tokens=MAX_NEW_TOKENS)
-    reranker = SnapKVAttentionReranker(llm=llm, budget_tokens=CONTEXT_TOKENS, stored_keys=True)
+    reranker = SnapKVAttentionReranker(llm=llm, budget_tokens=CONTEXT_TOKENS, **rerank)
     rerank = RunnableLambda(lambda q: reranker.compress_documents(candidates.invoke(q), q)).with_config(run_name="rerank")
 
     def chain(documents: Runnable) -> Runnable:
@@ -158,6 +159,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--pipelines", nargs="*", choices=PIPELINES, default=list(PIPELINES))
     ap.add_argument("--questions", type=int, default=None, help="the first N sample questions (default: all 40)")
     ap.add_argument("--out", type=Path, default=RESULTS / "rerank_pipelines")
+    ap.add_argument("--fusion", choices=("attention", "rrf"), default="attention", help="the reranker's fusion (rrf: with the retriever's order)")
+    ap.add_argument("--skim", choices=("stored", "prefill"), default="stored", help="the reranker reads stored keys or prefills the candidates (rolled)")
     ap.add_argument("--table-only", action="store_true")
     return ap
 
@@ -171,13 +174,14 @@ def run(args: argparse.Namespace, out: Path, records: list[dict]) -> None:
         # not the invariant mode (long_reads' choice): it refuses blended chunk reuse (an approximation by
         # design), so a skim from stored keys would read every passage again
         engine = Engine.default(invariant=False)
+        rerank = {"fusion": args.fusion, "stored_keys": args.skim == "stored"}
         pipelines: dict[str, Pipeline] = {}
         if any(p.startswith("llamaindex") for p in args.pipelines):
-            pipelines.update(llamaindex_pipelines(engine, folder))
+            pipelines.update(llamaindex_pipelines(engine, folder, rerank))
         if any(p.startswith("langchain") for p in args.pipelines):
             store = DocumentStore("rerank-pipelines", path=tmp)
             store.ingest([folder])
-            pipelines.update(langchain_pipelines(engine, store))
+            pipelines.update(langchain_pipelines(engine, store, rerank))
         with (out / "records.jsonl").open("a") as sink:
             for number, q in enumerate(questions, start=1):
                 for name in args.pipelines:
