@@ -10,23 +10,23 @@ answer on the embedded model (one ``Engine.default()`` under both frameworks' wr
   ``similarity_top_k=40`` and a ``TokenBudgetPostprocessor(context_tokens=1000)``, answered by
   ``SnapKVLLM(compression=None)`` through LlamaIndex's default prompt;
 - ``llamaindex+rerank``: the same query engine, its nodes packed to 4,000 tokens of candidates
-  instead, then ``SnapKVAttentionReranker(budget_tokens=1000, stored_keys=True)`` (``--skim prefill``:
-  the candidates read, rolled; ``--fusion rrf``: fused with the retriever's order);
+  instead, then ``SnapKVAttentionReranker(budget_tokens=1000)`` (the candidates read, rolled; ``--skim
+  stored``: from stored keys; ``--fusion rrf``: fused with the retriever's order);
 - ``langchain``: an LCEL chain ``SnapKVStuffingRetriever(context_tokens=1000)`` (the connector's
   retriever over the core's DocumentStore) -> ``cited_prompt`` (the core's numbered-documents
   prompt) -> ``ChatSnapKV(compression=None)`` -> ``StrOutputParser``;
 - ``langchain+rerank``: the retriever packs 4,000 tokens of candidates, then
-  ``SnapKVAttentionReranker(budget_tokens=1000, stored_keys=True)``, then the same prompt and model.
+  ``SnapKVAttentionReranker(budget_tokens=1000)``, then the same prompt and model.
 
-Both rerankers skim from the engine's stored keys (its segment store): a passage seen for an
-earlier question is placed from its K/V instead of read again. Records (appended as they are
+With ``--skim stored`` both rerankers skim from the engine's stored keys (its segment store): a
+passage seen for an earlier question is placed from its K/V instead of read again. Records (appended as they are
 made; a rerun skips what is there) hold the answer, whether it is right (``answer_correct``),
 whether the gold document is among the stuffed ones (and, with the reranker, among its
 candidates), the stuffed documents' tokens, the wall-clock seconds of the whole question
 (retrieval, rerank, answer) and the reranker's read. The table gives per pipeline the answers
 right of N, the gold document stuffed of N and the median seconds.
 
-    OMP_NUM_THREADS=1 .venv/bin/python -m eval rerank_pipelines --questions 2 --out /tmp/rerank_try
+    .venv/bin/python -m eval rerank_pipelines --questions 2 --out /tmp/rerank_try
 """
 
 from __future__ import annotations
@@ -160,7 +160,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--questions", type=int, default=None, help="the first N sample questions (default: all 40)")
     ap.add_argument("--out", type=Path, default=RESULTS / "rerank_pipelines")
     ap.add_argument("--fusion", choices=("attention", "rrf"), default="attention", help="the reranker's fusion (rrf: with the retriever's order)")
-    ap.add_argument("--skim", choices=("stored", "prefill"), default="stored", help="the reranker reads stored keys or prefills the candidates (rolled)")
+    ap.add_argument(
+        "--skim", choices=("prefill", "stored"), default="prefill", help="the reranker prefills the candidates (rolled; its default) or reads stored keys"
+    )
     ap.add_argument("--table-only", action="store_true")
     return ap
 
