@@ -227,8 +227,8 @@ def test_the_skim_from_stored_keys_scores_each_group_as_its_own_read(tokenizer, 
     assert first.stored_misses == other.stored_misses == len(wide.chunks) and again.stored_misses == whole.stored_misses == 0
     assert again.reused_tokens == first.reused_tokens > 30 * len(wide.chunks)  # the chunks (about 48 tokens each) placed, not computed
     assert again.scores == pytest.approx(first.scores, rel=1e-5) and whole.scores == pytest.approx(again.scores, rel=1e-5)
-    with pytest.raises(ValueError, match="without rolling"):
-        skim_stored(engine, wide, policy.with_rolling(256), stored, heads=heads)
+    rolled = skim_stored(engine, wide, policy.with_rolling(256), stored, heads=heads, group_tokens=300, cache_salt="tenant-a")
+    assert rolled.scores == pytest.approx(again.scores, rel=1e-5)  # a group is read in one window: rolling= is dropped
 
     calibrated = skim_stored(engine, wide, policy, stored, heads=heads, group_tokens=300, calibrate=True)
     content_free = skim_stored(engine, dataclasses.replace(wide, question="N/A"), policy, stored, heads=heads, group_tokens=300)

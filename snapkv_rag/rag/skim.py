@@ -190,7 +190,7 @@ def skim_stored(
     at their positions (a :class:`~snapkv_rag.reuse.segment_store.SegmentKVStore`; computed and
     stored the first time a chunk is seen), so only the prompt's own tokens and the question run
     through the model, and only up to the deepest layer the heads are in. ``compression``: a
-    policy with an observation window that fits a group without rolling. Each head's attention
+    policy with an observation window (its ``rolling=``, if any, is dropped: a group fits the window). Each head's attention
     mass on each document is taken from the group that read it; the scores are those masses'
     shares per head, averaged, as :func:`combined_scores` does for one read. ``recompute``: the share of
     stored tokens computed again (1.0: every token, as a full prefill of each group); ``cache_salt``:
@@ -202,8 +202,7 @@ def skim_stored(
     from ..compression import as_policy
 
     policy = as_policy(compression)
-    if policy is not None and policy.rolling is not None:
-        raise ValueError("a skim from stored keys reads each group in one window: give a policy without rolling=")
+    policy = policy.with_rolling(None) if policy is not None else None  # each group is read in one window
     chosen = skim_heads_for(engine, band, heads)
     deepest = max(layer for layer, _ in chosen) if early_exit and chosen else None
     reads = dict(compression=policy, exit_after_layer=deepest, segment_store=kv_store, recompute=recompute, cache_salt=cache_salt)
