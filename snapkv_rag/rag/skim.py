@@ -87,16 +87,21 @@ def document_scores(
     band's layers)."""
     if not votes.layers:
         raise ValueError("the skim recorded no votes: the policy needs an observation window (e.g. snapkv with window=question)")
-    spans = document_spans(tokenizer, context)
     if heads is None:
         heads = [(layer, h) for layer in middle_layers(list(votes.layers), band) for h in range(votes.layers[layer].shape[0])]
+    return combined_scores(head_masses(tokenizer, context, votes, heads))
+
+
+def head_masses(tokenizer, context: StuffedContext, votes: WindowVotes, heads: Sequence[tuple[int, int]]) -> list[list[float]]:
+    """Per ``(layer, head)``: each stuffed document's attention mass from the question's window."""
     missing = sorted({layer for layer, _ in heads} - set(votes.layers))
     if missing or not heads:
         raise ValueError(f"the skim's heads name layers the votes do not hold: {missing or 'none given'}")
+    spans = document_spans(tokenizer, context)
     n = votes.prompt_length
     if spans and spans[-1][1] > n:
         raise ValueError(f"the votes cover {n} prompt positions, the documents reach {spans[-1][1]}")
-    return combined_scores([[float(votes.layers[layer][head, a:b].sum()) for a, b in spans] for layer, head in heads])
+    return [[float(votes.layers[layer][head, a:b].sum()) for a, b in spans] for layer, head in heads]
 
 
 def combined_scores(per_head: Sequence[Sequence[float]]) -> list[float]:
@@ -232,13 +237,9 @@ def _group_masses(
             read = engine.read_prompt(messages, question=question_text, reuse_segments=[chunk_segment(c) for c in chunks], **reads)
         if not recorded:
             raise ValueError("the skim's read recorded no votes: give a sparse policy with an observation window, not the full cache")
-        votes = recorded[-1]
-        missing = sorted({layer for layer, _ in heads} - set(votes.layers))
-        if missing:
-            raise ValueError(f"the skim's heads name layers the votes do not hold: {missing}")
-        for h, (layer, head) in enumerate(heads):
-            for i, (a, b) in zip(group, document_spans(engine.tokenizer, part), strict=True):
-                masses[h][i] = float(votes.layers[layer][head, a:b].sum())
+        for h, per_document in enumerate(head_masses(engine.tokenizer, part, recorded[-1], heads)):
+            for i, mass in zip(group, per_document, strict=True):
+                masses[h][i] = mass
         prompt_tokens += read.prompt_tokens
         reused += read.reused_tokens
         misses += read.segment_misses

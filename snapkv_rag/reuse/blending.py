@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..compression.runtime import exiting_after_layer
+from ..compression.runtime import LayersDone, exiting_after_layer
 from .segment_store import SegmentKV, SegmentKVStore
 
 #: Share of reused tokens recomputed by default (CacheBlend's 15%; see eval/reuse/RESULTS.md, "Chunk-level K/V reuse", for the curve).
@@ -194,31 +194,20 @@ def _takes_layer_type(rotary) -> bool:
     return "layer_type" in inspect.signature(rotary.forward).parameters
 
 
-class _ProbeDone(Exception):
-    pass
-
-
 def layer_kv(model, ids: torch.Tensor, positions: torch.Tensor, *, layers: int | None = None) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Per-layer K and V ``[1, kv_heads, n, head_dim]`` of ``ids`` at ``positions`` with a plain
     causal forward; ``layers``: stop after that many decoder layers (a cheap probe)."""
     from transformers import DynamicCache
 
     cache = DynamicCache(config=model.config)
-    hook = None
-    if layers is not None and layers < len(_decoder(model).layers):
-
-        def stop(*_):
-            raise _ProbeDone
-
-        hook = _decoder(model).layers[layers - 1].register_forward_hook(stop)
+    # the probe's own exit; None (every layer) also lifts the exit of a read this runs inside, so a
+    # segment stored for every later read is computed whole
+    last = layers - 1 if layers is not None and layers < len(_decoder(model).layers) else None
     try:
-        with exiting_after_layer(None):  # a segment stored for every later read is computed whole, even inside a read that exits early
+        with exiting_after_layer(last, model):
             model(input_ids=ids, position_ids=positions, cache=cache, use_cache=True, logits_to_keep=1)
-    except _ProbeDone:
+    except LayersDone:
         pass
-    finally:
-        if hook is not None:
-            hook.remove()
     count = layers if layers is not None else len(cache.layers)
     layers_kv: list = list(cache.layers[:count])  # DynamicLayer: keys and values set by the forward
     return [layer.keys for layer in layers_kv], [layer.values for layer in layers_kv]
