@@ -2,6 +2,7 @@
 
 from .base import CompressionPolicy, SparsePolicy, keep_recent_and_top
 from .defaults import DEFAULT_COMPRESSION
+from .expected_attention import ExpectedAttention
 from .full import FullCache
 from .h2o import H2O
 from .less.policy import LESS
@@ -19,6 +20,7 @@ __all__ = [
     "fit_to_window",
     "reads_past_window",
     "CompressionPolicy",
+    "ExpectedAttention",
     "FullCache",
     "H2O",
     "KeptIndices",

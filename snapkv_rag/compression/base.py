@@ -43,9 +43,9 @@ def check_positive_int(owner: str, name: str, value: Any, minimum: int = 1) -> N
         raise InvalidCompressionError(f"{owner}: {name} must be an integer >= {minimum}, got {value!r}")
 
 
-def check_choice(owner: str, name: str, value: Any, choices: tuple[str, ...]) -> None:
+def check_choice(owner: str, name: str, value: Any, choices: tuple[Any, ...]) -> None:
     if value not in choices:
-        raise InvalidCompressionError(f"{owner}: unknown {name} {value!r}; choose one of {', '.join(choices)}")
+        raise InvalidCompressionError(f"{owner}: unknown {name} {value!r}; choose one of {', '.join(map(str, choices))}")
 
 
 class CompressionPolicy(ABC):
@@ -72,6 +72,16 @@ class CompressionPolicy(ABC):
     @property
     def question_aware(self) -> bool:
         """True when the kept set depends on the end of the prompt (the question)."""
+        return False
+
+    @property
+    def needs_rotary_angles(self) -> bool:
+        """True when :meth:`select` moves queries to other positions (:mod:`.rotary`): the engine then names the model's angles."""
+        return False
+
+    @property
+    def reads_values(self) -> bool:
+        """True when :meth:`select` also takes the prompt's ``values`` (weighing entries by their values)."""
         return False
 
     @property

@@ -7,6 +7,7 @@ from typing import Any
 from ..errors import InvalidCompressionError
 from .base import CompressionPolicy
 from .defaults import DEFAULT_COMPRESSION, DEFAULT_SPEC
+from .expected_attention import ExpectedAttention
 from .full import FullCache
 from .h2o import H2O
 from .random_keep import RandomKeep
@@ -19,6 +20,8 @@ POLICIES: dict[str, type[CompressionPolicy]] = {
     "streamingllm": StreamingLLM,
     "streaming": StreamingLLM,
     "h2o": H2O,
+    "expected": ExpectedAttention,
+    "expected_attention": ExpectedAttention,
     "random": RandomKeep,
     "full": FullCache,
     "none": FullCache,

@@ -24,6 +24,7 @@ from .base import CompressionPolicy, window_attention
 from .own_attention import mask_decode_scores
 from .quantized import active_quantized_layer
 from .ragged import RaggedHeadsLayer, active_ragged_layer
+from .rotary import angles_for_layer
 from .span_attention import active_observer
 
 if TYPE_CHECKING:
@@ -194,7 +195,7 @@ def _make_attention(base_fn):
             capture(module, query, key, value, output[0], kwargs.get("scaling"))
         session = _ACTIVE.get()
         if session is not None:
-            session.compress_layer(module, query, key, kwargs.get("scaling"))
+            session.compress_layer(module, query, key, kwargs.get("scaling"), value)
             return output
         state = _POLICY_STATE.get()
         if state is not None:
@@ -235,10 +236,18 @@ def sliding_layers(config) -> list[bool]:
 
 
 def select_for_prompt(
-    policy: CompressionPolicy, query: torch.Tensor, key: torch.Tensor, mask: torch.Tensor | None, scaling, protected: torch.Tensor | None = None
+    policy: CompressionPolicy,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    mask: torch.Tensor | None,
+    scaling,
+    protected: torch.Tensor | None = None,
+    value: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``policy``'s kept indices over a prompt's keys; a windowed policy votes with the prompt's last queries."""
-    return policy.select(voting_queries(policy, query), key, mask, scaling=scaling, protected=protected)
+    """``policy``'s kept indices over a prompt's keys; a windowed policy votes with the prompt's last queries
+    (a policy that weighs entries by their values, :attr:`~.base.CompressionPolicy.reads_values`, gets them)."""
+    extra = {"values": value} if policy.reads_values and value is not None else {}
+    return policy.select(voting_queries(policy, query), key, mask, scaling=scaling, protected=protected, **extra)
 
 
 def voting_queries(policy: CompressionPolicy, query: torch.Tensor) -> torch.Tensor:
@@ -284,8 +293,12 @@ class PrefillCompression:
         # recording_window_votes() listens; None otherwise
         self.votes: dict[int, torch.Tensor] | None = {} if _VOTE_RECORDER.get() is not None else None
 
-    def compress_layer(self, module, query: torch.Tensor, key: torch.Tensor, scaling: float | None) -> None:
+    def compress_layer(self, module, query: torch.Tensor, key: torch.Tensor, scaling: float | None, value: torch.Tensor | None = None) -> None:
         layer_idx = module.layer_idx
+        with angles_for_layer(layer_idx):
+            self._compress_layer(layer_idx, query, key, scaling, value)
+
+    def _compress_layer(self, layer_idx: int, query: torch.Tensor, key: torch.Tensor, scaling: float | None, value: torch.Tensor | None) -> None:
         n = key.shape[2]
         self.prompt_length = n
         if self.sliding[layer_idx]:
@@ -303,7 +316,7 @@ class PrefillCompression:
             self.keep_heads(layer_idx, layer_policy, query, key, scaling)
             return
         if self.row_policies is None:
-            indices = select_for_prompt(layer_policy, query, key, self.attention_mask, scaling, self.protected)
+            indices = select_for_prompt(layer_policy, query, key, self.attention_mask, scaling, self.protected, value)
         else:
             mask = self.attention_mask
             indices = torch.cat(
@@ -315,6 +328,7 @@ class PrefillCompression:
                         None if mask is None else mask[i : i + 1],
                         scaling,
                         None if self.protected is None else self.protected[i : i + 1],
+                        None if value is None else value[i : i + 1],
                     )
                     for i, p in enumerate(self.row_policies)
                 ]

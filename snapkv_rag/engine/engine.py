@@ -17,6 +17,7 @@ from ..model.loading import DEFAULT_MODEL, RECOMMENDED_CONTEXT_TOKENS, RECOMMEND
 from ..model.peak_memory import PeakMemory
 from ..model.quantization import parameter_count
 from ..reuse.blending import RopeShift, model_rope_shift
+from ..reuse.kept_contexts import DEFAULT_KEPT_CONTEXT_BYTES, KeptContexts
 from ..reuse.prefix_cache import ADMISSIONS, PrefixCache, default_prefix_cache_bytes
 from ..reuse.segment_store import SegmentKVStore, model_signature
 from ..tools.call_gate import CallGate, CallScores
@@ -25,6 +26,7 @@ from .finishing import row_results
 from .generation import DecodeRun
 from .info import ModelInfo, context_length, eos_token_ids, model_info, vocab_size
 from .invariant import DEFAULT_INVARIANT_CHUNK, checked_invariant_chunk, invariant_from_environment
+from .kept_context import context_steps
 from .preparation import (
     SALT_KEY,
     SEGMENT_KEYS,
@@ -121,6 +123,8 @@ class Engine:
         prefix_cache_bytes = checked_prefix_cache_bytes(prefix_cache_bytes, self.device)
         self.prefix_cache = PrefixCache(prefix_cache_bytes, admission=prefix_cache_admission)
         self.segment_store = segment_store if segment_store is not None else SegmentKVStore(max_bytes=max(prefix_cache_bytes, 1 << 20))
+        # compressed contexts kept for follow-up questions (keep_context=True; snapkv_rag.reuse.kept_contexts)
+        self.kept_contexts = KeptContexts(DEFAULT_KEPT_CONTEXT_BYTES if prefix_cache_bytes else 0)
         self._signature: str | None = None
 
     # ----------------------------------------------------------------- construction
@@ -296,10 +300,12 @@ class Engine:
         cancel = cancel or threading.Event()
         rows = request.rows
 
+        context = request.context_tokens
+
         def prefill() -> Generator[None, None, Member]:
             run = DecodeRun(
                 self.model,
-                rows,
+                rows if context is None else [rows[0][:context]],
                 request.params,
                 request.row_policies,
                 self._pad_id,
@@ -313,7 +319,12 @@ class Engine:
                 invariant_chunk=self._invariant_chunk,
             )
             member = Member(run, request, self.tokenizer, self._eos_ids, cancel)
-            steps = run.prefill_steps(self._prefill_chunk(rows))
+            if context is None:
+                steps = run.prefill_steps(self._prefill_chunk(rows))
+            else:
+                store = self.kept_contexts if request.use_prefix_cache and self.kept_contexts.max_bytes else None
+                spec = request.row_policies.spec() if isinstance(request.row_policies, CompressionPolicy) else ""
+                steps = context_steps(run, rows[0][context:], store, spec, request.cache_salt or "", self._prefill_chunk(rows))
             while not cancel.is_set():  # cancelled before or between chunks: no more prefill work
                 try:
                     next(steps)

@@ -22,12 +22,23 @@ from ..compression.decoding import PolicyState, layer_entries
 from ..compression.own_attention import layers_of
 from ..compression.quantized import MIN_RESIDUAL, is_quantized, quantize_cache
 from ..compression.ragged import is_ragged
+from ..compression.rotary import AnglesFn, rotary_angles
 from ..compression.runtime import LayersDone, PrefillCompression, compressing, plain_causal, policy_attention, sliding_layers
 from ..compression.span_attention import SpanAttention, observing
 from ..errors import InvalidCompressionError
 from ..model.device_clock import device_clock
 from ..model.placement import layer_devices
-from ..reuse.blending import SegmentRequest, assemble, blended_mask, blending_cache, kv_shape, model_rope_shift, recompute_positions
+from ..reuse.blending import (
+    SegmentRequest,
+    SegmentReuseUnsupported,
+    assemble,
+    blended_mask,
+    blending_cache,
+    kv_shape,
+    model_rope_shift,
+    recompute_positions,
+)
+from ..reuse.kept_contexts import KeptContext
 from ..reuse.prefix_cache import (
     PrefixCache,
     ReusePlan,
@@ -154,6 +165,17 @@ def model_forward(model, cache, input_ids, attention_mask, position_ids, state: 
         ).logits
 
 
+def policy_angles(model, policy: CompressionPolicy | None) -> AnglesFn | None:
+    """The model's rotary angles for a policy that moves queries to other positions (None: the policy
+    does not, or the model has no rotate-half rotary embedding; the policy then leaves them in place)."""
+    if policy is None or not policy.needs_rotary_angles:
+        return None
+    try:
+        return model_rope_shift(model, sliding=True).angles
+    except SegmentReuseUnsupported:
+        return None
+
+
 def choose_tokens(
     logits: torch.Tensor,
     step: int,
@@ -259,8 +281,10 @@ class DecodeRun:
         self.session: PrefillCompression | None = None
         self.last_logits = torch.empty(0)  # [batch, vocab] of the latest forward
         self.exited_early = False  # a forward stopped at an early exit: the run has no logits to decode from
+        self.context_reuse: str | None = None  # keep_context: "stored", "reused", or why it was not kept (None: not asked)
         # What the policy keeps doing after the prefill (LESS's folded state, decode-time cuts); None: nothing
         self.policy_state: PolicyState | None = first.decode_state(model, self.sliding) if first is not None else None
+        self.rotary_angles = policy_angles(model, first)
         # attention over given prompt spans during decoding (attention citations), one prompt only
         if protected_spans and len(rows) != 1:
             raise ValueError("protected spans apply to one prompt")
@@ -328,7 +352,8 @@ class DecodeRun:
 
     def _forward(self, input_ids, attention_mask, position_ids, *, last_only: bool = True) -> torch.Tensor:
         try:
-            logits = model_forward(self.model, self.cache, input_ids, attention_mask, position_ids, self.policy_state, last_only=last_only)
+            with rotary_angles(self.rotary_angles):
+                logits = model_forward(self.model, self.cache, input_ids, attention_mask, position_ids, self.policy_state, last_only=last_only)
         except LayersDone:  # an early exit (Engine.read_prompt): the layers the read needs have run, no logits
             self.exited_early = True
             self.last_logits = torch.empty(0)
@@ -493,15 +518,60 @@ class DecodeRun:
         self.timings.prefill_seconds = seconds
         if self.span_attention is not None:
             self.span_attention.bind(self.session.kept_indices if self.session is not None else None)
-        self.kept_tokens_per_layer = [layer_entries(layer) for layer in self.cache.layers]
-        self.token_bytes_per_layer = [layer_token_bytes(layer) if layer_entries(layer) else 0 for layer in self.cache.layers]
-        self.full_token_bytes_per_layer = [layer_token_bytes(layer, stored=False) if layer_entries(layer) else 0 for layer in self.cache.layers]
-        self.prompt_kv_bytes_kept = cache_bytes(self.cache)
+        self._record_kept()
         if self.has_padding:
             compressed = self.session.kept_attention_mask if self.session is not None else None
             self._kv_mask = compressed if compressed is not None else mask
             if compressed is not None and any(self.sliding) and not all(self.sliding):
                 self._sliding_mask = mask
+        return self.last_logits
+
+    def _record_kept(self) -> None:
+        self.kept_tokens_per_layer = [layer_entries(layer) for layer in self.cache.layers]
+        self.token_bytes_per_layer = [layer_token_bytes(layer) if layer_entries(layer) else 0 for layer in self.cache.layers]
+        self.full_token_bytes_per_layer = [layer_token_bytes(layer, stored=False) if layer_entries(layer) else 0 for layer in self.cache.layers]
+        self.prompt_kv_bytes_kept = cache_bytes(self.cache)
+
+    # ------------------------------------------------------------ compress once, ask many
+    def kept_context(self) -> KeptContext:
+        """What this run holds after prefilling its one prompt (a context without its question), to
+        keep for follow-up questions (:mod:`snapkv_rag.reuse.kept_contexts`)."""
+        if self.batch_size != 1 or self.has_padding or self.exited_early:
+            raise ValueError("a kept context is one unpadded prompt's whole prefill")
+        return KeptContext(
+            torch.tensor(self.rows[0]),
+            list(self.cache.layers),
+            self._last_position.clone(),
+            self.policy_state,
+            self.timings.prefill_seconds,
+            {"rolling": self.rolling},
+            nbytes=cache_bytes(self.cache),
+        )
+
+    def adopt(self, kept: KeptContext) -> None:
+        """Start from a kept context (this run's prompt must be its tokens) instead of prefilling it."""
+        if self.batch_size != 1 or kept.tokens.tolist() != self.rows[0]:
+            raise ValueError("a kept context is adopted by a run over the same context tokens")
+        layers, self.policy_state = kept.copy()
+        self.cache.layers[:] = layers
+        self._last_position = kept.last_position.clone().to(self.device)
+        self.rolling = kept.extra.get("rolling")
+        self.reused_tokens = [len(self.rows[0])]
+        self.timings.prefill_seconds = 0.0
+        self._record_kept()
+
+    def continue_prompt(self, suffix: list[int]) -> torch.Tensor:
+        """Read ``suffix`` (the question and the template's tail) over the compressed context at the
+        positions after it, as decoding reads a token; this run's prompt becomes the whole one.
+        The last position's logits ``[1, vocab]``."""
+        start = device_clock(self.device)
+        if suffix:
+            self._extend(torch.tensor([suffix], device=self.device))
+            self._after_step()
+        self.rows = [self.rows[0] + list(suffix)]
+        self.row_lengths = [len(self.rows[0])]
+        self.timings.prefill_seconds += device_clock(self.device) - start
+        self._record_kept()
         return self.last_logits
 
     def _kv_residual(self) -> int:

@@ -34,6 +34,7 @@ SEGMENT_KEYS = ("reuse_segments", "segment_store", "recompute")
 ATTEND_KEY = "attend_to"
 KEEP_KEY = "keep_texts"
 SALT_KEY = "cache_salt"
+KEEP_CONTEXT_KEY = "keep_context"
 
 
 def salted_signature(signature: str, salt: str | None) -> str:
@@ -142,6 +143,9 @@ def prepare_request(
     reuse = {k: sampling.pop(k) for k in SEGMENT_KEYS if k in sampling}
     attend_to = sampling.pop(ATTEND_KEY, None)
     keep_texts = sampling.pop(KEEP_KEY, None)
+    keep_context = sampling.pop(KEEP_CONTEXT_KEY, False)
+    if keep_context:
+        check_keep_context(keep_context, per_row, reuse, attend_to, keep_texts)
     for key, value in ((ATTEND_KEY, attend_to), (KEEP_KEY, keep_texts)):
         if per_row and value is not None:
             raise InvalidGenerationParameterError(f"{key} applies to one prompt (generate/stream), not generate_batch", param=key)
@@ -161,6 +165,9 @@ def prepare_request(
         if keep_texts is not None:
             raise InvalidGenerationParameterError("keep_texts does not combine with rolling= (kept texts would move with every chunk)", param=KEEP_KEY)
     row_policies = resolve_policy(engine, policy, prompts, chat, questions, specs)
+    context_tokens = None
+    if keep_context:
+        context_tokens, row_policies = context_split(engine, prompts[0], rows[0], chat, specs[0], policy, (questions or [None])[0])
     row_policy = row_policies[0] if isinstance(row_policies, list) else row_policies
     segments, note = segment_request(engine, prompts[0], rows[0], chat, specs[0], row_policy, reuse, salt) if reuse else (None, None)
     attention, attention_note = attention_spans(engine, prompts[0], rows[0], chat, specs[0], attend_to)
@@ -169,14 +176,55 @@ def prepare_request(
     redo = None
     if engine.call_gate is not None and not per_row and len(prompts) == 1 and gated(specs[0]):
         # sampling has lost the segment and attention keys above; put them back for the second preparation
-        again = {**sampling, **reuse, **{k: v for k, v in ((ATTEND_KEY, attend_to), (KEEP_KEY, keep_texts), (SALT_KEY, salt)) if v is not None}}
+        kept = ((ATTEND_KEY, attend_to), (KEEP_KEY, keep_texts), (SALT_KEY, salt), (KEEP_CONTEXT_KEY, keep_context or None))
+        again = {**sampling, **reuse, **{k: v for k, v in kept if v is not None}}
 
         def redo(tool_choice: Any) -> Request:
             return prepare_request(engine, prompts, compression, chat, {**again, "tool_choice": tool_choice}, questions, prefix_cache=prefix_cache)
 
     return Request(
-        rows, params, policy, row_policies, tuple(specs), constraint, prefix_cache, segments, note, redo, None, attention, attention_note, protected, salt
+        rows,
+        params,
+        policy,
+        row_policies,
+        tuple(specs),
+        constraint,
+        prefix_cache,
+        segments,
+        note,
+        redo,
+        None,
+        attention,
+        attention_note,
+        protected,
+        salt,
+        context_tokens,
     )
+
+
+def check_keep_context(value: Any, per_row: bool, reuse: dict, attend_to: Any, keep_texts: Any) -> None:
+    """``keep_context``: True for one prompt, alone of the options that place or watch prompt spans."""
+    if value is not True:
+        raise InvalidGenerationParameterError(f"keep_context must be True or False, got {value!r}", param=KEEP_CONTEXT_KEY)
+    if per_row:
+        raise InvalidGenerationParameterError("keep_context applies to one prompt (generate/stream), not generate_batch", param=KEEP_CONTEXT_KEY)
+    for key, given in (("reuse_segments", reuse.get("reuse_segments")), (ATTEND_KEY, attend_to), (KEEP_KEY, keep_texts)):
+        if given is not None:
+            reason = f"keep_context does not combine with {key} (the kept context is read once for every question)"
+            raise InvalidGenerationParameterError(reason, param=KEEP_CONTEXT_KEY)
+
+
+def context_split(
+    engine: EngineLike, prompt: PromptLike, row: list[int], chat: bool | None, spec: OutputSpec, policy: CompressionPolicy | None, question: str | None
+) -> tuple[int, CompressionPolicy]:
+    """Where a ``keep_context`` prompt's context ends (the question's first token) and the policy the
+    context is read with: the given one, its question window left to the context's own end."""
+    if policy is None:
+        raise InvalidGenerationParameterError("keep_context keeps a compressed context: give a compression policy", param=KEEP_CONTEXT_KEY)
+    tail = question_tail_tokens(engine.tokenizer, prompt, chat=chat, question=question, tools=spec.tools if spec.renders_tools else (), with_space=True)
+    if tail is None or tail >= len(row):
+        raise InvalidPromptError("keep_context: the question was not found after a context in the prompt (name it with question=)")
+    return len(row) - tail, policy.for_prompt(None) if policy.needs_question_span else policy
 
 
 def prepare_batch(

@@ -280,18 +280,25 @@ def default_question(prompt: PromptLike) -> str:
     return last_paragraph(users[-1]["content"]) if users else ""
 
 
-def question_tail_tokens(tokenizer, prompt: PromptLike, *, chat: bool | None = None, question: str | None = None, tools: Sequence[Any] = ()) -> int | None:
+def question_tail_tokens(
+    tokenizer, prompt: PromptLike, *, chat: bool | None = None, question: str | None = None, tools: Sequence[Any] = (), with_space: bool = False
+) -> int | None:
     """How many trailing prompt tokens the question and everything after it take.
 
     ``question``: the question's text as it appears in the prompt (its last occurrence is
     used); by default :func:`default_question`. Counts the chat template's tail too (end of
     turn, assistant header). None when the question text is not found in the rendered prompt.
+    ``with_space``: the whitespace right before the question counts as the question's, so the tokens
+    before it are the same whatever the question's first word (a tokenizer may or may not join a
+    space to it).
     """
     text, add_special = _rendered_text(tokenizer, prompt, chat, tools)
     needle = (question if question is not None else default_question(prompt)).strip()
     start = text.rfind(needle) if needle else -1
     if start < 0:
         return None
+    if with_space:
+        start = len(text[:start].rstrip())
     encoded = tokenizer(text, add_special_tokens=add_special, return_offsets_mapping=True)
     offsets = encoded["offset_mapping"]
     # The first token that reaches into the question; counted from the end, so a BOS

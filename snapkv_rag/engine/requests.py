@@ -89,6 +89,9 @@ class Request:
     # single-prompt calls with keep_texts: the token spans every compressed layer keeps
     protected_spans: tuple[tuple[int, int], ...] | None = None
     cache_salt: str | None = None  # the prefix cache's namespace: reuse only K/V stored under the same salt
+    # keep_context: the prompt's context (its first tokens, before the question) is read without the
+    # question, kept compressed, and read again by later prompts over the same context (None: off)
+    context_tokens: int | None = None
 
     def spec(self, row: int) -> OutputSpec:
         return self.specs[row] if self.specs else TEXT

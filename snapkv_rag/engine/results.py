@@ -91,6 +91,7 @@ class GenerationStats:
     tool_decision: dict[str, Any] | None = None  # tool_choice="auto" under a call gate: the tool chosen (None: prose), its score, the threshold
     span_attention: str | None = None  # attend_to: "recorded (N spans)", or why it was not (None: not asked)
     protected_prompt_tokens: int = 0  # keep_texts: their prompt tokens (kept by every compressed layer, as many as fit)
+    context_reuse: str | None = None  # keep_context: "stored" (read and kept), "reused" (read from the kept context), or why not kept
     # prompt_lookup_num_tokens: forwards with a draft, tokens drafted and accepted, tokens per
     # forward, or draft_off saying why none was tried (None: not asked)
     drafts: dict[str, Any] | None = None
@@ -195,6 +196,7 @@ def row_stats(
         if run.span_attention is not None
         else (run.span_attention_note or request.attention_note),
         protected_prompt_tokens=sum(end - start for start, end in run.protected_spans) if run.session is not None else 0,
+        context_reuse=run.context_reuse,
         threads=torch.get_num_threads(),
         model=model,
         version=__version__,

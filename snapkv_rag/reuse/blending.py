@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..compression.rotary import rotate
 from ..compression.runtime import LayersDone, exiting_after_layer
 from .segment_store import SegmentKV, SegmentKVStore
 
@@ -139,14 +140,14 @@ class RopeShift:
         cos, sin = self.rotary(probe, offsets[None], kind) if kind else self.rotary(probe, position_ids=offsets[None])
         return cos[0] / self.scaling[kind], sin[0] / self.scaling[kind]
 
+    def angles(self, offsets: torch.Tensor, layer_idx: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin ``[len(offsets), rotary_dim]`` of layer ``layer_idx``'s rotary embedding at ``offsets``
+        (what :func:`~snapkv_rag.compression.rotary.rotary_angles` hands a policy)."""
+        return self._angles(offsets.reshape(-1), self.kind(layer_idx))
+
     @staticmethod
     def _rotate(keys: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        rotary_dim = cos.shape[-1]
-        rotated, rest = keys[..., :rotary_dim].float(), keys[..., rotary_dim:]
-        half = rotary_dim // 2
-        turned = torch.cat((-rotated[..., half:], rotated[..., :half]), dim=-1)
-        moved = (rotated * cos + turned * sin).to(keys.dtype)
-        return torch.cat((moved, rest), dim=-1) if rest.shape[-1] else moved
+        return rotate(keys, cos, sin)
 
     @torch.inference_mode()
     def _check(self, model) -> None:

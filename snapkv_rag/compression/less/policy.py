@@ -73,8 +73,16 @@ class LESS(CompressionPolicy):
     def with_settings(self, **settings: Any) -> LESS:
         return dataclasses.replace(self, base=self.base.with_settings(**settings))
 
-    def select(self, queries, keys, attention_mask=None, *, scaling=None, protected=None):
-        return self.base.select(queries, keys, attention_mask, scaling=scaling, protected=protected)
+    @property
+    def reads_values(self) -> bool:
+        return self.base.reads_values
+
+    @property
+    def needs_rotary_angles(self) -> bool:
+        return self.base.needs_rotary_angles
+
+    def select(self, queries, keys, attention_mask=None, *, scaling=None, protected=None, **values):
+        return self.base.select(queries, keys, attention_mask, scaling=scaling, protected=protected, **values)
 
     @property
     def decode_budget(self) -> int | None:  # type: ignore[override]
