@@ -136,3 +136,27 @@ def test_the_shared_options_compose(options):
     prompt = " ".join(f"w{i}" for i in range(200))
     result = engine.generate(prompt, compression=f"expected:budget=48,window=8,{options}", max_new_tokens=4, chat=False)
     assert result.usage.completion_tokens == 4 and max(result.stats.kept_tokens_per_layer) <= 48
+
+
+def test_kvzip_scores_are_the_most_attention_any_repeat_query_gives(tensors):
+    from snapkv_rag.compression import KVzip
+
+    queries, keys, _ = tensors  # 3 repeat queries at the last 3 of 12 positions; the first 6 keys are the context
+    got = KVzip(max_capacity_prompt=5, query_chunk=2).attention_from_repeat(queries, keys, 6, 0.5)
+    want = torch.zeros(2, 6)
+    for h in range(4):
+        for s in range(3):
+            seen = 12 - 3 + s + 1  # causal: query s sees keys 0..9+s
+            weights = (0.5 * keys[0, h // 2, :seen] @ queries[0, h, s]).softmax(0)
+            want[h // 2] = torch.maximum(want[h // 2], weights[:6])
+    torch.testing.assert_close(got[0], want, atol=1e-6, rtol=1e-5)
+    kept = KVzip(max_capacity_prompt=4, sink_tokens=1).keep(got)
+    for head in range(2):
+        assert kept[0, head].tolist() == [0, *sorted((got[0, head, 1:].topk(3).indices + 1).tolist())]
+
+
+def test_kvzip_asks_for_keep_context():
+    from snapkv_rag.testing import tiny_engine
+
+    with pytest.raises(InvalidCompressionError, match="keep_context"):
+        tiny_engine().generate("a b c d", compression="kvzip:budget=64", max_new_tokens=2, chat=False)

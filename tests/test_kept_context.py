@@ -18,10 +18,13 @@ def ask(engine, question, compression=POLICY, **options):
 
 @pytest.fixture(scope="module")
 def engine():
-    return tiny_engine()
+    return tiny_engine(context=4096)
 
 
-@pytest.mark.parametrize("compression", [POLICY, "snapkv:budget=96,window=question", "snapkv:budget=64,kv_bits=8", "expected:budget=64,window=8,rolling=128"])
+@pytest.mark.parametrize(
+    "compression",
+    [POLICY, "snapkv:budget=96,window=question", "snapkv:budget=64,kv_bits=8", "expected:budget=64,window=8,rolling=128", "kvzip:budget=64,repeat_chunk=96"],
+)
 def test_a_kept_context_answers_a_follow_up_as_a_fresh_read_would(engine, compression):
     engine.kept_contexts.clear()
     first = ask(engine, "what is w5?", compression)
@@ -34,11 +37,13 @@ def test_a_kept_context_answers_a_follow_up_as_a_fresh_read_would(engine, compre
     assert follow.token_ids == fresh.token_ids
 
 
-def test_with_nothing_evicted_the_split_read_equals_one_whole_prefill(engine):
+@pytest.mark.parametrize("compression", ["snapkv:budget=4000", "kvzip:budget=4000,repeat_chunk=64"])
+def test_with_nothing_evicted_the_split_read_equals_one_whole_prefill(engine, compression):
     prompt = f"{DOCS[:200]}\n\nQuestion: what is w5?"
     whole = engine.generate(prompt, compression=None, max_new_tokens=8, chat=False, prefix_cache=False)
-    split = engine.generate(prompt, compression="snapkv:budget=4000", question="what is w5?", keep_context=True, max_new_tokens=8, chat=False)
+    split = engine.generate(prompt, compression=compression, question="what is w5?", keep_context=True, max_new_tokens=8, chat=False)
     assert split.token_ids == whole.token_ids
+    assert max(split.stats.kept_tokens_per_layer) == split.usage.prompt_tokens  # the repeat left nothing behind
 
 
 def test_the_kept_context_does_not_depend_on_the_question(engine):

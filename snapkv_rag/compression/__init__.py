@@ -5,6 +5,7 @@ from .defaults import DEFAULT_COMPRESSION
 from .expected_attention import ExpectedAttention
 from .full import FullCache
 from .h2o import H2O
+from .kvzip import KVzip
 from .less.policy import LESS
 from .parsing import POLICIES, as_policy, parse_compression
 from .past_window import ROLLING_CHUNK, can_roll, fit_to_window, reads_past_window
@@ -24,6 +25,7 @@ __all__ = [
     "FullCache",
     "H2O",
     "KeptIndices",
+    "KVzip",
     "LESS",
     "POLICIES",
     "RandomKeep",

@@ -75,6 +75,12 @@ class CompressionPolicy(ABC):
         return False
 
     @property
+    def repeats_context(self) -> bool:
+        """True when the policy scores a context by the model's repeat of it (:mod:`.kvzip`): the engine
+        reads ``context + repeat prompt + context`` and keeps entries of the first copy only."""
+        return False
+
+    @property
     def needs_rotary_angles(self) -> bool:
         """True when :meth:`select` moves queries to other positions (:mod:`.rotary`): the engine then names the model's angles."""
         return False

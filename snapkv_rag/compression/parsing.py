@@ -10,6 +10,7 @@ from .defaults import DEFAULT_COMPRESSION, DEFAULT_SPEC
 from .expected_attention import ExpectedAttention
 from .full import FullCache
 from .h2o import H2O
+from .kvzip import KVzip
 from .random_keep import RandomKeep
 from .settings import built, named_fields
 from .snapkv import SnapKV
@@ -22,6 +23,7 @@ POLICIES: dict[str, type[CompressionPolicy]] = {
     "h2o": H2O,
     "expected": ExpectedAttention,
     "expected_attention": ExpectedAttention,
+    "kvzip": KVzip,
     "random": RandomKeep,
     "full": FullCache,
     "none": FullCache,

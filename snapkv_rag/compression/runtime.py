@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -30,7 +30,7 @@ from .span_attention import active_observer
 if TYPE_CHECKING:
     from .decoding import PolicyState
 
-_ACTIVE: ContextVar[PrefillCompression | None] = ContextVar("snapkv_rag_prefill", default=None)
+_ACTIVE: ContextVar[PrefillCompression | ScoringSession | None] = ContextVar("snapkv_rag_prefill", default=None)
 _RECORDER: ContextVar[list[KeptIndices] | None] = ContextVar("snapkv_rag_kept_recorder", default=None)
 _VOTE_RECORDER: ContextVar[list[WindowVotes] | None] = ContextVar("snapkv_rag_vote_recorder", default=None)
 # The policy state of the decode run whose forward is running (None: the policy has none).
@@ -253,6 +253,12 @@ def select_for_prompt(
 def voting_queries(policy: CompressionPolicy, query: torch.Tensor) -> torch.Tensor:
     window = policy.query_window
     return query if window is None else query[:, :, query.shape[2] - window :]
+
+
+class ScoringSession(Protocol):
+    """What listens to each layer's queries and keys during a forward without compressing it (KVzip's repeat)."""
+
+    def compress_layer(self, module, query: torch.Tensor, key: torch.Tensor, scaling: float | None, value: torch.Tensor | None = None) -> None: ...
 
 
 class PrefillCompression:
@@ -525,18 +531,20 @@ def capturing(callback: Callable | None) -> Iterator[None]:
 
 
 @contextmanager
-def compressing(session: PrefillCompression | None, *, record: bool = True) -> Iterator[PrefillCompression | None]:
+def compressing(session: PrefillCompression | ScoringSession | None, *, record: bool = True) -> Iterator[PrefillCompression | ScoringSession | None]:
     """Activate ``session`` for the model calls inside the block (None: no compression).
     ``record=False``: what it keeps is not prompt positions (a rolling prefill's chunks), so
-    :func:`recording_kept_indices` does not hear of it."""
+    :func:`recording_kept_indices` does not hear of it. A :class:`ScoringSession` only listens."""
     token = _ACTIVE.set(session)
     try:
         yield session
+        if not isinstance(session, PrefillCompression):
+            return
         recorder = _RECORDER.get()
-        if recorder is not None and session is not None and record:
+        if recorder is not None and record:
             layers = {layer: _on_cpu(idx) for layer, idx in session.kept_indices.items()}
             recorder.append(KeptIndices(session.prompt_length, layers))
-        if session is not None and record and session.votes:
+        if record and session.votes:
             record_window_votes(WindowVotes(session.prompt_length, dict(session.votes)))
     finally:
         _ACTIVE.reset(token)

@@ -301,13 +301,17 @@ class Engine:
         rows = request.rows
 
         context = request.context_tokens
+        read_rows, read_policy = rows, request.row_policies
+        if context is not None:
+            assert isinstance(read_policy, CompressionPolicy)  # keep_context: one prompt, a policy
+            read_rows, read_policy = [rows[0][:context]], None if read_policy.repeats_context else read_policy  # KVzip: read whole, then cut
 
         def prefill() -> Generator[None, None, Member]:
             run = DecodeRun(
                 self.model,
-                rows if context is None else [rows[0][:context]],
+                read_rows,
                 request.params,
-                request.row_policies,
+                read_policy,
                 self._pad_id,
                 request.constraint,
                 self._prefix_cache_for(request.use_prefix_cache),
@@ -322,9 +326,10 @@ class Engine:
             if context is None:
                 steps = run.prefill_steps(self._prefill_chunk(rows))
             else:
-                store = self.kept_contexts if request.use_prefix_cache and self.kept_contexts.max_bytes else None
-                spec = request.row_policies.spec() if isinstance(request.row_policies, CompressionPolicy) else ""
-                steps = context_steps(run, rows[0][context:], store, spec, request.cache_salt or "", self._prefill_chunk(rows))
+                store = self.kept_contexts if self.kept_contexts.max_bytes else None
+                assert isinstance(request.row_policies, CompressionPolicy)
+                namespace, chunk = request.cache_salt or "", self._prefill_chunk(read_rows)
+                steps = context_steps(run, request.row_policies, rows[0][context:], store, namespace, chunk, self.tokenizer)
             while not cancel.is_set():  # cancelled before or between chunks: no more prefill work
                 try:
                     next(steps)

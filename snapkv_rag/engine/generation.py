@@ -23,7 +23,7 @@ from ..compression.own_attention import layers_of
 from ..compression.quantized import MIN_RESIDUAL, is_quantized, quantize_cache
 from ..compression.ragged import is_ragged
 from ..compression.rotary import AnglesFn, rotary_angles
-from ..compression.runtime import LayersDone, PrefillCompression, compressing, plain_causal, policy_attention, sliding_layers
+from ..compression.runtime import LayersDone, PrefillCompression, ScoringSession, compressing, plain_causal, policy_attention, sliding_layers
 from ..compression.span_attention import SpanAttention, observing
 from ..errors import InvalidCompressionError
 from ..model.device_clock import device_clock
@@ -518,7 +518,7 @@ class DecodeRun:
         self.timings.prefill_seconds = seconds
         if self.span_attention is not None:
             self.span_attention.bind(self.session.kept_indices if self.session is not None else None)
-        self._record_kept()
+        self.record_kept()
         if self.has_padding:
             compressed = self.session.kept_attention_mask if self.session is not None else None
             self._kv_mask = compressed if compressed is not None else mask
@@ -526,7 +526,8 @@ class DecodeRun:
                 self._sliding_mask = mask
         return self.last_logits
 
-    def _record_kept(self) -> None:
+    def record_kept(self) -> None:
+        """Count what the cache holds now (entries and bytes per layer), for the run's statistics."""
         self.kept_tokens_per_layer = [layer_entries(layer) for layer in self.cache.layers]
         self.token_bytes_per_layer = [layer_token_bytes(layer) if layer_entries(layer) else 0 for layer in self.cache.layers]
         self.full_token_bytes_per_layer = [layer_token_bytes(layer, stored=False) if layer_entries(layer) else 0 for layer in self.cache.layers]
@@ -550,15 +551,24 @@ class DecodeRun:
 
     def adopt(self, kept: KeptContext) -> None:
         """Start from a kept context (this run's prompt must be its tokens) instead of prefilling it."""
-        if self.batch_size != 1 or kept.tokens.tolist() != self.rows[0]:
+        tokens = kept.tokens.tolist()
+        if self.batch_size != 1 or tokens != self.rows[0][: len(tokens)]:
             raise ValueError("a kept context is adopted by a run over the same context tokens")
+        self.rows, self.row_lengths = [tokens], [len(tokens)]
         layers, self.policy_state = kept.copy()
         self.cache.layers[:] = layers
         self._last_position = kept.last_position.clone().to(self.device)
         self.rolling = kept.extra.get("rolling")
         self.reused_tokens = [len(self.rows[0])]
         self.timings.prefill_seconds = 0.0
-        self._record_kept()
+        self.record_kept()
+
+    def listen(self, tokens: list[int], session: ScoringSession) -> None:
+        """Read ``tokens`` after the cache with ``session`` listening to every layer, then drop their
+        entries again: a scoring pass that leaves the cache as it was (KVzip's repeat)."""
+        with compressing(session):
+            self._extend(torch.tensor([tokens], device=self.device))
+        self.drop_last(len(tokens))
 
     def continue_prompt(self, suffix: list[int]) -> torch.Tensor:
         """Read ``suffix`` (the question and the template's tail) over the compressed context at the
@@ -571,7 +581,7 @@ class DecodeRun:
         self.rows = [self.rows[0] + list(suffix)]
         self.row_lengths = [len(self.rows[0])]
         self.timings.prefill_seconds += device_clock(self.device) - start
-        self._record_kept()
+        self.record_kept()
         return self.last_logits
 
     def _kv_residual(self) -> int:

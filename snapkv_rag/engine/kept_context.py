@@ -15,15 +15,39 @@ from collections.abc import Generator
 
 import torch
 
+from ..compression.base import CompressionPolicy
+from ..compression.kvzip import REPEAT_PROMPT, KVzip, RepeatScores
+from ..model.device_clock import device_clock
 from ..reuse.kept_contexts import KeptContexts
 from .generation import DecodeRun
 
 
+def repeat_steps(run: DecodeRun, policy: KVzip, repeat: list[int]) -> Generator[None, None, None]:
+    """Score ``run``'s whole context by the model's repeat of it, a chunk per forward, and cut the cache to the policy's choice."""
+    context = run.rows[0]
+    scores = RepeatScores(policy, len(context), run.sliding)
+    for start in range(0, len(context), policy.repeat_chunk):
+        began = device_clock(run.device)
+        run.listen(repeat + context[start : start + policy.repeat_chunk], scores)
+        run.timings.prefill_seconds += device_clock(run.device) - began
+        yield
+    scores.shrink(run.cache)
+    run.record_kept()
+
+
 def context_steps(
-    run: DecodeRun, suffix: list[int], store: KeptContexts | None, spec: str, namespace: str, chunk_tokens: int | None
+    run: DecodeRun,
+    policy: CompressionPolicy,
+    suffix: list[int],
+    store: KeptContexts | None,
+    namespace: str,
+    chunk_tokens: int | None,
+    tokenizer,
 ) -> Generator[None, None, torch.Tensor]:
-    """``run`` (over the context's tokens) prefilled from the kept context or by reading it (then kept),
-    then ``suffix`` read over it; yields between prefill chunks, returns the last logits ``[1, vocab]``."""
+    """``run`` (over the context's tokens) prefilled from the kept context or by reading it under ``policy``
+    (then kept), then ``suffix`` read over it; yields between prefill chunks, returns the last logits
+    ``[1, vocab]``. A KVzip context is prefilled whole (``run`` has no policy) and then cut by its repeat."""
+    spec = policy.spec()
     context = run.rows[0]
     kept = store.get(context, spec, namespace) if store is not None else None
     if kept is not None:
@@ -33,7 +57,13 @@ def context_steps(
         yield from run.prefill_steps(chunk_tokens)
         if run.exited_early:
             return run.last_logits
-        stored = store is not None and store.put(context, spec, run.kept_context(), namespace)
-        run.context_reuse = "stored" if stored else "read (larger than the kept-context bound)"
+        if isinstance(policy, KVzip):
+            yield from repeat_steps(run, policy, tokenizer.encode(REPEAT_PROMPT, add_special_tokens=False))
+        if store is None:
+            run.context_reuse = "read (the engine keeps no contexts: kept_contexts bound 0)"
+        elif store.put(context, spec, run.kept_context(), namespace):
+            run.context_reuse = "stored"
+        else:
+            run.context_reuse = "read (larger than the kept-context bound)"
     yield
     return run.continue_prompt(suffix)

@@ -15,6 +15,7 @@ from typing import Any, Protocol
 import torch
 
 from ..compression import CompressionPolicy, as_policy, fit_to_window
+from ..compression.kvzip import REPEAT_PROMPT
 from ..compression.runtime import attention_kernel, sliding_layers
 from ..errors import EmptyPromptError, InvalidCompressionError, InvalidGenerationParameterError, InvalidPromptError, PromptTooLongError
 from ..model.placement import spans_devices
@@ -168,6 +169,8 @@ def prepare_request(
     context_tokens = None
     if keep_context:
         context_tokens, row_policies = context_split(engine, prompts[0], rows[0], chat, specs[0], policy, (questions or [None])[0])
+    elif policy is not None and policy.repeats_context:
+        raise InvalidCompressionError(f"{policy.name} scores a context by the model's repeat of it: ask with keep_context=True")
     row_policy = row_policies[0] if isinstance(row_policies, list) else row_policies
     segments, note = segment_request(engine, prompts[0], rows[0], chat, specs[0], row_policy, reuse, salt) if reuse else (None, None)
     attention, attention_note = attention_spans(engine, prompts[0], rows[0], chat, specs[0], attend_to)
@@ -224,7 +227,16 @@ def context_split(
     tail = question_tail_tokens(engine.tokenizer, prompt, chat=chat, question=question, tools=spec.tools if spec.renders_tools else (), with_space=True)
     if tail is None or tail >= len(row):
         raise InvalidPromptError("keep_context: the question was not found after a context in the prompt (name it with question=)")
-    return len(row) - tail, policy.for_prompt(None) if policy.needs_question_span else policy
+    context = len(row) - tail
+    if policy.repeats_context:
+        repeat = len(engine.tokenizer.encode(REPEAT_PROMPT, add_special_tokens=False)) + min(context, policy.repeat_chunk)  # type: ignore[attr-defined]
+        limit = engine.context_length
+        if limit is not None and context + repeat > limit:
+            raise InvalidCompressionError(
+                f"kvzip: the context ({context} tokens) and one repeated chunk ({repeat} with its prompt) need {context + repeat} "
+                f"positions, over the model's {limit}; lower repeat_chunk, shorten the context or use a policy without a repeat (expected:)"
+            )
+    return context, policy.for_prompt(None) if policy.needs_question_span else policy
 
 
 def prepare_batch(
