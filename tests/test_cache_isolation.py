@@ -174,3 +174,20 @@ def test_the_replica_header_is_a_tag_of_the_tenant_not_the_replica(engine):
         alice = served_by("key-alice")
         assert served_by("key-alice") == alice  # stable within a tenant: its follow-ups show where they ran
         assert len({alice, served_by("key-bob"), served_by("key-alice", cache_salt="s"), "replica-7f3a"}) == 4
+
+
+def test_kept_contexts_are_reused_only_by_their_own_tenant(engine):
+    engine.kept_contexts.clear()
+
+    def context_reuse(question: str, key: str) -> str:
+        body = chat(f"{SECRET}\n\n{question}", keep_context=True)
+        response = client.post("/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {key}"})
+        assert response.status_code == 200, response.text
+        return response.json()["snapkv"]["context_reuse"]
+
+    with TestClient(create_app(ServerConfig(engine, model_id="tiny", api_key=["key-alice", "key-bob"]))) as client:
+        assert context_reuse("What is the code?", "key-alice") == "stored"
+        assert context_reuse("Which vault?", "key-bob") == "stored"  # bob's same documents tell him nothing of alice's
+        assert context_reuse("Which vault?", "key-alice") == "reused"
+        refused = client.post("/v1/chat/completions", json=chat(SECRET, keep_context="yes"), headers={"Authorization": "Bearer key-alice"})
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == "keep_context"

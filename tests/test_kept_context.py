@@ -97,3 +97,15 @@ def test_bad_requests_get_one_clear_error(engine, options, error):
 def test_batches_refuse_it(engine):
     with pytest.raises(InvalidGenerationParameterError, match="one prompt"):
         engine.generate_batch(["a b c", "d e f"], compression=POLICY, keep_context=True, chat=False, max_new_tokens=2)
+
+
+def test_a_conversation_extends_its_kept_context(engine):
+    engine.kept_contexts.clear()
+    first = ask(engine, "what is w5?")
+    later = f"{DOCS}\n\nQuestion: what is w5?\nAnswer: {first.text.strip()}\n\nQuestion: and w9?"
+    second = engine.generate(later, compression=POLICY, question="and w9?", keep_context=True, max_new_tokens=6, chat=False)
+    assert second.stats.context_reuse == "extended"
+    assert second.stats.prefilled_prompt_tokens < 40  # the first answer and the new question, not the documents
+    assert len(engine.kept_contexts) == 1  # the longer context took the shorter one's place
+    third = engine.generate(later + "\nAnswer: no\n\nQuestion: w10?", compression=POLICY, question="w10?", keep_context=True, max_new_tokens=6, chat=False)
+    assert third.stats.context_reuse == "extended" and third.stats.reused_prompt_tokens > second.stats.reused_prompt_tokens

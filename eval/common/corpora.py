@@ -9,7 +9,8 @@ from snapkv_rag.harness.rag_citation import RagQuestion, load_questions
 
 ROOT = Path(__file__).resolve().parents[2]
 
-CORPORA = ("sample", "lookalike", "generated")
+CORPORA = ("sample", "lookalike", "generated", "needles")
+VAULTS = ["red", "blue", "green", "amber", "violet", "silver", "golden", "white"]
 
 
 PLACES = [
@@ -51,12 +52,32 @@ def generated_corpus(folder: Path, documents: int = 120, seed: int = 0) -> list[
     return questions
 
 
+def needles_corpus(folder: Path, units: int = 170, seed: int = 0) -> list[RagQuestion]:
+    """One haystack of about 3,500 tokens (the pass-key filler, each repeat in its own order) holding
+    eight pass keys, one per vault, at evenly spaced depths; a question per vault."""
+    from snapkv_rag.harness.needle import FILLER_SENTENCES, make_passkey
+
+    rng = random.Random(seed)
+    fill = ["".join(" " + s for s in rng.sample(FILLER_SENTENCES, len(FILLER_SENTENCES))) for _ in range(units)]
+    questions = []
+    for i, vault in enumerate(VAULTS):
+        key = make_passkey(seed * 100 + i)
+        at = round((i + 1) * units / (len(VAULTS) + 1)) + i
+        fill.insert(at, f"\nIMPORTANT: the pass key of the {vault} vault is {key}.\n")
+        questions.append(RagQuestion(f"What is the pass key of the {vault} vault?", key, ["vaults.txt"]))
+    (folder / "vaults.txt").write_text("".join(fill).strip() + "\n")
+    return questions
+
+
 def load_corpus(name: str, scratch: Path, questions: int | None = None) -> tuple[Path, list[RagQuestion]]:
     """``(folder to ingest, questions)``: ``sample`` is examples/sample_corpus with its 40 questions,
     ``lookalike`` examples/lookalike_corpus with its 40 (:mod:`snapkv_rag.harness.lookalike_corpus`);
-    ``generated`` writes 120 site reports under ``scratch`` and takes ``questions`` of them evenly."""
+    ``generated`` writes 120 site reports under ``scratch`` and takes ``questions`` of them evenly;
+    ``needles`` writes one haystack with eight pass keys (:func:`needles_corpus`)."""
     if name in ("sample", "lookalike"):
         return ROOT / f"examples/{name}_corpus", load_questions(ROOT / f"examples/{name}_questions.jsonl", questions)
     folder = scratch / "corpus"
     folder.mkdir(parents=True, exist_ok=True)
+    if name == "needles":
+        return folder, needles_corpus(folder)[:questions]
     return folder, generated_corpus(folder)[:: max(1, 120 // (questions or 120))][:questions]

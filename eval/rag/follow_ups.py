@@ -19,7 +19,8 @@ reads the very same documents (DocumentQA's prompt, the question last). Each que
 - ``full``: the full cache, a new prefill per question.
 
 Budgets are given as ratios of the documents' tokens (``--ratios 2 4 8``: 2,000, 1,000 and 500 at
-4,000). Greedy, 32 new tokens; answers right are the corpus's answer found in the reply. Records
+4,000). ``needles``: one haystack of about 3,500 tokens with eight pass keys, asked one vault at a
+time (its chunks are the group's documents). Greedy, 32 new tokens; answers right are the corpus's answer found in the reply. Records
 hold each question's answer, whether it is right, the end-to-end seconds (prefill, the kept
 context's read where this question paid it, and decoding), the kept cache's bytes and whether
 the kept context was stored or reused. Resumable: records are appended and a rerun skips them.
@@ -97,7 +98,7 @@ def reading_call(reading: str, budget: int, first_question_tokens: int) -> tuple
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m eval follow_ups", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--corpus", choices=("sample", "lookalike"), default="sample")
+    parser.add_argument("--corpus", choices=("sample", "lookalike", "needles"), default="sample")
     parser.add_argument("--readings", nargs="+", choices=READINGS, default=list(READINGS))
     parser.add_argument("--ratios", nargs="+", type=int, default=[4])
     parser.add_argument("--context", type=int, default=4000, help="document tokens per group")

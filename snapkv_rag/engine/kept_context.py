@@ -53,6 +53,10 @@ def context_steps(
     if kept is not None:
         run.adopt(kept)
         run.context_reuse = "reused"
+        if len(kept.tokens) < len(context):  # a kept start: read the rest whole, keep the longer context
+            run.continue_prompt(context[len(kept.tokens) :])
+            yield
+            run.context_reuse = "extended" if store is not None and store.put(context, spec, run.kept_context(), namespace) else "reused"
     else:
         yield from run.prefill_steps(chunk_tokens)
         if run.exited_early:

@@ -91,7 +91,7 @@ class GenerationStats:
     tool_decision: dict[str, Any] | None = None  # tool_choice="auto" under a call gate: the tool chosen (None: prose), its score, the threshold
     span_attention: str | None = None  # attend_to: "recorded (N spans)", or why it was not (None: not asked)
     protected_prompt_tokens: int = 0  # keep_texts: their prompt tokens (kept by every compressed layer, as many as fit)
-    context_reuse: str | None = None  # keep_context: "stored" (read and kept), "reused" (read from the kept context), or why not kept
+    context_reuse: str | None = None  # keep_context: "stored", "reused", "extended" (from a kept start, the rest read and kept) or why not kept
     # prompt_lookup_num_tokens: forwards with a draft, tokens drafted and accepted, tokens per
     # forward, or draft_off saying why none was tried (None: not asked)
     drafts: dict[str, Any] | None = None

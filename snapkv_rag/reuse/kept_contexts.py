@@ -4,7 +4,8 @@ A prompt asked with ``keep_context=True`` is read in two parts: its context (eve
 question) is prefilled and compressed *without* the question, then the question and the chat
 template's tail are read over the compressed cache. The compressed context is kept here, so the next
 prompt with the same context tokens, the same policy and the same namespace reads only its own
-question: no documents are prefilled again, and the memory held is the compressed cache's, not the
+question (a context that extends a kept one, as a conversation's next turn does, reads only what
+it adds, kept whole, and is kept in its place): no documents are prefilled again, and the memory held is the compressed cache's, not the
 full K/V the prefix cache would keep.
 
 Entries are byte-bounded (least recently used first out), keyed by namespace (a request's
@@ -73,15 +74,29 @@ class KeptContexts:
         return namespace, spec, digest
 
     def get(self, tokens: list[int], spec: str, namespace: str = "") -> KeptContext | None:
+        """The entry kept for exactly ``tokens``, else the longest one kept for a prefix of them (a
+        conversation's earlier context: the reader reads the rest after it), else None."""
         key = self._key(tokens, spec, namespace)
         with self._lock:
             entry = self._entries.get(key)
             if entry is None or entry.tokens.tolist() != list(tokens):
+                entry, key = self._longest_prefix(tokens, spec, namespace)
+            if entry is None:
                 self.misses += 1
                 return None
             self._entries.move_to_end(key)
             self.hits += 1
             return entry
+
+    def _longest_prefix(self, tokens: list[int], spec: str, namespace: str) -> tuple[KeptContext | None, Any]:
+        best: tuple[KeptContext | None, Any] = (None, None)
+        wanted = torch.tensor(tokens, dtype=torch.long)
+        for key, entry in self._entries.items():
+            if key[:2] != (namespace, spec) or len(entry.tokens) >= len(tokens):
+                continue
+            if (best[0] is None or len(entry.tokens) > len(best[0].tokens)) and torch.equal(entry.tokens, wanted[: len(entry.tokens)]):
+                best = (entry, key)
+        return best
 
     def put(self, tokens: list[int], spec: str, entry: KeptContext, namespace: str = "") -> bool:
         """Keep ``entry`` (its layers are copied, so the run that made it may go on extending its own);
@@ -94,6 +109,10 @@ class KeptContexts:
             old = self._entries.pop(key, None)
             if old is not None:
                 self._bytes -= old.nbytes
+            shorter, shorter_key = self._longest_prefix(tokens, spec, namespace)
+            if shorter is not None:  # what it kept is the start of this one: this one serves its readers
+                del self._entries[shorter_key]
+                self._bytes -= shorter.nbytes
             self._entries[key] = entry
             self._bytes += entry.nbytes
             while self._bytes > self.max_bytes:

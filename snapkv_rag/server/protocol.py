@@ -11,7 +11,10 @@ position later, with ``recompute`` (0-1) the share recomputed (see :mod:`snapkv_
 ``keep_texts``, texts of the prompt (document labels) that the compression never evicts;
 ``prompt_lookup_num_tokens``, draft tokens looked up in the prompt per decode forward (exact,
 greedy only; :mod:`snapkv_rag.engine.lookup`); vLLM's ``ignore_eos``, ``min_tokens`` and
-``cache_salt`` (prompt K/V reused only between requests of one salt and one API key). Field types and ranges are declared as pydantic
+``cache_salt`` (prompt K/V reused only between requests of one salt and one API key); ``keep_context``
+(the prompt before the last user message's last paragraph compressed without it and kept, so a
+follow-up over the same documents, or the conversation's next turn, reads only what it adds;
+:mod:`snapkv_rag.reuse.kept_contexts`, namespaced like the prefix cache). Field types and ranges are declared as pydantic
 models (:class:`CompletionFields`, :class:`ChatFields`); the first violation is one 400 naming
 its field. Every response carries the engine's stats for it under ``snapkv``.
 """
@@ -185,6 +188,7 @@ _COMMON = {
     "min_tokens",  # vLLM's extensions, which benchmark clients send
     "prompt_lookup_num_tokens",
     "cache_salt",  # vLLM's: prompt K/V reused only between requests with the same salt (and API key)
+    "keep_context",
 }
 MAX_REUSE_SEGMENTS = 1024
 CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "tools", "tool_choice", "parallel_tool_calls", "response_format"}
@@ -226,6 +230,7 @@ class CompletionFields(BaseModel):
     min_tokens: StrictInt | None = Field(default=None, ge=0)
     prompt_lookup_num_tokens: StrictInt | None = Field(default=None, ge=0, le=MAX_DRAFT_TOKENS)
     cache_salt: StrictStr | None = Field(default=None, min_length=1, max_length=MAX_CACHE_SALT_CHARS)  # vLLM's: reuse only within the salt
+    keep_context: StrictBool | None = None  # compress the prompt before its last paragraph once, keep it for follow-ups
 
     @field_validator("temperature", "top_p", "recompute", mode="before")
     @classmethod
@@ -266,6 +271,8 @@ class CompletionFields(BaseModel):
                 out[key] = getattr(self, key)
         if self.ignore_eos:
             out["ignore_eos"] = True
+        if self.keep_context:
+            out["keep_context"] = True
         if self.min_tokens is not None:
             out["min_new_tokens"] = self.min_tokens
         if self.prompt_lookup_num_tokens:
