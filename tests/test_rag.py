@@ -688,3 +688,15 @@ def test_choosing_chunk_reuse_against_the_models_recommendation_gets_a_note():
     assert kv_reuse_note(embedded, None) is None and kv_reuse_note(embedded, "prefix") is None and kv_reuse_note(embedded, "off") is None
     larger = SimpleNamespace(recommended_kv_reuse="chunks")
     assert kv_reuse_note(larger, "chunks") is None and "reuses less" in kv_reuse_note(larger, "prefix")
+
+
+def test_follow_ups_read_the_same_documents_from_one_kept_context(filled_store, long_engine):
+    long_engine.kept_contexts.clear()
+    qa = DocumentQA(long_engine, filled_store, context_tokens=1500, compression="expected:budget=256")
+    first = qa.ask("When did the garden open?", max_new_tokens=4)
+    second = qa.follow_up("Who tends the garden?", first, max_new_tokens=4)
+    third = qa.follow_up("How large is the garden?", second, max_new_tokens=4)
+    assert [c.id for c in third.context.chunks] == [c.id for c in first.context.chunks]
+    assert (second.result.stats.context_reuse, third.result.stats.context_reuse) == ("stored", "reused")
+    assert third.result.stats.prefilled_prompt_tokens < 30  # the question and the template's tail
+    assert third.context.question == "How large is the garden?" and third.context.messages[-1]["content"].endswith("How large is the garden?")

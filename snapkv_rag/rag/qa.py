@@ -24,7 +24,7 @@ from .kv_reuse import chunk_kv_store, precompute_chunk_kv, resolve_kv_reuse, reu
 from .skim import DEFAULT_LAYERS, FUSIONS, skim, skim_policy, skim_stored
 from .skim_heads import resolve_skim_heads
 from .store import DocumentStore, StoredChunk
-from .stuffing import SYSTEM_PROMPT, ContextBudgetError, StuffedContext, StuffingRetriever, chunk_segment
+from .stuffing import SYSTEM_PROMPT, ContextBudgetError, StuffedContext, StuffingRetriever, build_messages, chunk_segment
 
 ROUTES = ("generated", "attributed", "attention")
 DEFAULT_LOOKUP_TOKENS = 4  # set by eval/decoding/lookup_bench.py (eval/decoding/RESULTS.md, "Prompt-lookup drafts")
@@ -402,6 +402,22 @@ class DocumentQA:
         several compression settings can answer from the very same prompt."""
         result = self.engine.generate(context.messages, **self.generation_kwargs(context, compression=compression, **sampling))
         return self.answer_from(context, result)
+
+    def follow_up(self, question: str, previous: StuffedContext | Answer, *, compression: Any = _DEFAULT, **sampling: Any) -> Answer:
+        """Ask ``question`` of the very documents an earlier answer read, compressed once for all such
+        questions: the documents (the prompt before the question) are read under the policy without any
+        question and kept (the engine's ``keep_context``, :mod:`snapkv_rag.reuse.kept_contexts`), so every
+        follow-up after the first reads only its own question. Citations by the ``attention`` route and
+        chunk reuse are not used here (the kept context is read once for every question)."""
+        earlier = previous.context if isinstance(previous, Answer) else previous
+        messages, question_text = build_messages(question, earlier.chunks, self.retriever.system_prompt)
+        context = dataclasses.replace(
+            earlier, question=question, question_text=question_text, messages=messages, prompt_tokens=self.engine.count_tokens(messages), settings={}
+        )
+        kwargs = self.generation_kwargs(context, compression=compression, **sampling)
+        for key in ("reuse_segments", "segment_store", "recompute", "attend_to", "keep_texts", "prefix_cache"):
+            kwargs.pop(key, None)
+        return self.answer_from(context, self.engine.generate(context.messages, keep_context=True, **kwargs))
 
     def stream(self, question: str, *, compression: Any = _DEFAULT, **sampling: Any) -> AnswerStream:
         context = self.retrieve(question)
