@@ -142,6 +142,7 @@ def response_metadata(result: GenerationResult) -> dict[str, Any]:
         "kept_tokens": min(kept) if kept else None,
         "compression_ratio": stats.compression_ratio,
         "reused_prompt_tokens": getattr(stats, "reused_prompt_tokens", None),
+        "context_reuse": getattr(stats, "context_reuse", None),
         "prompt_kv_bytes_full": stats.prompt_kv_bytes_full,
         "prompt_kv_bytes_kept": stats.prompt_kv_bytes_kept,
         "prefill_seconds": stats.prefill_seconds,
@@ -316,6 +317,11 @@ class ChatSnapKV(BaseChatModel):
     """Where chunk K/V are stored (shared by processes, kept across restarts); None: the engine's memory."""
     recompute: float | None = None
     """Share of reused chunk tokens computed again (None: the engine's default, 0.15)."""
+    keep_context: bool = False
+    """Compress the prompt before its last question once, without the question, and keep it: a follow-up
+    over the same history or documents (a conversation's next turn) reads only what it adds (the engine's
+    ``keep_context``; chunk reuse is then off). Question-agnostic policies (``expected:``, ``kvzip:``) suit it;
+    ``response_metadata["context_reuse"]`` says what happened."""
 
     _engine: Any = PrivateAttr(default=None)
 
@@ -404,7 +410,10 @@ class ChatSnapKV(BaseChatModel):
     # ------------------------------------------------------------------ request
     def _engine_kwargs(self, stop: list[str] | None, kwargs: dict[str, Any]) -> dict[str, Any]:
         out: dict[str, Any] = {"compression": self.compression, "max_new_tokens": self.max_tokens, "temperature": self.temperature}
-        out.update(reuse_kwargs(resolve_kv_reuse(self.kv_reuse, self.client), "offered", segment_store_at(self.kv_dir)))
+        if self.keep_context:
+            out["keep_context"] = True
+        else:
+            out.update(reuse_kwargs(resolve_kv_reuse(self.kv_reuse, self.client), "offered", segment_store_at(self.kv_dir)))
         if self.recompute is not None and "reuse_segments" in out:
             out["recompute"] = self.recompute
         if self.top_p is not None:

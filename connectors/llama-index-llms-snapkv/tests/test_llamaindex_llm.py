@@ -289,3 +289,19 @@ def test_prompt_lookup_drafts_keep_the_greedy_text(engine):
     assert drafted.raw["stats"]["drafts"]["prompt_lookup_num_tokens"] == 4
     with pytest.raises(ValueError):
         SnapKVLLM(engine, prompt_lookup_num_tokens=65)
+
+
+def test_keep_context_lets_a_chats_next_turn_read_only_what_it_adds(engine):
+    engine.kept_contexts.clear()
+    llm = SnapKVLLM(engine, compression="expected:budget=32,window=8", keep_context=True, max_new_tokens=3)
+    docs = " ".join(["The quick brown fox jumps over the lazy dog."] * 12)
+    first = llm.chat([ChatMessage(role="user", content=f"{docs}\n\nWhat does the fox do?")])
+    assert first.additional_kwargs["context_reuse"] == "stored"
+    turns = [
+        ChatMessage(role="user", content=f"{docs}\n\nWhat does the fox do?"),
+        ChatMessage(role="assistant", content=first.message.content),
+        ChatMessage(role="user", content="And the dog?"),
+    ]
+    second = llm.chat(turns)
+    assert second.additional_kwargs["context_reuse"] == "extended"
+    assert second.additional_kwargs["reused_prompt_tokens"] > second.additional_kwargs["prompt_tokens"] // 2

@@ -241,3 +241,12 @@ def test_prompt_lookup_drafts_keep_the_greedy_reply(tiny_engine):
     assert plain.response_metadata["snapkv_stats"]["drafts"] is None
     per_call = llm.invoke(LONG, ignore_eos=True, prompt_lookup_num_tokens=2)
     assert per_call.content == plain.content and per_call.response_metadata["snapkv_stats"]["drafts"]["prompt_lookup_num_tokens"] == 2
+
+
+def test_keep_context_asks_follow_ups_of_one_kept_context(tiny_engine):
+    tiny_engine.kept_contexts.clear()
+    llm = ChatSnapKV(engine=tiny_engine, max_tokens=3, compression="expected:budget=32,window=8", keep_context=True)
+    first = llm.invoke(f"{LONG}\n\nWhat does fact 3 say?")
+    second = llm.invoke(f"{LONG}\n\nWhat does fact 7 say?")
+    assert (first.response_metadata["context_reuse"], second.response_metadata["context_reuse"]) == ("stored", "reused")
+    assert second.response_metadata["reused_prompt_tokens"] > second.usage_metadata["input_tokens"] // 2

@@ -134,6 +134,12 @@ class SnapKVLLM(FunctionCallingLLM):
         "fewer forwards when answers copy the retrieved text.",
     )
     generate_kwargs: dict[str, Any] = Field(default_factory=dict, description="Other engine options (top_p, stop, seed).")
+    keep_context: bool = Field(
+        default=False,
+        description="Compress the prompt before its question once, without the question, and keep it: a follow-up over "
+        "the same documents or chat history (a chat engine's next turn) reads only what it adds (the engine's keep_context; "
+        "node K/V reuse is then off). Question-agnostic policies (expected:, kvzip:) suit it.",
+    )
     kv_reuse: str | None = Field(
         default=None,
         description="'chunks': nodes a TokenBudgetPostprocessor (or SnapKVMemory) offered are reused as stored K/V wherever "
@@ -221,7 +227,10 @@ class SnapKVLLM(FunctionCallingLLM):
     # ------------------------------------------------------------------ the engine call
     def _options(self, kwargs: dict[str, Any]) -> dict[str, Any]:
         options: dict[str, Any] = {"compression": self.compression, "max_new_tokens": self.max_new_tokens, "temperature": self.temperature}
-        options.update(reuse_kwargs(resolve_kv_reuse(self.kv_reuse, self._engine), "offered", segment_store_at(self.kv_dir)))
+        if self.keep_context:
+            options["keep_context"] = True
+        else:
+            options.update(reuse_kwargs(resolve_kv_reuse(self.kv_reuse, self._engine), "offered", segment_store_at(self.kv_dir)))
         if self.prompt_lookup_num_tokens:
             options["prompt_lookup_num_tokens"] = self.prompt_lookup_num_tokens
         options.update(self.generate_kwargs)

@@ -114,6 +114,7 @@ def result_summary(result: GenerationResult) -> dict[str, Any]:
         "prompt_kv_bytes_kept": stats.prompt_kv_bytes_kept,
         "prompt_kv_bytes_full": stats.prompt_kv_bytes_full,
         "reused_prompt_tokens": getattr(stats, "reused_prompt_tokens", getattr(result, "reused_prompt_tokens", None)),
+        "context_reuse": getattr(stats, "context_reuse", None),
         "prefill_seconds": stats.prefill_seconds,
         "decode_ms_per_token": stats.decode_ms_per_token,
     }
