@@ -160,3 +160,18 @@ def test_kvzip_asks_for_keep_context():
 
     with pytest.raises(InvalidCompressionError, match="keep_context"):
         tiny_engine().generate("a b c d", compression="kvzip:budget=64", max_new_tokens=2, chat=False)
+
+
+@pytest.mark.parametrize("policy", [ExpectedAttention(max_capacity_prompt=19, window_size=3, sink_tokens=0, chunk_size=4), "kvzip"])
+def test_spans_are_kept_whole(policy):
+    from snapkv_rag.compression import KVzip
+
+    g = torch.Generator().manual_seed(5)
+    queries, keys = torch.randn(1, 2, 3, 4, generator=g), torch.randn(1, 1, 35, 4, generator=g)
+    if policy == "kvzip":
+        kept = KVzip(max_capacity_prompt=16, sink_tokens=0, chunk_size=4).keep(torch.rand(1, 1, 32, generator=g))[0, 0].tolist()
+    else:
+        kept = policy.select(queries, keys, None, scaling=0.5)[0, 0].tolist()[:-3]  # the window's 3 last
+    assert len(kept) == 16
+    spans = {p // 4 for p in kept}  # spans counted back from position 32 start at multiples of 4
+    assert len(spans) == 4 and all({4 * s + i for i in range(4)} <= set(kept) for s in spans)

@@ -16,6 +16,8 @@ reads the very same documents (DocumentQA's prompt, the question last). Each que
 - ``agnostic-expected``: the same with Expected Attention;
 - ``agnostic-kvzip``: the same with KVzip's score (the model repeats the documents, 1,024 tokens at a
   time, once per group: the first question pays for it);
+- ``agnostic-expected-spans`` / ``agnostic-kvzip-spans``: the two keeping whole 16-token spans (``chunk=16``,
+  as document QA's SnapKV does);
 - ``full``: the full cache, a new prefill per question.
 
 Budgets are given as ratios of the documents' tokens (``--ratios 2 4 8``: 2,000, 1,000 and 500 at
@@ -44,7 +46,7 @@ from snapkv_rag.harness.rag_citation import answer_correct, is_gold_file
 from snapkv_rag.rag import DocumentQA, DocumentStore
 
 RESULTS = Path(__file__).resolve().parent / "results"
-READINGS = ("own", "first", "agnostic-snapkv", "agnostic-expected", "agnostic-kvzip", "full")
+READINGS = ("own", "first", "agnostic-snapkv", "agnostic-expected", "agnostic-kvzip", "agnostic-expected-spans", "agnostic-kvzip-spans", "full")
 MAX_NEW_TOKENS = 32
 SLACK = 400  # the stuffing budget's room beyond the group's documents, so every question packs them all
 
@@ -91,9 +93,10 @@ def reading_call(reading: str, budget: int, first_question_tokens: int) -> tuple
         return DEFAULT_COMPRESSION.with_budget(budget).with_query_window(window), True
     if reading == "agnostic-snapkv":
         return DEFAULT_COMPRESSION.with_budget(budget), True  # the question window falls back to the context's last 32 tokens
-    if reading == "agnostic-kvzip":
-        return parse_compression(f"kvzip:budget={budget}"), True
-    return parse_compression(f"expected:budget={budget}"), True
+    spans = ",chunk=16" if reading.endswith("-spans") else ""
+    if reading.startswith("agnostic-kvzip"):
+        return parse_compression(f"kvzip:budget={budget}{spans}"), True
+    return parse_compression(f"expected:budget={budget}{spans}"), True
 
 
 def build_parser() -> argparse.ArgumentParser:

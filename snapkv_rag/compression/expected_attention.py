@@ -17,7 +17,8 @@ will attend to each entry, in closed form and without another pass:
    are normalised over the keys (a softmax), averaged over each GQA group and, with ``vnorm``,
    weighted by the value's norm (an entry's contribution to the output is its weight times its value).
 
-The last ``window`` entries and the first ``sink_tokens`` are always kept. Without the model's
+The last ``window`` entries and the first ``sink_tokens`` are always kept; with ``chunk_size=c``
+whole spans of ``c`` tokens are kept by their summed scores, as SnapKV's ``chunk=`` keeps them. Without the model's
 angles (the policy used on its own, a model without rotary positions) step 1 and 2 leave the
 queries where they are. Because nothing in the score depends on what the question asks, a context
 compressed this way before the question serves every follow-up question alike (the engine's
@@ -34,6 +35,7 @@ import torch
 from ..errors import InvalidCompressionError
 from . import rotary
 from .base import SparsePolicy, check_choice, check_positive_int, group_queries, keep_all, keep_recent_and_top
+from .snapkv import span_scores
 
 
 @dataclass(frozen=True)
@@ -48,6 +50,7 @@ class ExpectedAttention(SparsePolicy):
     sink_tokens: int = 4
     covariance: int = 1  # 0: the mean query alone
     vnorm: int = 1  # 0: attention alone, not weighted by the value's norm
+    chunk_size: int = 1  # > 1: whole spans of this many tokens kept by their summed scores (as SnapKV's chunk=)
 
     def __post_init__(self) -> None:
         check_positive_int("ExpectedAttention", "max_capacity_prompt", self.max_capacity_prompt)
@@ -56,6 +59,7 @@ class ExpectedAttention(SparsePolicy):
         check_positive_int("ExpectedAttention", "sink_tokens", self.sink_tokens, minimum=0)
         check_choice("ExpectedAttention", "covariance", self.covariance, (0, 1))
         check_choice("ExpectedAttention", "vnorm", self.vnorm, (0, 1))
+        check_positive_int("ExpectedAttention", "chunk_size", self.chunk_size)
         if self.window_size + self.sink_tokens >= self.max_capacity_prompt:
             raise InvalidCompressionError(
                 f"ExpectedAttention: window_size ({self.window_size}) plus sink_tokens ({self.sink_tokens}) must be smaller than "
@@ -129,6 +133,8 @@ class ExpectedAttention(SparsePolicy):
             raise InvalidCompressionError(f"ExpectedAttention expects {self.window_size} window queries, got {queries.shape[2]}")
         prefix = n - self.window_size
         scores = self.scores(queries, keys, attention_mask, scaling, values)[..., :prefix]
+        if self.chunk_size > 1:
+            scores = span_scores(scores, self.chunk_size)
         if self.sink_tokens:
             real = attention_mask.bool() if attention_mask is not None else torch.ones(b, n, dtype=torch.bool, device=keys.device)
             sinks = (real.cumsum(dim=1) <= self.sink_tokens) & real

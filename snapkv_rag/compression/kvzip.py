@@ -26,6 +26,7 @@ import torch
 
 from ..errors import InvalidCompressionError
 from .base import SparsePolicy, check_positive_int, reduce_groups, window_attention
+from .snapkv import span_scores
 
 #: What the model is asked before each chunk it repeats.
 REPEAT_PROMPT = "\n\nRepeat the previous context exactly.\n\n"
@@ -40,12 +41,14 @@ class KVzip(SparsePolicy):
     sink_tokens: int = 4
     repeat_chunk: int = 1024  # context tokens repeated per forward
     query_chunk: int = 256  # repeat queries scored at once (bounds the attention matrix)
+    chunk_size: int = 1  # > 1: whole spans of this many tokens kept by their summed scores (as SnapKV's chunk=)
 
     def __post_init__(self) -> None:
         check_positive_int("KVzip", "max_capacity_prompt", self.max_capacity_prompt)
         check_positive_int("KVzip", "sink_tokens", self.sink_tokens, minimum=0)
         check_positive_int("KVzip", "repeat_chunk", self.repeat_chunk, minimum=16)
         check_positive_int("KVzip", "query_chunk", self.query_chunk)
+        check_positive_int("KVzip", "chunk_size", self.chunk_size)
         if self.sink_tokens >= self.max_capacity_prompt:
             raise InvalidCompressionError(f"KVzip: sink_tokens ({self.sink_tokens}) must be smaller than max_capacity_prompt ({self.max_capacity_prompt})")
         for option in ("rolling", "kv_bits", "decode_budget"):
@@ -81,9 +84,10 @@ class KVzip(SparsePolicy):
         context = scores.shape[-1]
         if context <= self.max_capacity_prompt:
             return torch.arange(context, device=scores.device).expand(*scores.shape[:2], context)
-        scores = scores.clone()
+        scores = span_scores(scores, self.chunk_size) if self.chunk_size > 1 else scores.clone()
         scores[..., : self.sink_tokens] = float("inf")
-        return scores.topk(self.max_capacity_prompt, dim=-1, sorted=False).indices.sort(dim=-1).values
+        best = scores.sort(dim=-1, descending=True, stable=True).indices[..., : self.max_capacity_prompt]  # ties: the earlier first
+        return best.sort(dim=-1).values
 
     def select(self, queries, keys, attention_mask=None, *, scaling=None, protected=None):
         raise InvalidCompressionError("KVzip scores a context by the model's repeat of it: use it with keep_context=True")
