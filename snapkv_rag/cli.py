@@ -96,7 +96,7 @@ def cmd_chat(args) -> int:
         if line in ("/exit", "/quit"):
             break
         messages.append({"role": "user", "content": line})
-        stream = engine.stream(messages, **kwargs)
+        stream = engine.stream(messages, **kwargs, **({"keep_context": True} if args.keep_context and len(messages) > 1 else {}))
         if not args.json:
             sys.stdout.write("assistant> " if interactive else "")
             for piece in stream:
@@ -154,6 +154,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     chat = sub.add_parser("chat", help="interactive chat (one user turn per line on stdin)")
     chat.add_argument("--system", default=None, help="system message")
+    chat.add_argument(
+        "--keep-context",
+        action="store_true",
+        help="compress the conversation before each new turn once, without the turn, and keep it: each turn reads only what it adds "
+        "(question-agnostic policies suit it, e.g. --compression expected:budget=1024)",
+    )
     add_model_args(chat)
     _add_generation_args(chat)
     chat.set_defaults(func=cmd_chat)
