@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from snapkv_rag.errors import InvalidGenerationParameterError, InvalidPromptError
+from snapkv_rag.errors import InvalidCompressionError, InvalidGenerationParameterError, InvalidPromptError
 from snapkv_rag.testing import tiny_engine
 
 DOCS = " ".join(f"w{i}" for i in range(300))
@@ -82,7 +82,9 @@ def test_the_bound_evicts_the_least_recent(engine):
 @pytest.mark.parametrize(
     ("options", "error"),
     [
-        ({"keep_context": "yes"}, InvalidGenerationParameterError),
+        ({"keep_context": 3}, InvalidGenerationParameterError),
+        ({"keep_context": "yes"}, InvalidCompressionError),
+        ({"keep_context": "full"}, InvalidGenerationParameterError),
         ({"keep_context": True, "compression": None}, InvalidGenerationParameterError),
         ({"keep_context": True, "keep_texts": ["w5"]}, InvalidGenerationParameterError),
         ({"keep_context": True, "question": "not in the prompt"}, InvalidPromptError),
@@ -109,3 +111,22 @@ def test_a_conversation_extends_its_kept_context(engine):
     assert len(engine.kept_contexts) == 1  # the longer context took the shorter one's place
     third = engine.generate(later + "\nAnswer: no\n\nQuestion: w10?", compression=POLICY, question="w10?", keep_context=True, max_new_tokens=6, chat=False)
     assert third.stats.context_reuse == "extended" and third.stats.reused_prompt_tokens > second.stats.reused_prompt_tokens
+
+
+@pytest.mark.parametrize("kept", ["expected:budget=128,window=8", "kvzip:budget=128,repeat_chunk=96"])
+def test_a_question_aware_cut_of_a_kept_question_agnostic_context(engine, kept):
+    engine.kept_contexts.clear()
+    cut = "snapkv:budget=72,window=question"
+
+    def two_stage(question):
+        prompt = f"{DOCS}\n\nQuestion: {question}"
+        return engine.generate(prompt, compression=cut, keep_context=kept, question=question, max_new_tokens=6, chat=False)
+
+    first, follow = two_stage("what is w5?"), two_stage("and what about w7?")
+    assert (first.stats.context_reuse, follow.stats.context_reuse) == ("stored", "reused")
+    assert max(follow.stats.kept_tokens_per_layer) == 72  # the question's cut of the 128 kept
+    assert follow.stats.compression["kept_context"].startswith(kept.split(":")[0])
+    engine.kept_contexts.clear()
+    assert two_stage("and what about w7?").token_ids == follow.token_ids
+    with pytest.raises(InvalidCompressionError, match="give it as keep_context"):
+        engine.generate(f"{DOCS}\n\nQuestion: q?", compression="kvzip:budget=64", keep_context=kept, question="q?", chat=False)

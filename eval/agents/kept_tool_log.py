@@ -13,6 +13,8 @@ Readings, at a budget of the history's tokens over ``--ratio`` (4):
   prompts share the history, whose full K/V the cache keeps and reuses);
 - ``agnostic-snapkv`` / ``agnostic-expected`` / ``agnostic-kvzip``: the history compressed once with
   no question (``keep_context``) and every question read over it;
+- ``cut-expected``: the history compressed once by Expected Attention at twice the budget and kept, each
+  question then cut to the budget by SnapKV with its own window;
 - ``full``: the full cache, the prefix cache on.
 
 Per question: the answer, whether it quotes the code, end-to-end seconds, the call's kept K/V bytes
@@ -34,7 +36,7 @@ from eval.rag.follow_ups import reading_call
 from snapkv_rag import Engine
 
 RESULTS = Path(__file__).resolve().parent / "results"
-READINGS = ("today", "agnostic-snapkv", "agnostic-expected", "agnostic-kvzip", "full")
+READINGS = ("today", "agnostic-snapkv", "agnostic-expected", "agnostic-kvzip", "cut-expected", "full")
 SERVICES = ["billing", "search", "auth", "mailer", "reports", "storage", "gateway", "scheduler", "cache", "audit"]
 SYSTEM_PROMPT = "You are an operations assistant. Use read_log to read the server log. Answer briefly."
 READ_LOG = {
@@ -101,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
         engine.kept_contexts.clear()
         compression, keep = reading_call("own" if reading == "today" else reading, budget, 0)
         for index, (question, code) in enumerate(questions):
-            options = {"keep_context": True} if keep else {}
+            options = {"keep_context": keep} if keep else {}
             result = engine.generate(
                 [*messages, {"role": "user", "content": question}],
                 compression=compression,

@@ -18,6 +18,10 @@ reads the very same documents (DocumentQA's prompt, the question last). Each que
   time, once per group: the first question pays for it);
 - ``agnostic-expected-spans`` / ``agnostic-kvzip-spans``: the two keeping whole 16-token spans (``chunk=16``,
   as document QA's SnapKV does);
+- ``cut-expected`` / ``cut-kvzip``: the documents compressed once with no question at twice the budget
+  (Expected Attention or KVzip) and kept; each question then read over them and the whole cut to the
+  budget by SnapKV with the question's own window (``keep_context=<policy>``): half the full cache is
+  held between questions, the budget is what each answer decodes from;
 - ``full``: the full cache, a new prefill per question.
 
 Budgets are given as ratios of the documents' tokens (``--ratios 2 4 8``: 2,000, 1,000 and 500 at
@@ -46,9 +50,20 @@ from snapkv_rag.harness.rag_citation import answer_correct, is_gold_file
 from snapkv_rag.rag import DocumentQA, DocumentStore
 
 RESULTS = Path(__file__).resolve().parent / "results"
-READINGS = ("own", "first", "agnostic-snapkv", "agnostic-expected", "agnostic-kvzip", "agnostic-expected-spans", "agnostic-kvzip-spans", "full")
+READINGS = (
+    "own",
+    "first",
+    "agnostic-snapkv",
+    "agnostic-expected",
+    "agnostic-kvzip",
+    "agnostic-expected-spans",
+    "agnostic-kvzip-spans",
+    "cut-expected",
+    "cut-kvzip",
+    "full",
+)
 MAX_NEW_TOKENS = 32
-SLACK = 400  # the stuffing budget's room beyond the group's documents, so every question packs them all
+SLACK = 1000  # the stuffing budget's room beyond the group's documents (their labels and separators), so every question packs them all
 
 
 def group_chunks(qa: DocumentQA, store: DocumentStore, questions, context_tokens: int, seed: int) -> list:
@@ -82,8 +97,8 @@ def group_chunks(qa: DocumentQA, store: DocumentStore, questions, context_tokens
     return chunks
 
 
-def reading_call(reading: str, budget: int, first_question_tokens: int) -> tuple[object, bool]:
-    """The compression and whether the context is kept, for one reading at one budget."""
+def reading_call(reading: str, budget: int, first_question_tokens: int) -> tuple[object, object]:
+    """The compression and the engine's ``keep_context`` (False, True or the kept context's policy), for one reading at one budget."""
     if reading == "full":
         return None, False
     if reading == "own":
@@ -93,6 +108,8 @@ def reading_call(reading: str, budget: int, first_question_tokens: int) -> tuple
         return DEFAULT_COMPRESSION.with_budget(budget).with_query_window(window), True
     if reading == "agnostic-snapkv":
         return DEFAULT_COMPRESSION.with_budget(budget), True  # the question window falls back to the context's last 32 tokens
+    if reading.startswith("cut-"):
+        return DEFAULT_COMPRESSION.with_budget(budget), parse_compression(f"{reading[4:]}:budget={2 * budget}")
     spans = ",chunk=16" if reading.endswith("-spans") else ""
     if reading.startswith("agnostic-kvzip"):
         return parse_compression(f"kvzip:budget={budget}{spans}"), True
@@ -149,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
                                     kwargs = reader.generation_kwargs(context, compression=reading_call("own", budget, 0)[0], prefix_cache=False)
                                 else:
                                     kwargs = reader.generation_kwargs(
-                                        context, compression=compression, **({"keep_context": True} if keep else {"prefix_cache": False})
+                                        context, compression=compression, **({"keep_context": keep} if keep else {"prefix_cache": False})
                                     )
                                 kwargs["question"] = f"Question: {q.question}"
                                 result = engine.generate(context.messages, **kwargs)

@@ -302,9 +302,9 @@ class Engine:
 
         context = request.context_tokens
         read_rows, read_policy = rows, request.row_policies
-        if context is not None:
-            assert isinstance(read_policy, CompressionPolicy)  # keep_context: one prompt, a policy
-            read_rows, read_policy = [rows[0][:context]], None if read_policy.repeats_context else read_policy  # KVzip: read whole, then cut
+        kept_policy = request.context_policy
+        if kept_policy is not None:  # keep_context: the context is read under its own policy (KVzip: whole, then cut by the repeat)
+            read_rows, read_policy = [rows[0][: request.context_tokens]], None if kept_policy.repeats_context else kept_policy
 
         def prefill() -> Generator[None, None, Member]:
             run = DecodeRun(
@@ -323,13 +323,13 @@ class Engine:
                 invariant_chunk=self._invariant_chunk,
             )
             member = Member(run, request, self.tokenizer, self._eos_ids, cancel)
-            if context is None:
+            if kept_policy is None:
                 steps = run.prefill_steps(self._prefill_chunk(rows))
             else:
                 store = self.kept_contexts if self.kept_contexts.max_bytes else None
-                assert isinstance(request.row_policies, CompressionPolicy)
+                cut = request.row_policies[0] if isinstance(request.row_policies, list) else request.row_policies  # one prompt
                 namespace, chunk = request.cache_salt or "", self._prefill_chunk(read_rows)
-                steps = context_steps(run, request.row_policies, rows[0][context:], store, namespace, chunk, self.tokenizer)
+                steps = context_steps(run, kept_policy, rows[0][context:], cut, store, namespace, chunk, self.tokenizer)
             while not cancel.is_set():  # cancelled before or between chunks: no more prefill work
                 try:
                     next(steps)

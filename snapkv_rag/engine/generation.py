@@ -570,13 +570,19 @@ class DecodeRun:
             self._extend(torch.tensor([tokens], device=self.device))
         self.drop_last(len(tokens))
 
-    def continue_prompt(self, suffix: list[int]) -> torch.Tensor:
+    def continue_prompt(self, suffix: list[int], cut: CompressionPolicy | None = None) -> torch.Tensor:
         """Read ``suffix`` (the question and the template's tail) over the compressed context at the
-        positions after it, as decoding reads a token; this run's prompt becomes the whole one.
-        The last position's logits ``[1, vocab]``."""
+        positions after it, as decoding reads a token; with ``cut``, that policy then selects over the
+        whole cache with the suffix's queries (a question-aware cut of a question-agnostic context).
+        This run's prompt becomes the whole one. The last position's logits ``[1, vocab]``."""
         start = device_clock(self.device)
         if suffix:
-            self._extend(torch.tensor([suffix], device=self.device))
+            window = cut.query_window if cut is not None else None
+            if cut is not None and window is not None and window > len(suffix):
+                cut = cut.with_query_window(len(suffix))
+            session = PrefillCompression(cut, self.cache, None, self.sliding, self.policy_state) if cut is not None else None
+            with compressing(session, record=False):
+                self._extend(torch.tensor([suffix], device=self.device))
             self._after_step()
         self.rows = [self.rows[0] + list(suffix)]
         self.row_lengths = [len(self.rows[0])]

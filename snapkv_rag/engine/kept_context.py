@@ -39,14 +39,16 @@ def context_steps(
     run: DecodeRun,
     policy: CompressionPolicy,
     suffix: list[int],
+    cut: CompressionPolicy | None,
     store: KeptContexts | None,
     namespace: str,
     chunk_tokens: int | None,
     tokenizer,
 ) -> Generator[None, None, torch.Tensor]:
     """``run`` (over the context's tokens) prefilled from the kept context or by reading it under ``policy``
-    (then kept), then ``suffix`` read over it; yields between prefill chunks, returns the last logits
-    ``[1, vocab]``. A KVzip context is prefilled whole (``run`` has no policy) and then cut by its repeat."""
+    (then kept), then ``suffix`` read over it, and the whole cut by ``cut`` with the question's window where
+    given; yields between prefill chunks, returns the last logits ``[1, vocab]``. A KVzip context is
+    prefilled whole (``run`` has no policy) and then cut by its repeat."""
     spec = policy.spec()
     context = run.rows[0]
     kept = store.get(context, spec, namespace) if store is not None else None
@@ -70,4 +72,4 @@ def context_steps(
         else:
             run.context_reuse = "read (larger than the kept-context bound)"
     yield
-    return run.continue_prompt(suffix)
+    return run.continue_prompt(suffix, cut)

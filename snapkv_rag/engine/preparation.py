@@ -166,9 +166,14 @@ def prepare_request(
         if keep_texts is not None:
             raise InvalidGenerationParameterError("keep_texts does not combine with rolling= (kept texts would move with every chunk)", param=KEEP_KEY)
     row_policies = resolve_policy(engine, policy, prompts, chat, questions, specs)
-    context_tokens = None
+    context_tokens = context_policy = None
     if keep_context:
-        context_tokens, row_policies = context_split(engine, prompts[0], rows[0], chat, specs[0], policy, (questions or [None])[0])
+        question = (questions or [None])[0]
+        context_tokens, context_policy = context_split(engine, prompts[0], rows[0], chat, specs[0], policy if keep_context is True else keep_context, question)
+        if keep_context is True:
+            row_policies = None  # the question is read over the kept context whole
+        elif policy is not None and policy.repeats_context:
+            raise InvalidCompressionError(f"{policy.name} compresses a kept context: give it as keep_context, not as the question's compression")
     elif policy is not None and policy.repeats_context:
         raise InvalidCompressionError(f"{policy.name} scores a context by the model's repeat of it: ask with keep_context=True")
     row_policy = row_policies[0] if isinstance(row_policies, list) else row_policies
@@ -202,13 +207,14 @@ def prepare_request(
         protected,
         salt,
         context_tokens,
+        context_policy,
     )
 
 
 def check_keep_context(value: Any, per_row: bool, reuse: dict, attend_to: Any, keep_texts: Any) -> None:
-    """``keep_context``: True for one prompt, alone of the options that place or watch prompt spans."""
-    if value is not True:
-        raise InvalidGenerationParameterError(f"keep_context must be True or False, got {value!r}", param=KEEP_CONTEXT_KEY)
+    """``keep_context``: True or a policy (a spec string) for one prompt, alone of the options that place or watch prompt spans."""
+    if value is not True and not isinstance(value, (str, CompressionPolicy)):
+        raise InvalidGenerationParameterError(f"keep_context must be True, False or a compression policy, got {value!r}", param=KEEP_CONTEXT_KEY)
     if per_row:
         raise InvalidGenerationParameterError("keep_context applies to one prompt (generate/stream), not generate_batch", param=KEEP_CONTEXT_KEY)
     for key, given in (("reuse_segments", reuse.get("reuse_segments")), (ATTEND_KEY, attend_to), (KEEP_KEY, keep_texts)):
@@ -218,10 +224,15 @@ def check_keep_context(value: Any, per_row: bool, reuse: dict, attend_to: Any, k
 
 
 def context_split(
-    engine: EngineLike, prompt: PromptLike, row: list[int], chat: bool | None, spec: OutputSpec, policy: CompressionPolicy | None, question: str | None
+    engine: EngineLike, prompt: PromptLike, row: list[int], chat: bool | None, spec: OutputSpec, compression: Compression, question: str | None
 ) -> tuple[int, CompressionPolicy]:
     """Where a ``keep_context`` prompt's context ends (the question's first token) and the policy the
-    context is read with: the given one, its question window left to the context's own end."""
+    context is read with: ``compression``, its question window left to the context's own end, rolled
+    past the model's window where the context does not fit."""
+    try:
+        policy = as_policy(compression)
+    except InvalidCompressionError as exc:
+        raise InvalidCompressionError(f"keep_context: {exc}") from None
     if policy is None:
         raise InvalidGenerationParameterError("keep_context keeps a compressed context: give a compression policy", param=KEEP_CONTEXT_KEY)
     tail = question_tail_tokens(engine.tokenizer, prompt, chat=chat, question=question, tools=spec.tools if spec.renders_tools else (), with_space=True)
@@ -236,7 +247,8 @@ def context_split(
                 f"kvzip: the context ({context} tokens) and one repeated chunk ({repeat} with its prompt) need {context + repeat} "
                 f"positions, over the model's {limit}; lower repeat_chunk, shorten the context or use a policy without a repeat (expected:)"
             )
-    return context, policy.for_prompt(None) if policy.needs_question_span else policy
+    fitted = fit_to_window(policy, context, 0, engine.context_length) or policy
+    return context, fitted.for_prompt(None) if fitted.needs_question_span else fitted
 
 
 def prepare_batch(

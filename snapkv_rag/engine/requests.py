@@ -92,6 +92,7 @@ class Request:
     # keep_context: the prompt's context (its first tokens, before the question) is read without the
     # question, kept compressed, and read again by later prompts over the same context (None: off)
     context_tokens: int | None = None
+    context_policy: CompressionPolicy | None = None  # the policy the kept context is read with (row_policies: the question's cut, or None)
 
     def spec(self, row: int) -> OutputSpec:
         return self.specs[row] if self.specs else TEXT

@@ -161,6 +161,8 @@ def row_stats(
         policy_stats["low_rank_state_bytes"] //= run.batch_size
         policy_stats["low_rank_state_tokens"] = policy_stats["low_rank_state_bytes"] / info.kv_bytes_per_token
     settings = request.policy.settings() if request.policy is not None else None
+    if request.context_policy is not None:
+        settings = {**(settings or {}), "kept_context": request.context_policy.spec()}
     if settings is not None and isinstance(request.row_policies, list):
         settings["resolved_window_size"] = request.row_policies[row].query_window
         settings["resolved_window_sizes"] = [p.query_window for p in request.row_policies]  # rows of this batch
