@@ -4,7 +4,7 @@ it again with its own window).
 
 The history is the long-log agent's (connectors/langchain-snapkv/examples/long_log_agent.py): the
 system prompt, then per log part a user turn asking to read it, the assistant's ``read_log`` call, the
-tool's result (~200 tokens) and a short reply; ``--parts`` parts (16: about 4,000 tokens), eight of
+tool's result (~200 tokens) and a short reply; ``--parts`` parts (8: about 2,700 tokens; 16: 5,500), eight of
 which hold one ALERT line with its own error code. The agent is then asked, one question at a time,
 which error code each alert reported (the last user turn; the history is the same for all of them).
 Readings, at a budget of the history's tokens over ``--ratio`` (4):
@@ -20,7 +20,7 @@ Readings, at a budget of the history's tokens over ``--ratio`` (4):
 Per question: the answer, whether it quotes the code, end-to-end seconds, the call's kept K/V bytes
 and what the engine holds between questions (prefix cache and kept contexts).
 
-    .venv/bin/python -m eval kept_tool_log [--parts 16] [--ratio 4]
+    .venv/bin/python -m eval kept_tool_log [--parts 8] [--ratio 4]
 """
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ def log_part(part: int, alert: str | None) -> str:
 def history(parts: int, seed: int = 0) -> tuple[list[dict], list[tuple[str, str]]]:
     """The agent's messages and ``(question, error code)`` per alert."""
     rng = random.Random(seed)
-    alerted = list(range(1, parts + 1, 2))[:8]
+    alerted = {round(1 + i * (parts - 1) / 7) for i in range(8)}  # eight parts, evenly spread
     messages: list[dict] = [{"role": "system", "content": SYSTEM_PROMPT}]
     questions = []
     for part in range(1, parts + 1):
@@ -84,7 +84,7 @@ def history(parts: int, seed: int = 0) -> tuple[list[dict], list[tuple[str, str]
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m eval kept_tool_log", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--parts", type=int, default=16)
+    parser.add_argument("--parts", type=int, default=8)
     parser.add_argument("--ratio", type=int, default=4)
     parser.add_argument("--readings", nargs="+", choices=READINGS, default=list(READINGS))
     parser.add_argument("--out", type=Path, default=RESULTS / "kept_tool_log")
