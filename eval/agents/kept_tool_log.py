@@ -62,7 +62,7 @@ def log_part(part: int, alert: str | None) -> str:
 def history(parts: int, seed: int = 0) -> tuple[list[dict], list[tuple[str, str]]]:
     """The agent's messages and ``(question, error code)`` per alert."""
     rng = random.Random(seed)
-    alerted = {round(1 + i * (parts - 1) / 7) for i in range(8)}  # eight parts, evenly spread
+    alerted = list(range(1, parts + 1, max(1, parts // 8)))[:8]  # eight parts, evenly spread
     messages: list[dict] = [{"role": "system", "content": SYSTEM_PROMPT}]
     questions = []
     for part in range(1, parts + 1):
