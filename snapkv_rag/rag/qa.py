@@ -403,12 +403,14 @@ class DocumentQA:
         result = self.engine.generate(context.messages, **self.generation_kwargs(context, compression=compression, **sampling))
         return self.answer_from(context, result)
 
-    def follow_up(self, question: str, previous: StuffedContext | Answer, *, compression: Any = _DEFAULT, **sampling: Any) -> Answer:
+    def follow_up(self, question: str, previous: StuffedContext | Answer, *, compression: Any = _DEFAULT, keep_context: Any = True, **sampling: Any) -> Answer:
         """Ask ``question`` of the very documents an earlier answer read, compressed once for all such
         questions: the documents (the prompt before the question) are read under the policy without any
         question and kept (the engine's ``keep_context``, :mod:`snapkv_rag.reuse.kept_contexts`), so every
-        follow-up after the first reads only its own question. Citations by the ``attention`` route and
-        chunk reuse are not used here (the kept context is read once for every question)."""
+        follow-up after the first reads only its own question. ``keep_context``: a policy of its own for the
+        kept documents (``"expected:budget=2048"``), each question then cut to ``compression`` with its own
+        window. Citations by the ``attention`` route and chunk reuse are not used here (the kept context is
+        read once for every question)."""
         earlier = previous.context if isinstance(previous, Answer) else previous
         messages, question_text = build_messages(question, earlier.chunks, self.retriever.system_prompt)
         context = dataclasses.replace(
@@ -417,7 +419,7 @@ class DocumentQA:
         kwargs = self.generation_kwargs(context, compression=compression, **sampling)
         for key in ("reuse_segments", "segment_store", "recompute", "attend_to", "keep_texts", "prefix_cache"):
             kwargs.pop(key, None)
-        return self.answer_from(context, self.engine.generate(context.messages, keep_context=True, **kwargs))
+        return self.answer_from(context, self.engine.generate(context.messages, keep_context=keep_context, **kwargs))
 
     def stream(self, question: str, *, compression: Any = _DEFAULT, **sampling: Any) -> AnswerStream:
         context = self.retrieve(question)
