@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import InvalidCompressionError
-from .base import SparsePolicy, check_positive_int, reduce_groups, window_attention
+from .base import SparsePolicy, check_positive_int, group_queries
 from .snapkv import span_scores
 
 #: What the model is asked before each chunk it repeats.
@@ -73,11 +73,22 @@ class KVzip(SparsePolicy):
         """The most attention any of the repeat's ``queries`` (the last ``w`` positions of ``keys``) gives each of
         the first ``context`` keys: ``[b, kv_heads, context]``."""
         n, w = keys.shape[2], queries.shape[2]
-        best = torch.zeros(keys.shape[0], keys.shape[1], context, device=keys.device)
+        kv_heads, dim = keys.shape[1], keys.shape[3]
+        scale = dim**-0.5 if scaling is None else scaling
+        # the products in the model's own dtype (bf16 runs on the CPU's matrix units), the softmax in fp32
+        k = keys.transpose(-1, -2)[:, :, None]  # [b, kv, 1, d, n]
+        grouped = group_queries(queries, kv_heads).to(keys.dtype)  # [b, kv, group, w, d]
+        best = torch.full((keys.shape[0], kv_heads, context), float("-inf"), device=keys.device)
         for lo in range(0, w, self.query_chunk):
-            weights = window_attention(queries[:, :, lo : lo + self.query_chunk], keys, None, scaling, query_start=n - w + lo)
-            best = torch.maximum(best, reduce_groups(weights[..., :context].amax(dim=3), "max"))
-        return best
+            chunk = grouped[:, :, :, lo : lo + self.query_chunk]
+            logits = (chunk @ k).float() * scale  # [b, kv, group, c, n]
+            position = n - w + lo + torch.arange(chunk.shape[3], device=keys.device)
+            later = torch.arange(n, device=keys.device)[None, :] > position[:, None]  # causal: only the repeat's own later keys
+            logits[..., context:].masked_fill_(later[:, context:], float("-inf"))
+            # each context key's weight is exp(logit - logsumexp): its most over the chunk's queries and the group's heads
+            relative = logits[..., :context] - logits.logsumexp(dim=-1, keepdim=True)
+            best = torch.maximum(best, relative.flatten(2, 3).amax(dim=2))
+        return best.exp()
 
     def keep(self, scores: torch.Tensor) -> torch.Tensor:
         """The kept positions ``[b, kv_heads, min(context, budget)]`` (ascending) from the repeat's ``scores [b, kv_heads, context]``."""
