@@ -314,7 +314,7 @@ class Engine:
                 read_policy,
                 self._pad_id,
                 request.constraint,
-                self._prefix_cache_for(request.use_prefix_cache),
+                self._prefix_cache_for(request.use_prefix_cache and kept_policy is None),  # a kept context holds the compressed K/V alone
                 segments=request.segments,
                 eos_ids=self._eos_ids,
                 attention_spans=request.attention_spans,
