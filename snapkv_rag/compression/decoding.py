@@ -60,6 +60,13 @@ class DecodeCutPolicy(Protocol):
     ) -> torch.Tensor: ...
 
 
+def keep_entries(layer, indices: torch.Tensor) -> None:
+    """Shrink a cache layer to the entries at ``indices [batch, kv_heads, k]`` (per head, ascending)."""
+    gather = indices.unsqueeze(-1).expand(-1, -1, -1, layer.keys.shape[-1])
+    layer.keys = layer.keys.gather(2, gather)
+    layer.values = layer.values.gather(2, gather)
+
+
 def layer_entries(layer) -> int:
     """Entries a cache layer holds now (a sliding-window layer may hold fewer than it has seen;
     a layer with per-head budgets: the mean over its heads)."""
@@ -111,9 +118,7 @@ class DecodeCompaction:
             indices = self._select(layer_idx, layer.keys, mask)
             dropped = layer.keys.shape[0] * layer.keys.shape[1] * (layer.keys.shape[2] - indices.shape[-1])
             evicted(layer_idx, layer.keys, layer.values, indices, mask)
-            gather = indices.unsqueeze(-1).expand(-1, -1, -1, layer.keys.shape[-1])
-            layer.keys = layer.keys.gather(2, gather)
-            layer.values = layer.values.gather(2, gather)
+            keep_entries(layer, indices)
             self.evicted_entries += dropped
             if mask is not None and kept_mask is mask:
                 kept_mask = mask.gather(1, indices[:, 0])

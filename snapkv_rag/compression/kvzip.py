@@ -26,6 +26,7 @@ import torch
 
 from ..errors import InvalidCompressionError
 from .base import SparsePolicy, check_positive_int, group_queries
+from .decoding import keep_entries
 from .snapkv import span_scores
 
 #: What the model is asked before each chunk it repeats.
@@ -126,8 +127,5 @@ class RepeatScores:
         for layer_idx, scores in self.best.items():
             layer = cache.layers[layer_idx]
             indices = self.policy.keep(scores)
-            if indices.shape[-1] == layer.keys.shape[2]:
-                continue
-            gather = indices.unsqueeze(-1).expand(-1, -1, -1, layer.keys.shape[-1])
-            layer.keys = layer.keys.gather(2, gather)
-            layer.values = layer.values.gather(2, gather)
+            if indices.shape[-1] < layer.keys.shape[2]:
+                keep_entries(layer, indices)

@@ -21,6 +21,7 @@ import torch
 from ..errors import InvalidCompressionError
 from ..model.portable import portable_enabled
 from .base import CompressionPolicy, window_attention
+from .decoding import keep_entries
 from .own_attention import mask_decode_scores
 from .quantized import active_quantized_layer
 from .ragged import RaggedHeadsLayer, active_ragged_layer
@@ -370,9 +371,7 @@ class PrefillCompression:
         layer = self.cache.layers[layer_idx]
         if self.state is not None:
             self.state.evicted(layer_idx, layer.keys, layer.values, indices, self.attention_mask, query, scaling)
-        gather = indices.unsqueeze(-1).expand(-1, -1, -1, layer.keys.shape[-1])
-        layer.keys = layer.keys.gather(2, gather)
-        layer.values = layer.values.gather(2, gather)
+        keep_entries(layer, indices)
 
 
 @dataclass(frozen=True)

@@ -544,8 +544,7 @@ class DecodeRun:
             list(self.cache.layers),
             self._last_position.clone(),
             self.policy_state,
-            self.timings.prefill_seconds,
-            {"rolling": self.rolling},
+            self.rolling,
             nbytes=cache_bytes(self.cache),
         )
 
@@ -558,7 +557,7 @@ class DecodeRun:
         layers, self.policy_state = kept.copy()
         self.cache.layers[:] = layers
         self._last_position = kept.last_position.clone().to(self.device)
-        self.rolling = kept.extra.get("rolling")
+        self.rolling = kept.rolling
         self.reused_tokens = [len(self.rows[0])]
         self.timings.prefill_seconds = 0.0
         self.record_kept()

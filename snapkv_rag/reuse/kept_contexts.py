@@ -20,7 +20,7 @@ import copy
 import hashlib
 import threading
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -37,8 +37,7 @@ class KeptContext:
     layers: list[Any]  # the cache's layers after compression
     last_position: torch.Tensor  # [1, 1]: the position the context's last token was read at
     policy_state: Any = None  # the policy's decode-time state after the prefill (LESS, decode-time cuts)
-    prefill_seconds: float = 0.0  # what reading the context cost the first time
-    extra: dict[str, Any] = field(default_factory=dict)  # the run's statistics of the prefill (rolling, reuse)
+    rolling: Any = None  # a rolled read's RollingStats (None: read in one window)
     nbytes: int = 0  # the cache's bytes, as the engine counts them
 
     def copy(self) -> tuple[list[Any], Any]:
