@@ -166,6 +166,10 @@ def _fast_decode(module, query, kwargs) -> bool:
 
 def _make_attention(base_fn):
     def attention(module, query, key, value, attention_mask, **kwargs):
+        if torch.compiler.is_compiling():
+            # the compiled decode step (snapkv_rag.engine.compiled_decode): one token per row over a
+            # static cache, nothing listening; the same kernel as the eager decode path
+            return decode_attention(module, query, key, value, attention_mask, **kwargs)
         last = _EXIT_AFTER.get()
         if last is not None and module.layer_idx > last:
             raise LayersDone(last)

@@ -22,6 +22,7 @@ from ..reuse.prefix_cache import ADMISSIONS, PrefixCache, default_prefix_cache_b
 from ..reuse.segment_store import SegmentKVStore, model_signature
 from ..tools.call_gate import CallGate, CallScores
 from ..tools.calls import TEXT, OutputSpec, build_output_spec
+from .compiled_decode import CompiledDecode, compile_from_environment
 from .finishing import row_results
 from .generation import DecodeRun
 from .info import ModelInfo, context_length, eos_token_ids, model_info, vocab_size
@@ -71,6 +72,7 @@ class Engine:
         prefix_cache_admission: str = "repeat",
         invariant: bool | None = None,
         invariant_chunk_tokens: int = DEFAULT_INVARIANT_CHUNK,
+        compile_decode: bool | None = None,
     ):
         """``prefix_cache_bytes``: bound of the prefix cache (uncompressed K/V of recent
         prompts, reused by later prompts that start with the same tokens); None for the
@@ -88,7 +90,9 @@ class Engine:
         the invariant mode (:mod:`snapkv_rag.engine.invariant`: a greedy request's tokens do not
         depend on the prefix cache, batching, streaming, arrival order or drafts, in bf16 too);
         None reads ``SNAPKV_RAG_INVARIANT`` (off unless ``1``). ``invariant_chunk_tokens``: its
-        prefill chunk."""
+        prefill chunk. ``compile_decode``: batches of plain caches decode through a compiled step
+        over static buffers (:mod:`snapkv_rag.engine.compiled_decode`; the first step of a new shape
+        compiles, tens of seconds cold); None reads ``SNAPKV_RAG_COMPILE_DECODE`` (off unless ``1``)."""
         if prefix_cache_admission not in ADMISSIONS:
             raise ValueError(f"prefix_cache_admission must be one of {ADMISSIONS}, got {prefix_cache_admission!r}")
         register_attention_functions()
@@ -108,7 +112,8 @@ class Engine:
         # writes (None), or a CallGate fitted for it (opt-in; snapkv_rag.tools.call_gate has the numbers).
         self.call_gate: CallGate | None = None
         self.call_scorer = CallScorer(tokenizer, self._teacher_force_row)
-        self._scheduler = Scheduler(self.model, default_max_batch_size(self.device))
+        self.compiled_decode = CompiledDecode(self.model, compile_from_environment() if compile_decode is None else bool(compile_decode))
+        self._scheduler = Scheduler(self.model, default_max_batch_size(self.device), self.compiled_decode)
         if max_batch_size is not None:
             self.max_batch_size = max_batch_size
         self.prefill_chunk_tokens = checked_prefill_chunk_tokens(prefill_chunk_tokens, self.device)
@@ -151,6 +156,7 @@ class Engine:
         pack_weights: bool | None = None,
         adapter: str | None = "auto",
         device_map: str | dict[str, Any] | None = None,
+        compile_decode: bool | None = None,
     ) -> Engine:
         """A hub id, a local model directory, a ``.gguf`` file, or ``"default"``.
 
@@ -166,7 +172,7 @@ class Engine:
         False keeps PyTorch's plain layout. ``device_map``: layers spread over several devices
         (``"auto"`` for the visible GPUs; :func:`snapkv_rag.model.loading.load_model_and_tokenizer`).
         ``prefix_cache_bytes``, ``max_batch_size``, ``prefill_chunk_tokens``,
-        ``prefix_cache_admission`` and ``invariant`` as in :class:`Engine` (None: their defaults)."""
+        ``prefix_cache_admission``, ``invariant`` and ``compile_decode`` as in :class:`Engine` (None: their defaults)."""
         if attn_implementation not in WRAPPED_IMPLEMENTATIONS:
             raise ValueError(f"attn_implementation must be one of {WRAPPED_IMPLEMENTATIONS}, got {attn_implementation!r}")
         model, tokenizer, _ = load_model_and_tokenizer(
@@ -189,6 +195,7 @@ class Engine:
             prefill_chunk_tokens=prefill_chunk_tokens,
             prefix_cache_admission=prefix_cache_admission,
             invariant=invariant,
+            compile_decode=compile_decode,
         )
 
     # ----------------------------------------------------------------- introspection
@@ -205,7 +212,9 @@ class Engine:
         return context_length(self.model)
 
     def info(self) -> ModelInfo:
-        return dataclasses.replace(model_info(self.model, self.name, self._parameter_count), invariant=self.invariant)
+        return dataclasses.replace(
+            model_info(self.model, self.name, self._parameter_count), invariant=self.invariant, compiled_decode=self.compiled_decode.refusal() or "on"
+        )
 
     def count_tokens(self, prompt: PromptLike, *, chat: bool | None = None, tools: Any = None) -> int:
         spec = build_output_spec(tools) if tools else TEXT

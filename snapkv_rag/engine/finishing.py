@@ -29,7 +29,7 @@ def row_results(member: Member, request: Request, cancelled: bool, peak: PeakMem
             text=t.text,
             finish_reason="cancelled" if cancelled and not t.finished else (t.finish_reason or "length"),
             usage=Usage(prompt_tokens=len(row), completion_tokens=t.generated),
-            stats=replace(stats, decode_batch_rows_max=member.batch_rows_max),
+            stats=replace(stats, decode_batch_rows_max=member.batch_rows_max, decode_step=member.decode_step()),
             token_ids=list(t.token_ids),
             span_attention=list(run.span_attention.rows) if run.span_attention is not None else None,
         )

@@ -28,6 +28,7 @@ class ModelInfo:
     weight_layout: str = "plain"
     adapter: str | None = None  # the LoRA adapter merged at load (its directory), None for the bare model
     invariant: bool = False  # the engine's invariant mode (snapkv_rag.engine.invariant): greedy output independent of reuse and batching
+    compiled_decode: str = "off"  # "on": batches decode through the compiled step (snapkv_rag.engine.compiled_decode), else why not
 
     @property
     def kv_bytes_per_token(self) -> int:

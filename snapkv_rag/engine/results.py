@@ -88,6 +88,7 @@ class GenerationStats:
     decode_batch_rows_max: int = 0  # continuous batching: the most rows decoded in one forward with this request's
     duplicate_tool_calls: bool = False  # the model repeated a call of this turn; the repeat was dropped and the turn ended
     weights: str = "native"  # the linear layers' weights: "native" (the dtype's) or "int8" (weight-only)
+    decode_step: str = "none"  # "compiled", "eager (why not compiled)", or both with their counts (snapkv_rag.engine.compiled_decode)
     tool_decision: dict[str, Any] | None = None  # tool_choice="auto" under a call gate: the tool chosen (None: prose), its score, the threshold
     span_attention: str | None = None  # attend_to: "recorded (N spans)", or why it was not (None: not asked)
     protected_prompt_tokens: int = 0  # keep_texts: their prompt tokens (kept by every compressed layer, as many as fit)

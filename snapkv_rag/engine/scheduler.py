@@ -51,6 +51,7 @@ from ..compression.quantized import cache_kv_bits
 from ..model.device_clock import device_clock
 from ..model.openmp import release_thread_pool
 from ..tools.calls import ToolCallStream
+from .compiled_decode import HEADROOM, CompiledDecode, StaticBatch
 from .detokenize import SequenceText
 from .generation import cache_bytes, choose_tokens, model_forward
 from .lookup import Drafter, draft_blocker, draft_input, drop_last
@@ -99,6 +100,9 @@ class Member:
         self.drafter: Drafter | None = None  # prompt-lookup drafts (None: not asked, or not exact here)
         self.draft_off: str | None = None  # why drafts were asked for and not used
         self.accepted_last = 0  # draft tokens the latest forward accepted
+        self.compiled_steps = 0  # decode forwards that ran the compiled step
+        self.eager_steps = 0
+        self.eager_reason: str | None = None  # why the latest eager forward was not compiled
         if self.params.prompt_lookup_num_tokens:
             self.draft_off = draft_blocker(run, self.params)
             if self.draft_off is None:
@@ -142,6 +146,20 @@ class Member:
                 self.texts[i].end()  # a repeated call: the turn's calls are all written
         if self.drafter is not None:
             self.drafter.generated(tokens[0])
+
+    def ran(self, compiled: bool, reason: str | None = None) -> None:
+        if compiled:
+            self.compiled_steps += 1
+        else:
+            self.eager_steps += 1
+            self.eager_reason = reason
+
+    def decode_step(self) -> str:
+        """How this member's decode forwards ran: ``"compiled"``, ``"eager (why)"`` or both, counted."""
+        if not self.eager_steps:
+            return "compiled" if self.compiled_steps else "none"
+        eager = f"eager ({self.eager_reason})" if self.eager_reason else "eager"
+        return f"{self.compiled_steps} compiled, {self.eager_steps} {eager}" if self.compiled_steps else eager
 
     def drafts_stats(self) -> dict[str, Any] | None:
         """What drafting did (None: not asked for)."""
@@ -216,23 +234,37 @@ def _pad_left(tensor: torch.Tensor, width: int, dim: int) -> torch.Tensor:
 class SharedGroup:
     """Requests with plain K/V caches, decoding as one left-padded batch."""
 
-    def __init__(self, model) -> None:
+    def __init__(self, model, compiled: CompiledDecode | None = None) -> None:
         self.model = model
+        self.compiled = compiled
         self.members: list[Member] = []
         self.cache: Any = None
         self.mask: torch.Tensor | None = None  # [rows, width]: 1 = a real entry; None = no padding
         self.positions: torch.Tensor | None = None  # [rows, 1]: each row's latest position
+        # while decoding compiled, the entries live here (the cache's layers are empty) until a
+        # change of rows, a draft or a read of the cache puts them back (_to_dynamic)
+        self.static: StaticBatch | None = None
 
     @staticmethod
-    def accepts(run: DecodeRun) -> bool:
-        return (
-            not run.invariant  # the invariant mode decodes every request in a forward of its own
-            and run.policy_state is None
-            and run.span_attention is None
-            and not run.ragged_heads
-            and not any(run.sliding)
-            and len(set(run.kept_tokens_per_layer)) == 1
-        )
+    def refusal(run: DecodeRun) -> str | None:
+        """Why ``run`` cannot decode in a shared batch (None: it can)."""
+        if run.invariant:
+            return "the invariant mode decodes each request alone"
+        if run.policy_state is not None:
+            return "the policy keeps state while decoding (LESS, decode-time cuts)"
+        if run.span_attention is not None:
+            return "span attention is recorded"
+        if run.ragged_heads:
+            return "per-head budgets"
+        if any(run.sliding):
+            return "sliding-window layers"
+        if len(set(run.kept_tokens_per_layer)) != 1:
+            return "per-layer budgets"
+        return None
+
+    @classmethod
+    def accepts(cls, run: DecodeRun) -> bool:
+        return cls.refusal(run) is None
 
     @property
     def rows(self) -> int:
@@ -240,6 +272,8 @@ class SharedGroup:
 
     @property
     def width(self) -> int:
+        if self.static is not None:
+            return self.static.width
         return layer_entries(self.cache.layers[0]) if self.cache is not None else 0
 
     def fits(self, run: DecodeRun) -> bool:
@@ -254,6 +288,7 @@ class SharedGroup:
         return b <= 2 * a + 64
 
     def add(self, member: Member) -> None:
+        self._to_dynamic()
         cache, mask, positions = member.run.hand_over()
         if not self.members:
             self.cache, self.mask, self.positions = cache, mask, positions
@@ -278,6 +313,12 @@ class SharedGroup:
             self._drop_dead_columns()
         self.members.append(member)
 
+    def held_bytes(self) -> int:
+        """The K/V this group holds (padding included; the static buffers' whole capacity while compiled)."""
+        if self.static is not None:
+            return self.static.nbytes
+        return cache_bytes(self.cache) if self.cache is not None else 0
+
     def _row_slices(self) -> dict[int, slice]:
         slices, start = {}, 0
         for m in self.members:
@@ -288,10 +329,12 @@ class SharedGroup:
     def kv_bytes(self, member: Member) -> int:
         """The member's real cached entries (padding excluded), all layers."""
         rows = self._row_slices()[id(member)]
-        entries = int(self.mask[rows].sum()) if self.mask is not None else member.rows * self.width
+        mask = self.static.valid[:, : self.static.width] if self.static is not None else self.mask
+        entries = int(mask[rows].sum()) if mask is not None else member.rows * self.width
         return round(entries * sum(member.run.token_bytes_per_layer))
 
     def remove(self, gone: list[Member]) -> None:
+        self._to_dynamic()
         slices = self._row_slices()
         staying = [m for m in self.members if m not in gone]
         if not staying:
@@ -324,18 +367,58 @@ class SharedGroup:
         """One forward for every row; ``tokens`` per member, in member order. A lone drafting
         member's forward checks its draft too."""
         if len(self.members) == 1 and self.members[0].drafter is not None:
+            self._to_dynamic()
             if self.members[0].draft_step(tokens[0], self._extend_all, self._drop_last):
+                self.members[0].ran(False, "a draft is checked eager")
                 return
         for m in self.members:
             if m.drafter is not None and len(self.members) > 1:
                 m.drafter.record(0, 0)
                 m.drafter.stats.shared_steps += 1
-        logits = self._extend(torch.cat(tokens)[:, None])[:, -1]
+        logits, reason = self._decode(torch.cat(tokens))
         for m, part in zip(self.members, logits.split([m.rows for m in self.members])):
             m.logits = part
+            m.ran(reason is None, reason)
+
+    def _decode(self, tokens: torch.Tensor) -> tuple[torch.Tensor, str | None]:
+        """One token per row ``[rows]``: the logits ``[rows, vocab]``, and why the step ran eager
+        (None: it ran compiled)."""
+        reason = self._compiled_refusal()
+        if reason is None:
+            assert self.compiled is not None and self.positions is not None
+            if self.static is not None and self.static.full:
+                self._to_dynamic()
+            if self.static is None:
+                remaining = max(m.params.max_new_tokens - m.steps for m in self.members)
+                self.static = self.compiled.load(self.cache, self.mask, min(remaining, HEADROOM))
+                for layer in self.cache.layers:  # the buffers hold the entries now
+                    layer.keys, layer.values = layer.keys.new_empty(0), layer.values.new_empty(0)
+            positions = self.positions + 1
+            logits = self.compiled.step(self.static, tokens, positions)
+            if logits is not None:
+                self.positions = positions
+                return logits, None
+            reason = self.compiled.refusal()
+        self._to_dynamic()
+        return self._extend(tokens[:, None])[:, -1], reason
+
+    def _compiled_refusal(self) -> str | None:
+        if self.compiled is None:
+            return "compile_decode is off"
+        reason = self.compiled.refusal()
+        if reason is None and cache_kv_bits(self.cache) is not None:
+            reason = "kv_bits: quantized entries decode eager"
+        return reason
+
+    def _to_dynamic(self) -> None:
+        """Give the entries back to the cache's layers (views of the static buffers)."""
+        if self.static is not None:
+            self.mask = self.static.unload(self.cache)
+            self.static = None
 
     def _extend(self, tokens: torch.Tensor, *, last_only: bool = True) -> torch.Tensor:
         """Append ``tokens [rows, t]`` after every row's latest position; their logits."""
+        self._to_dynamic()
         assert self.positions is not None
         t = tokens.shape[1]
         positions = self.positions + 1 + torch.arange(t, device=tokens.device)
@@ -350,6 +433,7 @@ class SharedGroup:
     def _drop_last(self, count: int) -> None:
         if count <= 0:
             return
+        self._to_dynamic()
         assert self.positions is not None
         drop_last(self.cache, count)
         self.positions = self.positions - count
@@ -361,8 +445,9 @@ class SoloGroup:
     """One request decoding on its own cache (its policy keeps state between steps, or the
     model has sliding-window layers)."""
 
-    def __init__(self, member: Member):
+    def __init__(self, member: Member, reason: str | None = None):
         self.members = [member]
+        self.reason = reason  # why it decodes alone, hence eager
 
     @property
     def rows(self) -> int:
@@ -377,6 +462,7 @@ class SoloGroup:
     def step(self, tokens: list[torch.Tensor]) -> None:
         (member,) = self.members
         run = member.run
+        member.ran(False, self.reason)
         if member.drafter is not None and member.draft_step(tokens[0], run.extend_all, run.drop_last):
             run.after_step()
             return
@@ -431,8 +517,9 @@ class SchedulerStats:
 class Scheduler:
     """The engine's model worker: tasks and decode steps, in one thread (see the module doc)."""
 
-    def __init__(self, model, max_batch_size: int) -> None:
+    def __init__(self, model, max_batch_size: int, compiled: CompiledDecode | None = None) -> None:
         self.max_batch_size = max_batch_size
+        self.compiled = compiled  # the compiled decode step shared groups use (None: eager)
         self._model = model
         self._device = next(model.parameters()).device if model is not None else torch.device("cpu")
         self._cv = threading.Condition()
@@ -494,12 +581,13 @@ class Scheduler:
         """Start decoding ``member`` (from inside a task, in the worker)."""
         assert self.on_worker(), "join() is called by a task, in the worker"
         member.logits = member.run.last_logits
-        if not SharedGroup.accepts(member.run):
-            self._groups.append(SoloGroup(member))
+        refusal = SharedGroup.refusal(member.run)
+        if refusal is not None:
+            self._groups.append(SoloGroup(member, refusal))
             return
         group = next((g for g in self._groups if isinstance(g, SharedGroup) and g.fits(member.run)), None)
         if group is None:
-            group = SharedGroup(self._model)
+            group = SharedGroup(self._model, self.compiled)
             self._groups.append(group)
         try:
             group.add(member)
@@ -522,7 +610,7 @@ class Scheduler:
         kv = 0
         for g in groups:
             try:
-                kv += cache_bytes(g.cache) if isinstance(g, SharedGroup) and g.cache is not None else sum(cache_bytes(m.run.cache) for m in g.members)
+                kv += g.held_bytes() if isinstance(g, SharedGroup) else sum(cache_bytes(m.run.cache) for m in g.members)
             except (AttributeError, RuntimeError):  # changed under us mid-step
                 pass
         return SchedulerStats(len(members), sum(m.rows for m in members), len(self._tasks), self._decode_steps, self._decoded_rows, kv)

@@ -19,7 +19,9 @@ trains through the model) goes through :func:`unpacked_linears`, which puts plai
 
 from __future__ import annotations
 
+import itertools
 import threading
+import weakref
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
@@ -40,6 +42,24 @@ def packing_available(dtype: torch.dtype) -> bool:
     return dtype != torch.bfloat16 or bool(ops._is_mkldnn_bf16_supported())
 
 
+# A compiled graph cannot take an opaque mkldnn tensor as an input, and Inductor's own lowering of
+# oneDNN's linear expects a weight it froze itself. So a compiled forward multiplies through this
+# op, which names the packed weight by a handle: the graph holds an int, the kernel is oneDNN's.
+_PACKED_WEIGHTS: weakref.WeakValueDictionary[int, PackedLinear] = weakref.WeakValueDictionary()
+_HANDLES = itertools.count()
+
+
+@torch.library.custom_op("snapkv::packed_linear", mutates_args=())
+def packed_linear_op(x: torch.Tensor, handle: int, out_features: int) -> torch.Tensor:
+    """``x @ W.T`` for the packed weight registered under ``handle`` (no bias)."""
+    return torch.ops.mkldnn._linear_pointwise(x, _PACKED_WEIGHTS[handle].packed, None, "none", [], "")
+
+
+@packed_linear_op.register_fake
+def _packed_linear_shape(x: torch.Tensor, handle: int, out_features: int) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], out_features))
+
+
 class PackedLinear(nn.Module):
     """``nn.Linear`` (CPU, fp32 or bf16) with its weight in oneDNN's blocked layout."""
 
@@ -56,6 +76,8 @@ class PackedLinear(nn.Module):
         # an opaque mkldnn tensor: kept as a plain attribute, since Module.to()/state_dict() cannot handle it
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous())
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
+        self.handle = next(_HANDLES)
+        _PACKED_WEIGHTS[self.handle] = self
 
     @property
     def weight(self) -> torch.Tensor:
@@ -73,6 +95,9 @@ class PackedLinear(nn.Module):
         return self.packed_product(x)
 
     def packed_product(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_compiling():
+            out = packed_linear_op(x, self.handle, self.out_features)
+            return out if self.bias is None else out + self.bias
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
     def to_linear(self) -> nn.Linear:
@@ -118,8 +143,19 @@ class FusedLinears:
             self.bounds.append((start, start + w.shape[0]))
             start += w.shape[0]
         self._local = threading.local()
+        self._traced: tuple[torch.Tensor, torch.Tensor, list[int]] | None = None
 
     def output(self, x: torch.Tensor, index: int) -> torch.Tensor:
+        start, stop = self.bounds[index]
+        if torch.compiler.is_compiling():
+            # traced once per graph: a plain attribute, None again when the last member took its part
+            held = self._traced
+            if held is None or held[0] is not x:
+                held = self._traced = (x, self.packed.packed_product(x), [])
+            held[2].append(index)
+            if len(held[2]) == len(self.bounds):
+                self._traced = None
+            return held[1][..., start:stop]
         local = self._local
         served = getattr(local, "served", None)
         if getattr(local, "x", None) is not x or served is None or index in served:
@@ -130,7 +166,6 @@ class FusedLinears:
         served.add(index)
         if len(served) == len(self.bounds):
             local.x = local.out = local.served = None
-        start, stop = self.bounds[index]
         return out[..., start:stop]
 
 
