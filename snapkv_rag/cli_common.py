@@ -28,6 +28,13 @@ def add_model_args(p: argparse.ArgumentParser, *, json_output: bool = True, adap
         default=None,
         help="greedy output that does not depend on the prefix cache, batching or drafts, in bf16 too (default: $SNAPKV_RAG_INVARIANT, else off)",
     )
+    p.add_argument(
+        "--compile-decode",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="decode through a compiled step over static buffers (torch.compile; the first request compiles, tens of seconds cold, "
+        "cached on disk after; default: $SNAPKV_RAG_COMPILE_DECODE, else off)",
+    )
     if weights:
         p.add_argument(
             "--weights", default=None, help="native (default) or int8: weight-only int8 linear layers on the CPU, faster decode, slightly less exact"
@@ -65,7 +72,7 @@ def load_engine(args: argparse.Namespace, **options):
         weights=getattr(args, "weights", None),
         adapter=chosen_adapter(args),
         attn_implementation=getattr(args, "attn_implementation", "sdpa"),
-        **{"invariant": getattr(args, "invariant", None), **options},
+        **{"invariant": getattr(args, "invariant", None), "compile_decode": getattr(args, "compile_decode", None), **options},
     )
 
 

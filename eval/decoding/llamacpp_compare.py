@@ -57,22 +57,29 @@ def corpus_prompt(tokenizer, tokens: int) -> str:
 
 
 def parse_engine_config(config: str) -> tuple[str, str, list[str]]:
-    """``dtype/weights[/plain]`` as ``(dtype, weights, options)``; a bad one exits with one line."""
+    """``dtype/weights[/plain][/compiled]`` as ``(dtype, weights, options)``; a bad one exits with one line."""
     parts = config.split("/")
-    if len(parts) < 2 or not all(parts[:2]) or set(parts[2:]) - {"plain"}:
-        raise SystemExit(f"bad engine configuration {config!r}: dtype/weights[/plain], e.g. bfloat16/native/plain")
+    if len(parts) < 2 or not all(parts[:2]) or set(parts[2:]) - {"plain", "compiled"}:
+        raise SystemExit(f"bad engine configuration {config!r}: dtype/weights[/plain][/compiled], e.g. bfloat16/native/compiled")
     return parts[0], parts[1], parts[2:]
 
 
 def engine_worker(config: str, length: int, tokens: int, threads: int) -> None:
-    """Child process: the engine in ``dtype/weights[/plain]``, both cache methods on one prompt; prints JSON.
+    """Child process: the engine in ``dtype/weights[/plain][/compiled]``, both cache methods on one prompt; prints JSON.
 
-    ``/plain`` keeps PyTorch's plain weight layout (the default packs the CPU's linear weights for oneDNN)."""
+    ``/plain`` keeps PyTorch's plain weight layout (the default packs the CPU's linear weights for oneDNN);
+    ``/compiled`` decodes through the compiled step (``compile_decode=True``), compiled by a short
+    request first (its time, from the on-disk cache where an earlier run left one, is ``compile_s``)."""
     from snapkv_rag import Engine
 
     torch.set_num_threads(threads)
     dtype, weights, options = parse_engine_config(config)
-    engine = Engine.default(dtype=dtype, weights=weights, pack_weights=False if "plain" in options else None)
+    engine = Engine.default(dtype=dtype, weights=weights, pack_weights=False if "plain" in options else None, compile_decode="compiled" in options)
+    compile_s = None
+    if "compiled" in options:
+        start = time.perf_counter()
+        engine.generate(corpus_prompt(engine.tokenizer, 64), max_new_tokens=4, ignore_eos=True, prefix_cache=False)
+        compile_s = round(time.perf_counter() - start, 1)
     prompt = corpus_prompt(engine.tokenizer, length)
     rows = []
     for label, spec in ENGINE_METHODS:
@@ -83,6 +90,8 @@ def engine_worker(config: str, length: int, tokens: int, threads: int) -> None:
                 "prompt_tokens": result.usage.prompt_tokens,
                 "prefill_s": result.stats.prefill_seconds,
                 "decode_ms": result.stats.decode_ms_per_token,
+                "decode_step": result.stats.decode_step,
+                "compile_s": compile_s,
             }
         )
     print(json.dumps(rows))
@@ -203,6 +212,10 @@ def main(argv: list[str] | None = None) -> int | None:
             rows = [r for r in records if r["runner"] == name and r["length"] == n]
             cells += [f"{statistics.median(r['prefill_s'] for r in rows):.1f} s", f"{statistics.median(r['decode_ms'] for r in rows):.1f} ms"]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    compiled = [r for r in records if r.get("compile_s") is not None and r["runner"].startswith(ENGINE_METHODS[0][0])]
+    if compiled:
+        lines += ["", "Compiled step's first short request per child process (tracing and compiling, or loading from the on-disk cache), in run order: "]
+        lines[-1] += ", ".join(f"{r['compile_s']} s" for r in compiled) + "."
     command = f"--lengths {args.lengths} --tokens {args.tokens} --rounds {args.rounds} --engines {args.engines}" + (
         " --engine-only" if args.engine_only else ""
     )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+import time
 from collections.abc import Callable, Generator, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -245,6 +246,17 @@ class Engine:
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise InvalidGenerationParameterError(f"max_batch_size must be an integer >= 1, got {value!r}", param="max_batch_size")
         self._scheduler.max_batch_size = value
+
+    def warm_compiled_decode(self) -> float | None:
+        """Compile the decode step for a batch of one and of several rows now (a server before its
+        first request), from the on-disk cache where an earlier process left it; the seconds it took
+        (None: the step is not compiled here)."""
+        if not self.compiled_decode.usable:
+            return None
+        start = time.perf_counter()
+        for rows in (1, 2):
+            self.generate_batch(["warm up"] * rows, max_new_tokens=3, ignore_eos=True, prefix_cache=False)
+        return time.perf_counter() - start
 
     def scheduler_stats(self) -> SchedulerStats:
         """Running requests and rows, waiting prefills, decode steps and rows so far, K/V bytes in use."""

@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import functools
 import os
+import sys
 
 from ..errors import SnapKVRagError
 from .defaults import DEFAULT_BODY_TIMEOUT
@@ -111,7 +112,11 @@ def load_served_engine(args: argparse.Namespace):
         prefix_cache_admission=getattr(args, "prefix_cache_admission", "repeat"),
         attn_implementation=getattr(args, "attn_implementation", "sdpa"),
         invariant=getattr(args, "invariant", None),
+        compile_decode=getattr(args, "compile_decode", None),
     )
+    if engine.compiled_decode.usable:
+        seconds = engine.warm_compiled_decode()
+        print(f"compiled decode step ready in {seconds:.1f} s", file=sys.stderr, flush=True)
     if args.max_batch_size is not None:
         engine.max_batch_size = args.max_batch_size
     if args.prefill_chunk_tokens is not None:
