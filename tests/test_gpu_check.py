@@ -36,6 +36,8 @@ def test_tiny_mode_runs_every_part_on_the_cpu(tmp_path, one_thread):
     compare = [row for row in by_name["device_vs_cpu"]["rows"] if row.get("status") == "ok"]
     assert len(compare) >= 12 and all(row["equal"] and row["kept_equal"] for row in compare)  # the CPU against itself
     assert all(row["max_logit_gap"] == 0 for row in compare if row.get("max_logit_gap") is not None)
+    compiled = [row for row in by_name["compiled_decode"]["rows"] if row.get("status") == "ok"]
+    assert len(compiled) == 8 and all(row["same_tokens"] and row["decode_step"] == "compiled" for row in compiled), compiled
     oom = by_name["concurrency_oom"]["summary"]
     assert oom["oom_raised"] and oom["served_after"]
     table = (tmp_path / "table.md").read_text()

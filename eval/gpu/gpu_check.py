@@ -153,6 +153,7 @@ FULL = Sizes(
         "preflight": 5,
         "device_vs_cpu": 20,
         "decode_speed": 40,
+        "compiled_decode": 60,
         "prefill_memory": 10,
         "rolling_prefill": 15,
         "kv_reuse_drafts": 15,
@@ -775,6 +776,76 @@ def decode_speed(check: Check) -> dict[str, Any]:
     return {"summary": summary, "rows": rows, "columns": columns}
 
 
+def compiled_decode(check: Check) -> dict[str, Any]:
+    """Issue 74's GPU figures: the compiled decode step (CUDA graphs on a GPU) against the eager one on
+    the big model, batch 1 and 8, the short and long lengths, the full cache and SnapKV at the first
+    budget, each beside its bandwidth floor; greedy tokens compared between the two."""
+    from snapkv_rag import Engine
+
+    s, big = check.sizes, check.big()
+    bandwidth = copy_bandwidth(check)
+    compiled = Engine(big.model, check.tokenizer, name=big.label, compile_decode=True)
+    warm, warm_s = timed(check, compiled.warm_compiled_decode)
+    rows: list[dict[str, Any]] = []
+    short, long = s.speed_lengths
+    one, _, eight = s.speed_batches
+    new_tokens = max(s.new_tokens, 8)
+    for length, batch in [(short, one), (long, one), (short, eight), (long, eight)]:
+        prompt = check.passage(length)
+        for spec in [f"snapkv:budget={s.speed_budgets[0]},window={s.speed_window}", None]:
+            row: dict[str, Any] = {"length": length, "batch": batch, "policy": "full" if spec is None else f"snapkv {s.speed_budgets[0]}"}
+            rows.append(row)
+            if not check.fits(2 * length * batch * (0.0 if check.tiny else 6e-5) + 4):
+                row["status"] = "skipped: time limit"
+                continue
+            try:
+                runs = {}
+                for label, engine in (("eager", big.engine), ("compiled", compiled)):
+                    engine.prefix_cache.clear()
+                    check.clean()
+                    runs[label] = engine.generate_batch(
+                        [prompt] * batch, chat=False, compression=spec, max_new_tokens=new_tokens, ignore_eos=True, bucket=False, prefix_cache=False
+                    )
+            except torch.OutOfMemoryError as exc:
+                row["status"] = f"skipped: out of memory ({first_line(exc, 120)})"
+                check.clean()
+                continue
+            except Exception as exc:
+                row.update(status="error", error=first_line(exc))
+                check.log(f"compiled_decode {row}: {traceback.format_exc()}")
+                check.clean()
+                continue
+            eager_ms, compiled_ms = runs["eager"][0].stats.decode_ms_per_token, runs["compiled"][0].stats.decode_ms_per_token
+            floor_ms = (big.weight_bytes_read + runs["compiled"][0].stats.batch_prompt_kv_bytes) / bandwidth * 1000
+            row.update(
+                status="ok",
+                eager_ms=eager_ms,
+                compiled_ms=compiled_ms,
+                floor_ms=floor_ms,
+                compiled_over_floor=compiled_ms / floor_ms if compiled_ms else None,
+                speedup=eager_ms / compiled_ms if eager_ms and compiled_ms else None,
+                decode_step=runs["compiled"][0].stats.decode_step,
+                same_tokens=all(a.token_ids == b.token_ids for a, b in zip(runs["eager"], runs["compiled"])),
+            )
+    check.clean()
+    summary = {**compiled.compiled_decode.stats(), "warm_s": round(warm_s, 1), "copy_gb_per_s": round(bandwidth / 1e9, 1)}
+    columns = [
+        "length",
+        "batch",
+        "policy",
+        "status",
+        "eager_ms",
+        "compiled_ms",
+        "floor_ms",
+        "compiled_over_floor",
+        "speedup",
+        "decode_step",
+        "same_tokens",
+        "error",
+    ]
+    return {"summary": summary, "rows": rows, "columns": columns}
+
+
 def later_estimates(check: Check, name: str) -> float:
     """The seconds the parts after ``name`` need at least (what a low-value size must leave them)."""
     return sum(check.sizes.estimates.get(later, 0.0) for later in PART_NAMES[PART_NAMES.index(name) + 1 :])
@@ -1213,6 +1284,7 @@ PARTS: list[tuple[str, Callable[[Check], dict[str, Any]]]] = [
     ("preflight", preflight),
     ("device_vs_cpu", device_vs_cpu),
     ("decode_speed", decode_speed),
+    ("compiled_decode", compiled_decode),
     ("prefill_memory", prefill_memory),
     ("rolling_prefill", rolling_prefill),
     ("kv_reuse_drafts", kv_reuse_drafts),
