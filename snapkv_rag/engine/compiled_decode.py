@@ -41,7 +41,7 @@ log = logging.getLogger(__name__)
 
 ENVIRONMENT = "SNAPKV_RAG_COMPILE_DECODE"
 MAX_GRAPHS = 6  # compiled graphs per engine (batch of one, batches, and a few re-specialisations)
-HEADROOM = 256  # columns allocated beyond the cache's entries for the tokens to come (more as it fills)
+HEADROOM = 64  # columns allocated beyond the cache's entries for the tokens to come (moved to larger buffers as it fills)
 COLUMN_ALIGN = 64
 
 
