@@ -122,11 +122,14 @@ def cmd_info(args) -> int:
     from .model.loading import DEFAULT_MODEL, cpu_bf16_support
     from .model.shipped_adapters import adapter_note
 
-    info = load_engine(args).info()
+    engine = load_engine(args)
+    info = engine.info()
     from .compression import DEFAULT_COMPRESSION
+    from .engine.compiled_decode import inductor_cache_dir, unavailable_reason
 
     details = {
         **info.to_dict(),
+        "compile_available": unavailable_reason(engine.model) or f"yes (--compile-decode; kernels cached in {inductor_cache_dir()})",
         "default_compression": DEFAULT_COMPRESSION.spec(),
         "cpu_native_bf16": cpu_bf16_support() or "no",
         "kv_bits": kv_bits_supported(),
