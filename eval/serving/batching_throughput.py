@@ -102,6 +102,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--context", type=int, default=400, help="stuffed document tokens per prompt")
     parser.add_argument("--tokens", type=int, default=64, help="new tokens per request (ignore_eos)")
     parser.add_argument("--max-batch-size", type=int, default=None)
+    parser.add_argument(
+        "--compile-decode", action=argparse.BooleanOptionalAction, default=None, help="the compiled decode step (default: $SNAPKV_RAG_COMPILE_DECODE)"
+    )
     parser.add_argument("--lookup", type=int, default=0, help="also run every setting with prompt_lookup_num_tokens=K")
     parser.add_argument("--settings", default="full,snapkv", help="which of full, snapkv")
     parser.add_argument("--out", type=Path, default=RESULTS / "batching")
@@ -115,7 +118,8 @@ def main(argv: list[str] | None = None) -> int | None:
     from snapkv_rag import Engine
     from snapkv_rag.server import ServerConfig, create_app
 
-    engine = Engine.default(max_batch_size=args.max_batch_size) if args.max_batch_size else Engine.default()
+    engine = Engine.default(max_batch_size=args.max_batch_size, compile_decode=args.compile_decode)
+    engine.warm_compiled_decode()  # with --compile-decode: compiled before the clients start, as serve does
     server = uvicorn.Server(uvicorn.Config(create_app(ServerConfig(engine, model_id="m", max_queue=256)), host="127.0.0.1", port=0, log_level="warning"))
     threading.Thread(target=server.run, daemon=True).start()
     while not server.started:
@@ -167,7 +171,8 @@ def main(argv: list[str] | None = None) -> int | None:
     single = {r["compression"]: r["tokens_per_s"] for r in rows if r["clients"] == counts[0]}
     prompt_tokens = engine.count_tokens(f"Request 0.\n\n{docs}{question}")
     lines = [
-        f"Embedded SmolLM2-135M, {engine.info().dtype}, {torch.get_num_threads()} threads, max_batch_size {engine.max_batch_size}; "
+        f"Embedded SmolLM2-135M, {engine.info().dtype}, {torch.get_num_threads()} threads, max_batch_size {engine.max_batch_size}, "
+        f"compiled decode {engine.info().compiled_decode}; "
         f"each client sends {args.requests} streaming chat requests one after the other ({prompt_tokens}-token prompts, {args.tokens} new tokens, ignore_eos).",
         "",
         "| clients | compression | tokens/s | vs 1 client | TTFT p50 | TTFT p95 | mean decode batch |",
