@@ -126,7 +126,7 @@ def test_the_loader_packs_on_the_cpu_unless_told_not_to(tmp_path):
         tokens = plain.generate(prompt, max_new_tokens=5, ignore_eos=True).token_ids
         torch.testing.assert_close(packed.score(prompt, tokens), plain.score(prompt, tokens), rtol=2e-2, atol=2e-2)
     int8 = Engine.from_pretrained(str(tmp_path), device="cpu", weights="int8")
-    assert int8.info().weights == "int8" and int8.info().weight_layout == "onednn-packed"  # the float head is packed
+    assert int8.info().weights == "int8" and int8.info().weight_layout == "onednn-packed+fused"  # the float head packed, int8 siblings fused
 
 
 def test_a_tied_head_is_packed_apart_but_counted_once():

@@ -132,3 +132,29 @@ def test_from_pretrained_loads_int8_when_asked(tmp_path):
     assert not any(isinstance(m, Int8Linear) for m in native.model.modules())
     with pytest.raises(InvalidDeviceError):
         Engine.from_pretrained(str(tmp_path), device="cpu", weights="fp4")
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])  # qwen2: biases on q/k/v
+def test_int8_siblings_share_one_weight_and_give_the_same_logits(family):
+    from conftest import build_tokenizer, tiny_model
+
+    from snapkv_rag import Engine
+    from snapkv_rag.engine.compiled_decode import unavailable_reason
+    from snapkv_rag.model.packed_linear import FusedMember
+    from snapkv_rag.model.quantization import fuse_int8_siblings
+
+    tokenizer = build_tokenizer()
+    separate = tiny_model(family, len(tokenizer), seed=4)
+    quantize_linear_weights(separate)
+    fused = tiny_model(family, len(tokenizer), seed=4)
+    quantize_linear_weights(fused)
+    count = parameter_count(fused)
+    assert fuse_int8_siblings(fused) == 2 * fused.config.num_hidden_layers  # q/k/v and gate/up of every layer
+    members = [m for m in fused.modules() if isinstance(m, FusedMember)]
+    assert len(members) == 5 * fused.config.num_hidden_layers and weight_format(fused) == "int8" and parameter_count(fused) == count
+    prompt = "the quick brown fox jumps over the lazy dog " * 4
+    a, b = Engine(separate, tokenizer), Engine(fused, tokenizer, compile_decode=unavailable_reason(fused) is None)
+    tokens = a.generate(prompt, max_new_tokens=8, ignore_eos=True).token_ids
+    # the same int8 values and scales; a wider product may sum in another order
+    torch.testing.assert_close(a.score(prompt, tokens), b.score(prompt, tokens), atol=1e-5, rtol=1e-4)
+    assert b.generate(prompt, max_new_tokens=8, ignore_eos=True).token_ids == tokens  # compiled where a compiler is

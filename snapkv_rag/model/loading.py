@@ -26,7 +26,7 @@ from ..errors import InvalidDeviceError, ModelNotFoundError
 from .packed_linear import pack_linear_weights
 from .placement import note_placement
 from .portable import portable_enabled
-from .quantization import choose_weights, quantize_linear_weights
+from .quantization import choose_weights, fuse_int8_siblings, quantize_linear_weights
 
 log = logging.getLogger(__name__)
 
@@ -360,4 +360,6 @@ def load_model_and_tokenizer(
         pack_weights = False  # the portable path: the weights as a CUDA device holds them
     if pack_weights is not False and choice.device.type == "cpu":
         pack_linear_weights(model)
+        if weight_format == "int8":
+            fuse_int8_siblings(model)
     return model, tokenizer, choice

@@ -24,6 +24,7 @@ import threading
 import weakref
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -126,31 +127,38 @@ class PackedLinear(nn.Module):
 
 
 class FusedLinears:
-    """One packed weight for sibling layers that read the same input: the rows of each, stacked.
+    """One weight for sibling layers that read the same input: the rows of each, stacked.
 
     Each sibling becomes a :class:`FusedMember`. The first member called with an input computes
     every sibling's output in one product; the others take their columns of it while the input is
     the same tensor. The shared product is held per thread until every member has taken its part.
+    ``product``: the stacked layer when the caller built it (int8 weights,
+    :func:`snapkv_rag.model.quantization.fuse_int8_siblings`); by default the siblings' weights are
+    stacked and packed for oneDNN.
     """
 
-    def __init__(self, linears: Sequence[nn.Linear | PackedLinear]):
-        weights = [m.weight.detach() for m in linears]
+    def __init__(self, linears: Sequence[Any], product: Any = None):  # nn.Linear, PackedLinear or Int8Linear layers
         biases = [m.bias for m in linears]
-        if len({w.shape[1] for w in weights}) != 1 or len({w.dtype for w in weights}) != 1:
-            raise ValueError("fused layers need one input width and one dtype")
         if any(b is None for b in biases) and not all(b is None for b in biases):
             raise ValueError("fused layers need a bias on all of them or on none")
-        stacked = nn.Linear(weights[0].shape[1], sum(w.shape[0] for w in weights), bias=biases[0] is not None, dtype=weights[0].dtype)
-        with torch.no_grad():
-            stacked.weight.copy_(torch.cat(weights))
-            if stacked.bias is not None:
-                stacked.bias.copy_(torch.cat([b.detach() for b in biases if b is not None]))
-        self.packed = PackedLinear(stacked)
+        if product is None:
+            weights = [m.weight.detach() for m in linears]
+            if len({w.shape[1] for w in weights}) != 1 or len({w.dtype for w in weights}) != 1:
+                raise ValueError("fused layers need one input width and one dtype")
+            stacked = nn.Linear(weights[0].shape[1], sum(w.shape[0] for w in weights), bias=biases[0] is not None, dtype=weights[0].dtype)
+            with torch.no_grad():
+                stacked.weight.copy_(torch.cat(weights))
+                if stacked.bias is not None:
+                    stacked.bias.copy_(torch.cat([b.detach() for b in biases if b is not None]))
+            product = PackedLinear(stacked)
+        self.packed: Any = product
+        self.dtype: torch.dtype = product.dtype
+        self.bytes_per_weight = product.packed.element_size() if isinstance(product, PackedLinear) else product.qweight.element_size()
         self.bounds: list[tuple[int, int]] = []
         start = 0
-        for w in weights:
-            self.bounds.append((start, start + w.shape[0]))
-            start += w.shape[0]
+        for m in linears:
+            self.bounds.append((start, start + m.out_features))
+            start += m.out_features
         self._local = threading.local()
         self._traced: tuple[torch.Tensor, torch.Tensor, list[int]] | None = None
 
@@ -160,7 +168,7 @@ class FusedLinears:
             # traced once per graph: a plain attribute, None again when the last member took its part
             held = self._traced
             if held is None or held[0] is not x:
-                held = self._traced = (x, self.packed.packed_product(x), [])
+                held = self._traced = (x, self._product(x), [])
             held[2].append(index)
             if len(held[2]) == len(self.bounds):
                 self._traced = None
@@ -169,13 +177,16 @@ class FusedLinears:
         served = getattr(local, "served", None)
         if getattr(local, "x", None) is not x or served is None or index in served:
             # the identity check is safe: the held reference keeps x's id from being reused
-            local.x, local.out, served = x, self.packed.packed_product(x), set()
+            local.x, local.out, served = x, self._product(x), set()
             local.served = served
         out = local.out
         served.add(index)
         if len(served) == len(self.bounds):
             local.x = local.out = local.served = None
         return out[..., start:stop]
+
+    def _product(self, x: torch.Tensor) -> torch.Tensor:
+        return self.packed.packed_product(x) if isinstance(self.packed, PackedLinear) else self.packed(x)
 
 
 class FusedMember(PackedLinear):
@@ -188,7 +199,7 @@ class FusedMember(PackedLinear):
         self.copy_of_tied_weight = False
         self.in_features = linear.in_features
         self.out_features = linear.out_features
-        self.dtype = group.packed.dtype
+        self.dtype = group.dtype
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
 
     @property
@@ -198,7 +209,7 @@ class FusedMember(PackedLinear):
 
     @property
     def packed_bytes(self) -> int:
-        return self.in_features * self.out_features * self.dtype.itemsize
+        return self.in_features * self.out_features * self.group.bytes_per_weight
 
     def packed_product(self, x: torch.Tensor) -> torch.Tensor:
         return self.group.output(x, self.index)

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import InvalidDeviceError
-from .packed_linear import packed_parameter_count, replace_module
+from .packed_linear import FusedLinears, FusedMember, packed_parameter_count, replace_module, sibling_groups
 
 WEIGHT_FORMATS = ("native", "int8")
 # The kernel reads the reduction dimension in blocks of 16: other widths crash it or (8) give wrong
@@ -38,16 +38,31 @@ class Int8Linear(nn.Module):
     qweight: torch.Tensor
     scale: torch.Tensor
 
-    def __init__(self, linear: nn.Linear):
+    def __init__(self, linear: nn.Linear | None, *, parts: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None):
+        """From ``linear``'s weight, or from ``parts`` (int8 weight, scales, bias) already made."""
         super().__init__()
-        weight = linear.weight.detach()
-        scale = weight.float().abs().amax(dim=1).clamp(min=1e-8) / 127.0
-        quantized = torch.round(weight.float() / scale[:, None]).clamp(-127, 127).to(torch.int8)
-        self.in_features = linear.in_features
-        self.out_features = linear.out_features
+        if linear is not None:
+            weight = linear.weight.detach()
+            scale = weight.float().abs().amax(dim=1).clamp(min=1e-8) / 127.0
+            quantized = torch.round(weight.float() / scale[:, None]).clamp(-127, 127).to(torch.int8)
+            parts = (quantized, scale.to(weight.dtype), None if linear.bias is None else linear.bias.detach())
+        assert parts is not None
+        quantized, scale, bias = parts
+        self.out_features, self.in_features = quantized.shape
         self.register_buffer("qweight", quantized.contiguous())
-        self.register_buffer("scale", scale.to(weight.dtype))
-        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
+        self.register_buffer("scale", scale)
+        self.bias = None if bias is None else nn.Parameter(bias.clone(), requires_grad=False)
+
+    @classmethod
+    def stacked(cls, layers: list[Int8Linear]) -> Int8Linear:
+        """One layer with the rows of ``layers`` (their int8 weights and scales as they are)."""
+        biases = [m.bias for m in layers]
+        bias = None if biases[0] is None else torch.cat([b.detach() for b in biases if b is not None])
+        return cls(None, parts=(torch.cat([m.qweight for m in layers]), torch.cat([m.scale for m in layers]), bias))
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.scale.dtype
 
     @property
     def weight(self) -> torch.Tensor:
@@ -67,7 +82,26 @@ class Int8Linear(nn.Module):
 
 
 def weight_format(model: nn.Module) -> str:
-    return "int8" if any(isinstance(m, Int8Linear) for m in model.modules()) else "native"
+    int8 = any(isinstance(m, Int8Linear) or (isinstance(m, FusedMember) and isinstance(m.group.packed, Int8Linear)) for m in model.modules())
+    return "int8" if int8 else "native"
+
+
+def fuse_int8_siblings(model: nn.Module) -> int:
+    """Give int8 sibling layers that read the same input (a layer's q/k/v, the MLP's gate/up) one
+    stacked int8 weight (:class:`~snapkv_rag.model.packed_linear.FusedLinears`): one kernel call
+    instead of three or two, the same int8 values and scales. Returns how many groups were made."""
+    layers = [(name, m) for name, m in model.named_modules() if type(m) is Int8Linear]
+    by_name = dict(layers)
+    fused = 0
+    for names in sibling_groups(model, layers):
+        members = [by_name[n] for n in names]
+        if len({(m.in_features, m.dtype, m.bias is None) for m in members}) != 1:
+            continue
+        group = FusedLinears(members, product=Int8Linear.stacked(members))
+        for index, (name, linear) in enumerate(zip(names, members)):
+            replace_module(model, name, FusedMember(group, index, linear))
+        fused += 1
+    return fused
 
 
 def parameter_count(model: nn.Module) -> int:
