@@ -311,6 +311,7 @@ def test_malformed_bodies_and_routes(base_url):
     assert httpx.get(base_url + "/v1/models/gpt-4o").json()["error"]["code"] == "model_not_found"
     health = httpx.get(base_url + "/health").json()
     assert health["status"] == "ok" and health["compression"] == parse_compression("snapkv:budget=64").spec()
+    assert health["compiled_decode"] == "compile_decode is off"
 
 
 def test_a_server_fault_is_still_one_openai_shaped_error(base_url, engine, monkeypatch):

@@ -288,7 +288,11 @@ class InProcess:
 
     async def health(self) -> dict[str, Any]:
         info = self.engine.info()
-        return {"context_length": info.context_length, "device": info.device, "replicas": 1}
+        # the compiled decode step: "on" with its graphs, compile seconds and steps, or why it is off
+        health = {"context_length": info.context_length, "device": info.device, "replicas": 1, "compiled_decode": info.compiled_decode}
+        if info.compiled_decode == "on":
+            health["compiled_decode_stats"] = self.engine.compiled_decode.stats()
+        return health
 
 
 async def _finish(stream, clock: PieceClock, drain: Drain):
