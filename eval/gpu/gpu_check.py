@@ -673,6 +673,16 @@ def device_vs_cpu(check: Check) -> dict[str, Any]:
 
 
 # --------------------------------------------------------------------------- 3. decode speed
+def case_failed(check: Check, part: str, row: dict[str, Any], exc: Exception) -> None:
+    """A case that raised: skipped where the device ran out of memory, else an error (logged)."""
+    if isinstance(exc, torch.OutOfMemoryError):
+        row["status"] = f"skipped: out of memory ({first_line(exc, 120)})"
+    else:
+        row.update(status="error", error=first_line(exc))
+        check.log(f"{part} {row}: {traceback.format_exc()}")
+    check.clean()
+
+
 def decode_speed(check: Check) -> dict[str, Any]:
     from snapkv_rag.compression import parse_compression
 
@@ -711,14 +721,8 @@ def decode_speed(check: Check) -> dict[str, Any]:
                             [prompt] * batch, chat=False, compression=spec, max_new_tokens=s.new_tokens, ignore_eos=True, bucket=False, prefix_cache=batch <= 2
                         ),
                     )
-            except torch.OutOfMemoryError as exc:
-                row["status"] = f"skipped: out of memory ({first_line(exc, 120)})"
-                check.clean()
-                continue
             except Exception as exc:
-                row.update(status="error", error=first_line(exc))
-                check.log(f"decode_speed {row}: {traceback.format_exc()}")
-                check.clean()
+                case_failed(check, "decode_speed", row, exc)
                 continue
             stats = results[0].stats
             measured = times.summary(stats.decode_steps)
@@ -806,14 +810,8 @@ def compiled_decode(check: Check) -> dict[str, Any]:
                     runs[label] = engine.generate_batch(
                         [prompt] * batch, chat=False, compression=spec, max_new_tokens=new_tokens, ignore_eos=True, bucket=False, prefix_cache=False
                     )
-            except torch.OutOfMemoryError as exc:
-                row["status"] = f"skipped: out of memory ({first_line(exc, 120)})"
-                check.clean()
-                continue
             except Exception as exc:
-                row.update(status="error", error=first_line(exc))
-                check.log(f"compiled_decode {row}: {traceback.format_exc()}")
-                check.clean()
+                case_failed(check, "compiled_decode", row, exc)
                 continue
             eager_ms, compiled_ms = runs["eager"][0].stats.decode_ms_per_token, runs["compiled"][0].stats.decode_ms_per_token
             floor_ms = (big.weight_bytes_read + runs["compiled"][0].stats.batch_prompt_kv_bytes) / bandwidth * 1000
