@@ -43,6 +43,13 @@ from eval.common.results_io import write_records, write_table
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = Path(__file__).resolve().parent / "results"
 
+# llama-cpp-python 0.3.36 built for the host CPU crashed in ggml's AMX matrix product on an Intel
+# host with AMX (SIGSEGV in ggml_backend_amx_mul_mat); built without AMX it runs.
+AMX_CRASH = (
+    "llama.cpp crashed (SIGSEGV). On a CPU with AMX rebuild it without AMX: "
+    'CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON" '
+    '.venv/bin/pip install --force-reinstall --no-deps --no-cache-dir "llama-cpp-python==0.3.36"'
+)
 ENGINE_METHODS = [("engine, full cache", None), ("engine, SnapKV 1024 (question window)", "snapkv:budget=1024,window=question")]
 
 
@@ -184,7 +191,11 @@ def main(argv: list[str] | None = None) -> int | None:
             ids_file.write_text(json.dumps(ids[n]))
             for label, path in runners.items():
                 command = module_command(__spec__.name, "--worker", path, str(ids_file), "--tokens", str(args.tokens), "--threads", str(args.threads))
-                timing = json.loads(subprocess.run(command, check=True, capture_output=True, text=True, env=child_env()).stdout.strip().splitlines()[-1])
+                done = subprocess.run(command, capture_output=True, text=True, env=child_env())
+                if done.returncode == -11:
+                    sys.exit(AMX_CRASH)
+                done.check_returncode()
+                timing = json.loads(done.stdout.strip().splitlines()[-1])
                 records.append({"round": round_, "length": n, "prompt_tokens": len(ids[n]), "runner": label, **timing})
                 print(f"{n:>5} {label}: prefill {timing['prefill_s']:.1f} s, decode {timing['decode_ms']:.1f} ms", flush=True)
             for config in args.engines.split(","):
