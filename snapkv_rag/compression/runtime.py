@@ -94,6 +94,21 @@ def decode_attention(module, query, key, value, attention_mask, scaling=None, **
     return out.reshape(b, heads, 1, d).transpose(1, 2).contiguous(), None
 
 
+def draft_attention(query, key, value, attention_mask, scaling=None):
+    """:func:`decode_attention` for ``t`` query tokens per row (a token and its draft): ``attention_mask``
+    bool ``[b, 1, t, n]`` (True = attend). Returns ``([b, t, heads, d], None)``."""
+    b, heads, t, d = query.shape
+    kv_heads = key.shape[1]
+    groups = heads // kv_heads
+    scale = scaling if scaling is not None else d**-0.5
+    q = query.reshape(b, kv_heads, groups * t, d)
+    scores = torch.matmul(q, key.transpose(-1, -2)).float() * scale  # [b, kv_heads, groups * t, n]
+    scores = scores.reshape(b, kv_heads, groups, t, -1).masked_fill(~attention_mask[:, :, None], float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(value.dtype).reshape(b, kv_heads, groups * t, -1)
+    out = torch.matmul(probs, value)  # [b, kv_heads, groups * t, d]
+    return out.reshape(b, heads, t, d).transpose(1, 2).contiguous(), None
+
+
 # Several new tokens over cached keys on the CPU (a prompt's rest after a reused prefix, a later
 # prefill chunk) go through cached_prefix_attention instead of SDPA with an explicit mask, which
 # cost 1.4-1.7x as much per layer here (2K keys, a quarter to half of them cached).
@@ -167,9 +182,12 @@ def _fast_decode(module, query, kwargs) -> bool:
 def _make_attention(base_fn):
     def attention(module, query, key, value, attention_mask, **kwargs):
         if torch.compiler.is_compiling():
-            # the compiled decode step (snapkv_rag.engine.compiled_decode): one token per row over a
-            # static cache, nothing listening; the same kernel as the eager decode path
-            return decode_attention(module, query, key, value, attention_mask, **kwargs)
+            # the compiled decode step (snapkv_rag.engine.compiled_decode) over a static cache, nothing
+            # listening: one token per row through the eager decode path's kernel, a token and its draft
+            # through the same operations with a query axis
+            if query.shape[2] == 1:
+                return decode_attention(module, query, key, value, attention_mask, **kwargs)
+            return draft_attention(query, key, value, attention_mask, kwargs.get("scaling"))
         last = _EXIT_AFTER.get()
         if last is not None and module.layer_idx > last:
             raise LayersDone(last)

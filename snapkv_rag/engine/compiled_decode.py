@@ -24,10 +24,12 @@ re-implemented, so the tokens are the eager step's (fp32: identical greedy token
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import shutil
 import time
+import types
 from typing import Any
 
 import torch
@@ -43,6 +45,7 @@ ENVIRONMENT = "SNAPKV_RAG_COMPILE_DECODE"
 MAX_GRAPHS = 6  # compiled graphs per engine (batch of one, batches, and a few re-specialisations)
 HEADROOM = 64  # columns allocated beyond the cache's entries for the tokens to come (moved to larger buffers as it fills)
 COLUMN_ALIGN = 64
+_ENGINES = itertools.count()
 
 
 def compile_from_environment() -> bool:
@@ -75,7 +78,7 @@ def unavailable_reason(model) -> str | None:
 
 class StaticKV(Cache):
     """The cache a compiled step reads: per layer, keys and values ``[rows, kv_heads, capacity, d]``;
-    a forward of one token per row writes its entry at column ``write_at`` of every layer."""
+    a forward of ``t`` tokens per row writes their entries from column ``write_at`` of every layer."""
 
     def __init__(self, keys: list[torch.Tensor], values: list[torch.Tensor], write_at: torch.Tensor):
         self.keys, self.values, self.write_at = keys, values, write_at
@@ -83,9 +86,9 @@ class StaticKV(Cache):
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any):
         keys, values = self.keys[layer_idx], self.values[layer_idx]
-        column = self.write_at.reshape(1)
-        keys.index_copy_(2, column, key_states)
-        values.index_copy_(2, column, value_states)
+        columns = self.write_at + torch.arange(key_states.shape[2], device=keys.device)
+        keys.index_copy_(2, columns, key_states)
+        values.index_copy_(2, columns, value_states)
         return keys, values
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
@@ -125,9 +128,13 @@ class StaticBatch:
         torch._dynamo.maybe_mark_dynamic(self.valid, 0)
         torch._dynamo.maybe_mark_dynamic(self.valid, 1)
 
-    @property
-    def full(self) -> bool:
-        return self.width >= self.capacity
+    def fits(self, tokens: int) -> bool:
+        return self.width + tokens <= self.capacity
+
+    def drop(self, count: int) -> None:
+        """Forget the last ``count`` entries (rejected draft tokens): their columns are free again."""
+        self.width -= count
+        self.valid[:, self.width : self.width + count] = False
 
     @property
     def nbytes(self) -> int:
@@ -144,8 +151,12 @@ class StaticBatch:
 
 
 def _decode_forward(model, kv: StaticKV, tokens: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-    out = model(input_ids=tokens[:, None], position_ids=positions, attention_mask=valid[:, None, None, :], cache=kv, use_cache=True, logits_to_keep=1)
-    return out.logits[:, -1]
+    """Logits ``[rows, t, vocab]`` of ``tokens [rows, t]``: each sees the valid entries and the new
+    tokens up to itself."""
+    columns = torch.arange(valid.shape[1], device=valid.device)
+    last = kv.write_at + torch.arange(tokens.shape[1], device=valid.device)
+    mask = valid[:, None, :] & (columns[None, None, :] <= last[None, :, None])  # [rows, t, capacity]
+    return model(input_ids=tokens, position_ids=positions, attention_mask=mask[:, None], cache=kv, use_cache=True, logits_to_keep=0).logits
 
 
 class CompiledDecode:
@@ -187,38 +198,45 @@ class CompiledDecode:
 
     def _compiled(self):
         if self._fn is None:
-            self._fn = torch.compile(_decode_forward, fullgraph=True, dynamic=None, backend=self._backend)
+            # Dynamo keeps compiled graphs, and its recompile limit, per code object: a code object of
+            # this engine's own keeps another engine's graphs (another model in the process) apart
+            code = _decode_forward.__code__.replace(co_name=f"_decode_forward_{next(_ENGINES)}")
+            forward = types.FunctionType(code, _decode_forward.__globals__, code.co_name)
+            self._fn = torch.compile(forward, fullgraph=True, dynamic=None, backend=self._backend)
         return self._fn
 
     def load(self, cache, mask: torch.Tensor | None, headroom: int) -> StaticBatch:
         return StaticBatch(cache, mask, headroom)
 
     def step(self, batch: StaticBatch, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor | None:
-        """The logits ``[rows, vocab]`` after appending ``tokens [rows]`` at ``positions [rows, 1]``;
-        None when the step cannot run compiled (the batch is then as it was; :attr:`why_not` says why)."""
+        """The logits ``[rows, t, vocab]`` after appending ``tokens [rows, t]`` (one token per row, or a
+        token and its draft) at ``positions [rows, t]``; None when the step cannot run compiled (the
+        batch is then as it was; :attr:`why_not` says why)."""
         if not self.usable:
             return None
         if self.graphs >= MAX_GRAPHS:
             self.why_not = f"{MAX_GRAPHS} graphs compiled: the bound on recompiles"
             log.warning("compiled decode off: %s", self.why_not)
             return None
-        assert not batch.full and tokens.shape[0] == batch.rows
+        t = tokens.shape[1]
+        assert batch.fits(t) and tokens.shape[0] == batch.rows
         column = batch.width
-        batch.valid[:, column] = True
+        batch.valid[:, column : column + t] = True
         batch.kv.write_at.fill_(column)
-        torch._dynamo.maybe_mark_dynamic(tokens, 0)
-        torch._dynamo.maybe_mark_dynamic(positions, 0)
+        for tensor in (tokens, positions):
+            torch._dynamo.maybe_mark_dynamic(tensor, 0)
+            torch._dynamo.maybe_mark_dynamic(tensor, 1)
         start = time.perf_counter()
         try:
             logits = self._compiled()(self.model, batch.kv, tokens, positions, batch.valid)
         except Exception as exc:  # a feature Dynamo or Inductor cannot handle: eager from now on
-            batch.valid[:, column] = False
+            batch.valid[:, column : column + t] = False
             self.why_not = f"compiling failed: {type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
             log.warning("compiled decode off: %s", self.why_not)
             return None
         if self.first_step_seconds is None:
             self.first_step_seconds = time.perf_counter() - start
-        batch.width += 1
+        batch.width += t
         self.steps += 1
         return logits
 

@@ -244,6 +244,7 @@ class SharedGroup:
         # while decoding compiled, the entries live here (the cache's layers are empty) until a
         # change of rows, a draft or a read of the cache puts them back (_to_dynamic)
         self.static: StaticBatch | None = None
+        self._draft_reason: str | None = None  # why the latest draft check ran eager (None: compiled)
 
     @staticmethod
     def refusal(run: DecodeRun) -> str | None:
@@ -367,40 +368,40 @@ class SharedGroup:
         """One forward for every row; ``tokens`` per member, in member order. A lone drafting
         member's forward checks its draft too."""
         if len(self.members) == 1 and self.members[0].drafter is not None:
-            self._to_dynamic()
             if self.members[0].draft_step(tokens[0], self._extend_all, self._drop_last):
-                self.members[0].ran(False, "a draft is checked eager")
+                self.members[0].ran(self._draft_reason is None, self._draft_reason)
                 return
         for m in self.members:
             if m.drafter is not None and len(self.members) > 1:
                 m.drafter.record(0, 0)
                 m.drafter.stats.shared_steps += 1
-        logits, reason = self._decode(torch.cat(tokens))
-        for m, part in zip(self.members, logits.split([m.rows for m in self.members])):
+        logits, reason = self._run(torch.cat(tokens)[:, None])
+        for m, part in zip(self.members, logits[:, -1].split([m.rows for m in self.members])):
             m.logits = part
             m.ran(reason is None, reason)
 
-    def _decode(self, tokens: torch.Tensor) -> tuple[torch.Tensor, str | None]:
-        """One token per row ``[rows]``: the logits ``[rows, vocab]``, and why the step ran eager
-        (None: it ran compiled)."""
+    def _run(self, tokens: torch.Tensor) -> tuple[torch.Tensor, str | None]:
+        """Append ``tokens [rows, t]`` after every row's latest position: the logits ``[rows, t, vocab]``,
+        and why the forward ran eager (None: it ran compiled)."""
         reason = self._compiled_refusal()
         if reason is None:
             assert self.compiled is not None and self.positions is not None
-            if self.static is not None and self.static.full:
+            t = tokens.shape[1]
+            if self.static is not None and not self.static.fits(t):
                 self._to_dynamic()
             if self.static is None:
                 remaining = max(m.params.max_new_tokens - m.steps for m in self.members)
-                self.static = self.compiled.load(self.cache, self.mask, min(remaining, HEADROOM))
+                self.static = self.compiled.load(self.cache, self.mask, max(t, min(remaining, HEADROOM)))
                 for layer in self.cache.layers:  # the buffers hold the entries now
                     layer.keys, layer.values = layer.keys.new_empty(0), layer.values.new_empty(0)
-            positions = self.positions + 1
+            positions = self.positions + 1 + torch.arange(t, device=tokens.device)
             logits = self.compiled.step(self.static, tokens, positions)
             if logits is not None:
-                self.positions = positions
+                self.positions = positions[:, -1:]
                 return logits, None
             reason = self.compiled.refusal()
         self._to_dynamic()
-        return self._extend(tokens[:, None])[:, -1], reason
+        return self._extend(tokens, last_only=False), reason
 
     def _compiled_refusal(self) -> str | None:
         if self.compiled is None:
@@ -428,13 +429,17 @@ class SharedGroup:
         return model_forward(self.model, self.cache, tokens, self.mask, positions, last_only=last_only)
 
     def _extend_all(self, tokens: torch.Tensor) -> torch.Tensor:
-        return self._extend(tokens, last_only=False)[0]
+        logits, self._draft_reason = self._run(tokens)
+        return logits[0]
 
     def _drop_last(self, count: int) -> None:
         if count <= 0:
             return
-        self._to_dynamic()
         assert self.positions is not None
+        if self.static is not None:
+            self.static.drop(count)
+            self.positions = self.positions - count
+            return
         drop_last(self.cache, count)
         self.positions = self.positions - count
         if self.mask is not None:
