@@ -2,16 +2,16 @@
 
 A decode step in eager mode is some 1,500 small operator calls dispatched one by one from Python
 (about 30 layers of transformers modules); llama.cpp runs one C++ graph. Here the model's own
-forward for one token per row is compiled once with ``torch.compile`` (Inductor: C++/OpenMP
+forward for one token per row (or a lone request's token and its prompt-lookup draft) is compiled once with ``torch.compile`` (Inductor: C++/OpenMP
 kernels on the CPU, CUDA graphs on a GPU) over a cache whose shape does not change from step to
 step: every layer's keys and values sit in buffers of a fixed capacity (:class:`StaticBatch`), the
 new token's entry is written in place at the next free column, and a boolean mask says which
 columns hold entries. A compressed cache suits this: after the prefill each layer's size is
 known, so the buffers are the kept entries plus room for the tokens still to come.
 
-Shapes: the rows and the capacity are dynamic dimensions of one graph (a batch of one is a graph
-of its own: ``torch.compile`` specialises size 1), so a mixed workload compiles at most a few
-graphs; :data:`MAX_GRAPHS` bounds them and the step runs eager past it. Compiled artifacts are
+Shapes: the rows, the tokens per row and the capacity are dynamic dimensions (a batch of one and
+one token are graphs of their own: ``torch.compile`` specialises size 1), so a mixed workload
+compiles two or three graphs; :data:`MAX_GRAPHS` bounds them and the step runs eager past it. Compiled artifacts are
 cached on disk (``TORCHINDUCTOR_CACHE_DIR``, by default under the toolkit's cache directory), so a
 second process skips Inductor's code generation. Where compiling cannot work (no C++ compiler,
 several devices, the portable mode) or fails, the step runs eager and the reason is said once in

@@ -20,6 +20,10 @@ cache, chunk K/V reuse, layer-wise compression with its own policy and budget). 
   decode-time cuts) or a model with sliding-window layers decodes on its own cache, one forward
   per step, interleaved with the shared group's.
 
+With ``compile_decode`` on, a shared group's forwards (one token per row, or a lone member's token
+and its draft) run the compiled step over static buffers (:mod:`.compiled_decode`); each request's
+``stats.decode_step`` says whether its steps ran compiled, and why not.
+
 A request that asks for prompt-lookup drafts (``prompt_lookup_num_tokens``, :mod:`.lookup`)
 checks a draft with each forward while it decodes alone: in a solo group, or as the only row
 of a shared group. Beside other rows it decodes one token per step (a batch of drafts costs
@@ -241,8 +245,8 @@ class SharedGroup:
         self.cache: Any = None
         self.mask: torch.Tensor | None = None  # [rows, width]: 1 = a real entry; None = no padding
         self.positions: torch.Tensor | None = None  # [rows, 1]: each row's latest position
-        # while decoding compiled, the entries live here (the cache's layers are empty) until a
-        # change of rows, a draft or a read of the cache puts them back (_to_dynamic)
+        # while decoding compiled, the entries live here (the cache's layers are empty) until rows
+        # join or leave, or a forward runs eager: _to_dynamic puts them back
         self.static: StaticBatch | None = None
         self._draft_reason: str | None = None  # why the latest draft check ran eager (None: compiled)
 
