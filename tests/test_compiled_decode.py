@@ -9,11 +9,12 @@ import threading
 
 import pytest
 import torch
+from transformers import AutoModelForCausalLM
 
 from snapkv_rag.engine import compiled_decode, scheduler
 from snapkv_rag.engine.engine import Engine
 from snapkv_rag.model.packed_linear import pack_linear_weights, packing_available
-from snapkv_rag.testing import tiny_model
+from snapkv_rag.testing import tiny_config, tiny_model
 
 PROMPTS = [
     "Hello world",
@@ -77,7 +78,9 @@ def test_compiled_tokens_equal_eager_tokens_for_each_family(family, tokenizer):
 
 
 def test_rows_joining_and_leaving_and_capacity_growth_keep_the_tokens_and_bound_the_graphs(tokenizer, monkeypatch):
-    monkeypatch.setattr(scheduler, "HEADROOM", 3)  # the buffers fill every few steps and are moved to larger ones
+    # the buffers fill every few steps and are moved to larger ones
+    monkeypatch.setattr(scheduler, "HEADROOM", 3)
+    monkeypatch.setattr(compiled_decode, "COLUMN_ALIGN", 1)
     eager, compiled = engines("llama", tokenizer, seed=7)
     calls = [
         (PROMPTS[0], {"max_new_tokens": 30, "ignore_eos": True}),
@@ -94,6 +97,7 @@ def test_rows_joining_and_leaving_and_capacity_growth_keep_the_tokens_and_bound_
     assert single.token_ids == eager.generate(PROMPTS[0], max_new_tokens=40, ignore_eos=True).token_ids
     # a batch of one and a batch of several rows: two graphs, whatever the widths and capacities
     assert compiled.compiled_decode.graphs <= 3, compiled.compiled_decode.stats()
+    assert compiled.compiled_decode.loads >= 20, compiled.compiled_decode.stats()  # joins, leaves and growth moved the buffers
 
 
 @pytest.mark.skipif(not packing_available(torch.float32), reason="oneDNN cannot pack weights here")
@@ -133,6 +137,20 @@ def test_what_cannot_run_compiled_runs_eager_and_says_why(tokenizer):
     invariant = Engine(tiny_model("llama", len(tokenizer), seed=5), tokenizer, compile_decode=True, invariant=True)
     result = invariant.generate(PROMPTS[1], **GREEDY)
     assert result.stats.decode_step == "eager (the invariant mode decodes each request alone)"
+
+
+def test_a_sliding_window_model_is_not_compiled(tokenizer):
+    config = tiny_config("mistral", len(tokenizer))
+    config.sliding_window = 8  # shorter than the prompts: the window changes the answer
+    models = []
+    for _ in range(2):
+        torch.manual_seed(21)
+        models.append(AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval())
+    eager, compiled = Engine(models[0], tokenizer), Engine(models[1], tokenizer, compile_decode=True)
+    assert compiled.info().compiled_decode == "the model's sliding window is not compiled"
+    result = compiled.generate(PROMPTS[2], **GREEDY)
+    assert result.token_ids == eager.generate(PROMPTS[2], **GREEDY).token_ids
+    assert result.stats.decode_step.startswith("eager (")
 
 
 def test_no_compiler_and_a_failing_compile_fall_back_to_eager_with_the_reason(tokenizer, monkeypatch):

@@ -185,6 +185,8 @@ def _make_attention(base_fn):
             # the compiled decode step (snapkv_rag.engine.compiled_decode) over a static cache, nothing
             # listening: one token per row through the eager decode path's kernel, a token and its draft
             # through the same operations with a query axis
+            if kwargs.get("sliding_window") is not None or any(kwargs.get(k) is not None for k in _UNSUPPORTED):
+                raise NotImplementedError("the compiled decode step has no sliding window, softcap or sinks")
             if query.shape[2] == 1:
                 return decode_attention(module, query, key, value, attention_mask, **kwargs)
             return draft_attention(query, key, value, attention_mask, kwargs.get("scaling"))

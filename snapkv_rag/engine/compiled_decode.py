@@ -73,6 +73,12 @@ def unavailable_reason(model) -> str | None:
         return "the portable mode runs eager"
     if device.type == "cpu" and shutil.which(os.environ.get("CXX", "g++")) is None and shutil.which("c++") is None:
         return "no C++ compiler (install g++; scripts/setup.sh does)"
+    text = model.config.get_text_config(decoder=True)
+    # the compiled step gives the model its own mask over the buffers, which knows no window or softcap
+    if getattr(text, "sliding_window", None) is not None and getattr(text, "use_sliding_window", True):
+        return "the model's sliding window is not compiled"
+    if getattr(text, "attn_logit_softcapping", None) is not None:
+        return "the model's attention softcap is not compiled"
     return None
 
 
@@ -169,6 +175,8 @@ class CompiledDecode:
         self.graphs = 0
         self.compile_seconds = 0.0
         self.steps = 0
+        self.loads = 0  # batches moved into static buffers (a new batch, rows joining or leaving, growth)
+        self.transient: str | None = None  # why the latest step ran eager though compiling works
         self.first_step_seconds: float | None = None  # the first compiled call, tracing and compiling included
         self._fn: Any = None
         if self.usable:
@@ -205,18 +213,22 @@ class CompiledDecode:
             self._fn = torch.compile(forward, fullgraph=True, dynamic=None, backend=self._backend)
         return self._fn
 
-    def load(self, cache, mask: torch.Tensor | None, headroom: int) -> StaticBatch:
-        return StaticBatch(cache, mask, headroom)
+    def load(self, cache, mask: torch.Tensor | None, headroom: int) -> StaticBatch | None:
+        """The batch's entries in static buffers (a copy: twice the cache at that moment); None when
+        they do not fit in memory (the batch then decodes eager)."""
+        try:
+            batch = StaticBatch(cache, mask, headroom)
+        except (torch.OutOfMemoryError, MemoryError, RuntimeError) as exc:
+            self.transient = f"no memory for the static buffers ({type(exc).__name__})"
+            return None
+        self.loads += 1
+        return batch
 
     def step(self, batch: StaticBatch, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor | None:
         """The logits ``[rows, t, vocab]`` after appending ``tokens [rows, t]`` (one token per row, or a
         token and its draft) at ``positions [rows, t]``; None when the step cannot run compiled (the
         batch is then as it was; :attr:`why_not` says why)."""
         if not self.usable:
-            return None
-        if self.graphs >= MAX_GRAPHS:
-            self.why_not = f"{MAX_GRAPHS} graphs compiled: the bound on recompiles"
-            log.warning("compiled decode off: %s", self.why_not)
             return None
         t = tokens.shape[1]
         assert batch.fits(t) and tokens.shape[0] == batch.rows
@@ -229,6 +241,10 @@ class CompiledDecode:
         start = time.perf_counter()
         try:
             logits = self._compiled()(self.model, batch.kv, tokens, positions, batch.valid)
+        except (torch.OutOfMemoryError, MemoryError) as exc:  # this step only: the batch goes on eager
+            batch.valid[:, column : column + t] = False
+            self.transient = f"out of memory in the compiled step ({type(exc).__name__})"
+            return None
         except Exception as exc:  # a feature Dynamo or Inductor cannot handle: eager from now on
             batch.valid[:, column : column + t] = False
             self.why_not = f"compiling failed: {type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
@@ -236,9 +252,13 @@ class CompiledDecode:
             return None
         if self.first_step_seconds is None:
             self.first_step_seconds = time.perf_counter() - start
+        if self.graphs > MAX_GRAPHS:
+            self.why_not = f"{self.graphs} graphs compiled: past the bound on recompiles ({MAX_GRAPHS})"
+            log.warning("compiled decode off: %s", self.why_not)
         batch.width += t
         self.steps += 1
-        return logits
+        # a CUDA graph's output lives in memory its next replay reuses, and callers hold the logits
+        return logits.clone() if logits.device.type == "cuda" else logits
 
     def stats(self) -> dict[str, Any]:
         return {
@@ -248,5 +268,6 @@ class CompiledDecode:
             "compile_seconds": round(self.compile_seconds, 2),
             "first_step_seconds": None if self.first_step_seconds is None else round(self.first_step_seconds, 2),
             "steps": self.steps,
+            "loads": self.loads,
             "cache_dir": inductor_cache_dir() if self.enabled else None,
         }

@@ -396,14 +396,15 @@ class SharedGroup:
             if self.static is None:
                 remaining = max(m.params.max_new_tokens - m.steps for m in self.members)
                 self.static = self.compiled.load(self.cache, self.mask, max(t, min(remaining, HEADROOM)))
-                for layer in self.cache.layers:  # the buffers hold the entries now
-                    layer.keys, layer.values = layer.keys.new_empty(0), layer.values.new_empty(0)
+                if self.static is not None:
+                    for layer in self.cache.layers:  # the buffers hold the entries now
+                        layer.keys, layer.values = layer.keys.new_empty(0), layer.values.new_empty(0)
             positions = self.positions + 1 + torch.arange(t, device=tokens.device)
-            logits = self.compiled.step(self.static, tokens, positions)
+            logits = self.compiled.step(self.static, tokens, positions) if self.static is not None else None
             if logits is not None:
                 self.positions = positions[:, -1:]
                 return logits, None
-            reason = self.compiled.refusal()
+            reason = self.compiled.refusal() or self.compiled.transient
         self._to_dynamic()
         return self._extend(tokens, last_only=False), reason
 
